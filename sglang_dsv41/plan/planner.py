@@ -1,0 +1,214 @@
+"""PlanInput -> PlanResult: the per-node host budget and the largest safe max_total_tokens.
+
+Every node is planned alike (same GPUs per node, same share of everything), with one scheduler
+process per GPU. The rollout server and a CPU-offloaded trainer are assumed colocated, so their
+host memory adds up. A plan fits when the node's total at the requested KV budget is within the
+host memory given; an oversized request is refused (the plan as given cannot run), and the
+result still carries the largest max_total_tokens that would fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from ..model.config import DSV41Config, load_config
+from .memory import (DEFAULT_PINNED_CAP_MB, ENGRAM_DTYPES, ENGRAM_LAYOUTS, GIB, OPTIMIZER_MODES,
+                     OPTIMIZER_PINNED_BYTES_PER_PARAM, PINNED_CAP_ENV_KEY, engram_host_bytes,
+                     kv_bytes_per_token, kv_tokens_for_budget, largest_tokens_within,
+                     optimizer_host_bytes, pinned_alloc_bytes, r3_buffer_bytes,
+                     r3_bytes_per_token)
+from .rules import ParallelLayout, PlanError, validate_parallel_layout
+
+LAYOUT_CONVENTION = ("tp is attention TP per DP replica (tp <= o_groups), "
+                     "tp x dp x pp = nnodes x gpus_per_node")
+MIN_PAGES = 2  # ServerArgs needs max_total_tokens > page_size, so the least usable is two pages
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    model: str = "v41-flash"  # a preset name or a checkpoint dir / config.json
+    nnodes: int = 1
+    gpus_per_node: int = 8
+    tp: int = 8  # attention TP per DP replica; tp x dp x pp = nnodes x gpus_per_node
+    dp: int = 1
+    ep: int | None = None  # None: tp x dp (experts over every rank of a stage)
+    pp: int = 1
+    kv_gib_per_gpu: float = 20.0
+    kv_bytes_per_token: int | None = None  # None: plain GQA size from the config
+    kv_dtype_bytes: int = 2
+    page_size: int = 16
+    host_gib_per_node: float = 2048.0
+    base_gib_per_rank: float = 4.0  # runtime, CUDA context, tokenizer, ... per rank process
+    r3: bool = True
+    engram_layout: str = "auto"  # auto: private across nodes, shared on one node
+    engram_dtype: str = "fp8"
+    optimizer: str = "none"
+    pinned_cap: bool = False
+    pinned_cap_mb: int = DEFAULT_PINNED_CAP_MB
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(msg)
+
+        for name in ("nnodes", "gpus_per_node", "tp", "dp", "pp", "kv_dtype_bytes", "page_size"):
+            need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1")
+        need(self.ep is None or self.ep >= 1, "--ep must be >= 1")
+        need(self.kv_gib_per_gpu > 0, "--kv-gib-per-gpu must be > 0")
+        need(self.kv_bytes_per_token is None or self.kv_bytes_per_token >= 1,
+             "--kv-bytes-per-token must be >= 1")
+        need(self.host_gib_per_node > 0, "--host-gib-per-node must be > 0")
+        need(self.base_gib_per_rank >= 0, "--base-gib-per-rank must be >= 0")
+        need(self.engram_layout in ("auto",) + ENGRAM_LAYOUTS,
+             f"--engram-layout must be one of auto, {', '.join(ENGRAM_LAYOUTS)}")
+        need(self.engram_dtype in ENGRAM_DTYPES, f"--engram-dtype must be one of {ENGRAM_DTYPES}")
+        need(self.optimizer in OPTIMIZER_MODES, f"--optimizer must be one of {OPTIMIZER_MODES}")
+        need(self.pinned_cap_mb >= 0, "--pinned-cap-mb must be >= 0")
+
+    @property
+    def resolved_engram_layout(self) -> str:
+        if self.engram_layout != "auto":
+            return self.engram_layout
+        return "private" if self.nnodes > 1 else "shared"
+
+
+@dataclass(frozen=True)
+class NodeBudget:
+    """Host bytes on one node, by consumer."""
+
+    r3_buffers: int
+    engram: int
+    optimizer: int
+    pinned_rounding: int
+    base: int
+    available: int
+
+    @property
+    def total(self) -> int:
+        return self.r3_buffers + self.engram + self.optimizer + self.pinned_rounding + self.base
+
+    @property
+    def headroom(self) -> int:
+        return self.available - self.total
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    inp: PlanInput
+    layout: ParallelLayout
+    engram_layout: str
+    n_params: int
+    kv_bytes_per_token: int
+    kv_bytes_per_token_source: str
+    r3_bytes_per_token: int
+    r3_buffer_bytes_per_rank: int  # exact request of one scheduler process
+    r3_pinned_bytes_per_rank: int  # what the pinned allocator really takes for it
+    requested_max_total_tokens: int  # what the KV budget per GPU holds
+    host_limit_max_total_tokens: int | None  # None: host memory sets no limit (R3 off)
+    largest_safe_max_total_tokens: int | None  # None: nothing fits
+    budget: NodeBudget
+    fits: bool
+    reason: str = ""
+    hints: tuple[str, ...] = field(default=())
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["layout"].update(world_size=self.layout.world_size,
+                           sglang_tp_size=self.layout.sglang_tp_size,
+                           sglang_flags=self.layout.sglang_flags(),
+                           convention=LAYOUT_CONVENTION)
+        d["budget"].update(total=self.budget.total, headroom=self.budget.headroom)
+        d["r3_host_bytes_per_node"] = self.budget.r3_buffers + self.r3_rounding_per_node
+        return d
+
+    @property
+    def r3_rounding_per_node(self) -> int:
+        return (self.r3_pinned_bytes_per_rank - self.r3_buffer_bytes_per_rank) * \
+            self.layout.gpus_per_node
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:,.1f} GiB"
+
+
+def make_plan(inp: PlanInput, cfg: DSV41Config | None = None) -> PlanResult:
+    """Raises PlanError for an illegal layout or input; a plan that does not fit is returned with
+    fits=False and the reason (the caller decides how to refuse)."""
+    if cfg is None:
+        try:
+            cfg = load_config(inp.model)
+        except (OSError, TypeError, ValueError) as e:
+            raise PlanError(f"cannot load model config {inp.model!r}: {e}") from e
+    layout = validate_parallel_layout(cfg, inp.tp, inp.dp, inp.ep, inp.pp, inp.r3, inp.nnodes,
+                                      inp.gpus_per_node)
+    local, world, page = inp.gpus_per_node, layout.world_size, inp.page_size
+    if inp.kv_bytes_per_token is not None:
+        kv_bpt, kv_source = inp.kv_bytes_per_token, "given (--kv-bytes-per-token)"
+    else:
+        kv_bpt = kv_bytes_per_token(cfg, inp.kv_dtype_bytes, layout.tp)
+        kv_source = ("plain GQA size from the config (2 x kv_heads_per_rank x head_dim x "
+                     f"{inp.kv_dtype_bytes} B x layers); compressed/MLA caches are smaller: "
+                     "pass --kv-bytes-per-token")
+    requested = kv_tokens_for_budget(int(inp.kv_gib_per_gpu * GIB), kv_bpt, page)
+    if requested < MIN_PAGES * page:
+        raise PlanError(f"--kv-gib-per-gpu {inp.kv_gib_per_gpu} holds {requested} tokens at "
+                        f"{kv_bpt} B/token, fewer than {MIN_PAGES} pages of {page}")
+
+    engram_layout = inp.resolved_engram_layout
+    engram = (engram_host_bytes(cfg, engram_layout, inp.nnodes, local, inp.engram_dtype)
+              if cfg.engram_layers else 0)
+    n_params = cfg.num_parameters()  # Engram excluded: frozen, never in the optimizer
+    optimizer = -(-optimizer_host_bytes(n_params, inp.optimizer) // inp.nnodes)
+    # The bf16 copy is modelled as one flat pinned buffer per rank (its FSDP shard).
+    opt_pinned = 0
+    if inp.optimizer != "none":
+        opt_pinned = OPTIMIZER_PINNED_BYTES_PER_PARAM * -(-n_params // world)
+    opt_rounding = (pinned_alloc_bytes(opt_pinned, inp.pinned_cap, inp.pinned_cap_mb)
+                    - opt_pinned) * local
+    base = int(inp.base_gib_per_rank * GIB) * local
+    available = int(inp.host_gib_per_node * GIB)
+
+    r3_bpt = r3_bytes_per_token(cfg)
+    r3_exact = r3_buffer_bytes(cfg, requested, page) if inp.r3 else 0
+    r3_pinned = pinned_alloc_bytes(r3_exact, inp.pinned_cap, inp.pinned_cap_mb)
+    budget = NodeBudget(r3_buffers=r3_exact * local, engram=engram, optimizer=optimizer,
+                        pinned_rounding=(r3_pinned - r3_exact) * local + opt_rounding,
+                        base=base, available=available)
+
+    fixed = engram + optimizer + opt_rounding + base
+    host_limit: int | None = None
+    if inp.r3:
+        per_rank = (available - fixed) // local
+        host_limit = max(0, largest_tokens_within(per_rank, r3_bpt, page, inp.pinned_cap,
+                                                  inp.pinned_cap_mb))
+        safe = largest_tokens_within(per_rank, r3_bpt, page, inp.pinned_cap, inp.pinned_cap_mb,
+                                     max_tokens=requested)
+    else:
+        safe = requested if fixed <= available else -1
+    largest_safe = safe if safe >= MIN_PAGES * page else None
+
+    fits = budget.total <= available
+    reason = ""
+    if largest_safe is None:
+        reason = (f"nothing fits: even max_total_tokens={MIN_PAGES * page} ({MIN_PAGES} pages) "
+                  f"exceeds host memory; the fixed costs (Engram {_gib(engram)}, optimizer "
+                  f"{_gib(optimizer + opt_rounding)}, base {_gib(base)}) take "
+                  f"{_gib(fixed)} of {_gib(available)} per node")
+    elif not fits:
+        reason = (f"the plan needs {_gib(budget.total)} of host memory per node but "
+                  f"{_gib(available)} is available: the requested max_total_tokens={requested} "
+                  f"({inp.kv_gib_per_gpu:g} GiB KV per GPU) exceeds the largest safe value "
+                  f"{largest_safe}; lower --kv-gib-per-gpu or launch with --max-total-tokens "
+                  f"{largest_safe}")
+    hints = []
+    if budget.pinned_rounding and not inp.pinned_cap:
+        hints.append(f"the pinned allocator rounds up to powers of two, wasting "
+                     f"{_gib(budget.pinned_rounding)} per node: set PYTORCH_ALLOC_CONF="
+                     f"{PINNED_CAP_ENV_KEY}:{inp.pinned_cap_mb} (plan with --pinned-cap)")
+    return PlanResult(inp=inp, layout=layout, engram_layout=engram_layout, n_params=n_params,
+                      kv_bytes_per_token=kv_bpt, kv_bytes_per_token_source=kv_source,
+                      r3_bytes_per_token=r3_bpt if inp.r3 else 0,
+                      r3_buffer_bytes_per_rank=r3_exact, r3_pinned_bytes_per_rank=r3_pinned,
+                      requested_max_total_tokens=requested, host_limit_max_total_tokens=host_limit,
+                      largest_safe_max_total_tokens=largest_safe, budget=budget, fits=fits,
+                      reason=reason, hints=tuple(hints))
