@@ -15,6 +15,29 @@ LOAD_FORMATS = ("auto", "dummy")
 ENGRAM_LAYOUTS = ("auto", "shared", "private")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# SGLang's short spellings of a few flags.
+FLAG_ALIASES = {"tp_size": ("--tp",), "dp_size": ("--dp",), "ep_size": ("--ep",)}
+FLAG_HELP = {
+    "model_path": "checkpoint directory, or a preset name (tiny, small-1b) built on first use",
+    "backend": "auto: sglang when it imports and a GPU is present, else the embedded engine",
+    "host": "bind address (loopback unless set)",
+    "api_key": "require 'Authorization: Bearer KEY' on every endpoint",
+    "tp_size": "scheduler ranks (GPUs); with DP attention, attention TP is tp/dp",
+    "dp_size": "DP-attention groups (needs --enable-dp-attention)",
+    "load_format": "dummy: random weights (the trainer pushes real ones), Engram still loaded",
+    "max_total_tokens": "KV-cache tokens per DP group",
+    "context_length": "default: the model's max_position_embeddings",
+    "max_new_tokens_limit": "largest max_new_tokens a request may ask for",
+    "load_balance_method": "placement of requests without routed_dp_rank",
+    "enable_prefill_padding": "pad each prefill to a multiple of attn_tp_size (DP attention)",
+    "enable_idle_batch": "ranks without work join every MoE collective with an idle batch",
+    "stall_timeout": "seconds a collective may block before the rank is reported; <= 0: off",
+    "engram_layout": "shared: one table per node; private: a row shard per rank",
+    "health_check_timeout": "seconds /health_generate waits (SGLANG_HEALTH_CHECK_TIMEOUT)",
+    "startup_timeout": "seconds every scheduler rank has to load and report ready",
+}
 
 
 @dataclass
@@ -42,6 +65,7 @@ class ServerArgs:
     max_new_tokens_limit: int = 32768
     enable_return_routed_experts: bool = False
     random_seed: int = 0
+    load_balance_method: str = "round_robin"  # for requests without routed_dp_rank
     dist_init_port: int | None = None   # None: a free port is picked
     log_level: str = "info"
     # ---- plugin flags (sglang-dsv41) ----
@@ -51,6 +75,9 @@ class ServerArgs:
     engram_layout: str = "auto"
     allow_engram_update: bool = False
     checkpoint_cache_dir: str | None = None  # where preset checkpoints are built
+    # ---- embedded-engine server timeouts (seconds; SGLang reads the first from the env) ----
+    health_check_timeout: float = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT
+    startup_timeout: float = 300.0      # every scheduler rank must send ReadyMsg within this
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -77,6 +104,19 @@ class ServerArgs:
             need(self.tp_size % self.dp_size == 0,
                  f"--tp-size {self.tp_size} must be a multiple of --dp-size {self.dp_size}")
         need(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes, "bad --nnodes/--node-rank")
+        need(self.log_level in LOG_LEVELS, f"--log-level must be one of {LOG_LEVELS}")
+        need(self.load_balance_method in LOAD_BALANCE_METHODS,
+             f"--load-balance-method must be one of {LOAD_BALANCE_METHODS}")
+        need(bool(self.model_path), "--model-path must not be empty")
+        need(bool(self.host), "--host must not be empty")
+        need(self.api_key is None or bool(self.api_key), "--api-key must not be empty")
+        need(self.context_length is None or self.context_length >= 1,
+             "--context-length must be >= 1")
+        need(self.max_new_tokens_limit >= 1, "--max-new-tokens-limit must be >= 1")
+        need(self.health_check_timeout > 0, "--health-check-timeout must be > 0")
+        need(self.startup_timeout > 0, "--startup-timeout must be > 0")
+        need(self.dist_init_port is None or 0 < self.dist_init_port < 65536,
+             "--dist-init-port must be in 1..65535")
 
     # ---- derived ----------------------------------------------------------------------------
     @property
@@ -108,17 +148,20 @@ class ServerArgs:
         for f in fields(ServerArgs):
             if f.name == "extra":
                 continue
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-"), *FLAG_ALIASES.get(f.name, ())]
             default = getattr(d, f.name) if f.default is not dataclasses.MISSING else None
             if f.type in ("bool", bool):
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+                parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default,
+                                    help=FLAG_HELP.get(f.name))
                 continue
             kind = {"int": int, "float": float, "str": str, "int | None": int,
                     "str | None": str, "float | None": float}.get(str(f.type), str)
             choices = {"backend": BACKENDS, "load_format": LOAD_FORMATS,
                        "engram_layout": ENGRAM_LAYOUTS, "device": DEVICES,
-                       "dtype": DTYPES}.get(f.name)
-            parser.add_argument(flag, type=kind, default=default, choices=choices)
+                       "dtype": DTYPES, "load_balance_method": LOAD_BALANCE_METHODS,
+                       "log_level": LOG_LEVELS}.get(f.name)
+            parser.add_argument(*flags, type=kind, default=default, choices=choices,
+                                help=FLAG_HELP.get(f.name))
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":

@@ -99,6 +99,6 @@ class EngramLayer(nn.Module):
     def forward(self, h: torch.Tensor, input_ids: torch.Tensor, ctx) -> torch.Tensor:
         window = ctx.ngram_window(input_ids, self.max_order)
         rows = engram_rows(window, self.orders, self.num_heads, self.table.num_rows)
-        emb = self.table.lookup(rows).reshape(h.shape[0], -1).to(h.dtype)
+        emb = self.table.lookup(rows).flatten(1).to(h.dtype)  # flatten: 0-token idle batches
         gate = torch.sigmoid(self.gate(self.norm(h)).float()).to(h.dtype)
         return h + gate * self.proj(emb)

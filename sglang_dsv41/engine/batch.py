@@ -1,0 +1,110 @@
+"""Stage objects of a scheduler step: Req (leader-side request state) and ForwardPlan (what every
+rank of a DP group runs this step; built by the leader, broadcast to its attention-TP peers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..scheduler.policies import plan_prefill_padding
+from .kv_cache import DUMMY_SLOT, slots_of
+from .messages import SamplingParams
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool = False
+    return_routed_experts: bool = False
+    stream: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)    # page table; one reference held on each
+    num_computed: int = 0        # leading tokens of all_ids whose K/V sit in the pool
+    cached_tokens: int = 0       # tokens served by the prefix cache at (first) admission
+    admitted: bool = False
+    in_prefill: bool = False     # admitted, next token not sampled yet (extend batches)
+    epoch: int = 0               # prefix-cache epoch its K/V belong to (a flush bumps it)
+    cache_handle: Any = None     # locked prefix-cache node (set by the leader at admission)
+    generator: torch.Generator | None = None
+    finish_reason: dict[str, Any] | None = None
+    num_sent: int = 0            # output tokens already streamed
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens to run through the model before the next token can be sampled."""
+        return len(self.prompt_ids) + len(self.output_ids) - self.num_computed
+
+
+@dataclass
+class ForwardPlan:
+    """One DP group's forward. Rows [0, num_tokens) are real, the rest padding (dummy slot)."""
+    mode: str                       # "extend" (prefill chunks) | "decode" | "idle"
+    input_ids: torch.Tensor         # int64 [T_pad]
+    positions: torch.Tensor         # int64 [T_pad]
+    slots: torch.Tensor             # int64 [T_pad] where this forward's K/V are written
+    ngram: torch.Tensor             # int64 [T_pad, max_order] Engram token windows
+    num_tokens: int
+    seq_lens: list[int] = field(default_factory=list)     # keys per sequence after this forward
+    extend_lens: list[int] = field(default_factory=list)  # new tokens per sequence
+    key_slots: torch.Tensor | None = None    # extend: every sequence's key slots, concatenated
+    page_table: torch.Tensor | None = None   # decode: int32 [B, max_pages]
+    logit_rows: list[int] = field(default_factory=list)   # rows whose next token is sampled
+    record_routing: bool = False
+
+    @property
+    def padded_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def idle_plan(max_order: int) -> ForwardPlan:
+    z = torch.zeros(0, dtype=torch.long)
+    return ForwardPlan("idle", z, z, z, torch.zeros(0, max_order, dtype=torch.long), 0)
+
+
+def build_plan(mode: str, reqs: list[Req], chunk_lens: list[int], page_size: int,
+               attn_tp_size: int, padding: bool, max_order: int, record_routing: bool
+               ) -> ForwardPlan:
+    """The forward of chunk_lens[i] tokens of reqs[i] (their next uncomputed tokens). The page
+    tables must already cover them."""
+    ids, pos, slots, windows = [], [], [], []
+    seq_lens, key_slots, logit_rows = [], [], []
+    for req, n in zip(reqs, chunk_lens):
+        all_ids, start = req.all_ids, req.num_computed
+        ids += all_ids[start:start + n]
+        pos += range(start, start + n)
+        slots += slots_of(req.pages, start, start + n, page_size)
+        windows += [[all_ids[i - j] if i >= j else -1 for j in range(max_order)]
+                    for i in range(start, start + n)]
+        seq_lens.append(start + n)
+        if mode == "extend":
+            key_slots += slots_of(req.pages, 0, start + n, page_size)
+        if start + n == len(all_ids):
+            logit_rows.append(len(ids) - 1)
+    num_tokens = len(ids)
+    pad = plan_prefill_padding(num_tokens, attn_tp_size, padding).num_pad
+    # Padding rows: a dummy token at the reserved slot, trimmed from every output.
+    ids += [0] * pad
+    pos += [0] * pad
+    slots += [DUMMY_SLOT] * pad
+    windows += [[-1] * max_order] * pad
+    plan = ForwardPlan(mode, torch.tensor(ids, dtype=torch.long),
+                       torch.tensor(pos, dtype=torch.long), torch.tensor(slots, dtype=torch.long),
+                       torch.tensor(windows, dtype=torch.long).reshape(-1, max_order), num_tokens,
+                       seq_lens=seq_lens, extend_lens=list(chunk_lens), logit_rows=logit_rows,
+                       record_routing=record_routing)
+    if mode == "extend":
+        plan.key_slots = torch.tensor(key_slots, dtype=torch.long)
+    else:
+        width = max(len(r.pages) for r in reqs)
+        plan.page_table = torch.tensor([r.pages + [0] * (width - len(r.pages)) for r in reqs],
+                                       dtype=torch.int32)
+    return plan

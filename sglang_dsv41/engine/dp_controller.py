@@ -1,0 +1,253 @@
+"""DP controller: the main-process side of the scheduler queues.
+
+It routes each GenerateReq to the request queue of one DP group's leader (the pinned
+``routed_dp_rank`` or, unpinned, round robin / shortest queue), broadcasts control calls to every
+leader, and runs a reader thread that drains the shared out_queue: GenerateOut chunks go to the
+per-request asyncio queue of the waiting HTTP handler, ControlOut replies complete their call
+once every rank has answered, RankStats are kept per DP rank. A dead scheduler process or a
+stall report turns the controller unhealthy, and every waiting request fails with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from .messages import (AbortReq, ControlOut, ControlReq, GenerateOut, GenerateReq, RankStats,
+                       ShutdownReq)
+
+logger = logging.getLogger(__name__)
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot serve: a scheduler process died or a collective stalled."""
+
+
+class ControlError(RuntimeError):
+    """A control call failed on at least one rank; the message names them."""
+
+
+@dataclass
+class EngineFailure:
+    """Sent to a waiting request instead of a GenerateOut when the engine, not the request,
+    failed."""
+    reason: str
+
+
+@dataclass
+class _Pending:
+    loop: asyncio.AbstractEventLoop
+    chunks: asyncio.Queue
+    dp_rank: int
+
+
+@dataclass
+class _ControlCall:
+    future: concurrent.futures.Future
+    waiting_for: set[int]
+    replies: list[ControlOut] = field(default_factory=list)
+
+
+class DPController:
+    """``req_queues[d]`` feeds the leader of DP group d; ``out_queue`` is shared by every rank;
+    ``control_ranks`` are the ranks expected to answer each ControlReq."""
+
+    def __init__(self, req_queues: list[Any], out_queue: Any, control_ranks: list[int],
+                 load_balance_method: str = "round_robin"):
+        if not req_queues:
+            raise ValueError("need at least one DP request queue")
+        self.req_queues, self.out_queue = req_queues, out_queue
+        self.dp_size = len(req_queues)
+        self.control_ranks = list(control_ranks)
+        self.load_balance_method = load_balance_method
+        self._round_robin = itertools.count()
+        self._lock = threading.Lock()
+        self._pending: dict[str, _Pending] = {}
+        self._controls: dict[str, _ControlCall] = {}
+        self.stats: dict[int, RankStats] = {}
+        self.failures: list[str] = []  # sticky: a dead rank or a stall breaks the whole world
+        self._stop = threading.Event()
+        self._reader = threading.Thread(target=self._read_loop, name="dp-controller-reader",
+                                        daemon=True)
+        self._reader.start()
+
+    # ---- health ------------------------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        return not self.failures
+
+    def failure_reason(self) -> str:
+        return "; ".join(self.failures)
+
+    def mark_failed(self, reason: str) -> None:
+        """Called by the launcher's process monitor (dead rank) and by the reader (stall)."""
+        with self._lock:
+            if reason in self.failures:
+                return
+            self.failures.append(reason)
+            pending, self._pending = self._pending, {}
+            controls, self._controls = self._controls, {}
+        logger.error("engine unhealthy: %s", reason)
+        for p in pending.values():
+            p.loop.call_soon_threadsafe(p.chunks.put_nowait, EngineFailure(reason))
+        for call in controls.values():
+            if not call.future.done():
+                call.future.set_exception(EngineUnavailable(reason))
+
+    # ---- generate ----------------------------------------------------------------------------
+    def _pick_dp_rank(self) -> int:
+        if self.dp_size == 1:
+            return 0
+        if self.load_balance_method == "shortest_queue":
+            load = [0] * self.dp_size
+            for p in self._pending.values():
+                load[p.dp_rank] += 1
+            return min(range(self.dp_size), key=lambda d: (load[d], d))
+        return next(self._round_robin) % self.dp_size
+
+    def submit(self, req: GenerateReq, loop: asyncio.AbstractEventLoop
+               ) -> tuple[int, asyncio.Queue]:
+        """Dispatch ``req``; returns the serving DP rank and the queue its chunks arrive on."""
+        if req.routed_dp_rank is not None and not 0 <= req.routed_dp_rank < self.dp_size:
+            raise ValueError(f"routed_dp_rank={req.routed_dp_rank} out of range "
+                             f"[0, {self.dp_size})")
+        with self._lock:
+            if self.failures:
+                raise EngineUnavailable(self.failure_reason())
+            if req.rid in self._pending:
+                raise ValueError(f"request id {req.rid!r} is already running")
+            dp_rank = req.routed_dp_rank if req.routed_dp_rank is not None else self._pick_dp_rank()
+            req.routed_dp_rank = dp_rank
+            chunks: asyncio.Queue = asyncio.Queue()
+            self._pending[req.rid] = _Pending(loop, chunks, dp_rank)
+        self.req_queues[dp_rank].put(req)
+        return dp_rank, chunks
+
+    def release(self, rid: str) -> None:
+        """Forget a request whose caller went away (the scheduler is told to abort it)."""
+        with self._lock:
+            p = self._pending.pop(rid, None)
+        if p is not None:
+            self.req_queues[p.dp_rank].put(AbortReq(rid))
+
+    def abort(self, rid: str) -> bool:
+        """Abort a running request on its owning leader; False if the id is unknown. The
+        waiting caller still receives the scheduler's final (finish_reason abort) chunk."""
+        with self._lock:
+            p = self._pending.get(rid)
+        if p is None:
+            return False
+        self.req_queues[p.dp_rank].put(AbortReq(rid))
+        return True
+
+    def abort_all(self) -> int:
+        """Abort every running request (before a weight update); returns how many."""
+        with self._lock:
+            owners = [(rid, p.dp_rank) for rid, p in self._pending.items()]
+        for rid, dp_rank in owners:
+            self.req_queues[dp_rank].put(AbortReq(rid))
+        return len(owners)
+
+    def num_in_flight(self) -> list[int]:
+        with self._lock:
+            counts = [0] * self.dp_size
+            for p in self._pending.values():
+                counts[p.dp_rank] += 1
+        return counts
+
+    # ---- control calls -----------------------------------------------------------------------
+    def control(self, op: str, args: dict[str, Any] | None = None) -> concurrent.futures.Future:
+        """Broadcast ControlReq(op) to every leader; the future resolves to the replies sorted by
+        rank once every control rank has answered, or raises ControlError naming the ranks that
+        refused (the ops are all-or-nothing on the scheduler side)."""
+        req_id = uuid.uuid4().hex
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self.failures:
+                raise EngineUnavailable(self.failure_reason())
+            self._controls[req_id] = _ControlCall(fut, set(self.control_ranks))
+        for q in self.req_queues:
+            q.put(ControlReq(req_id, op, dict(args or {})))
+        return fut
+
+    async def control_async(self, op: str, args: dict[str, Any] | None = None,
+                            timeout: float | None = None) -> list[ControlOut]:
+        fut = self.control(op, args)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+        except asyncio.TimeoutError:
+            raise ControlError(f"control op {op!r} got no reply from every rank in {timeout}s")
+
+    def _on_control(self, out: ControlOut) -> None:
+        with self._lock:
+            call = self._controls.get(out.req_id)
+            if call is None:
+                return
+            call.replies.append(out)
+            call.waiting_for.discard(out.rank)
+            if call.waiting_for:
+                return
+            del self._controls[out.req_id]
+        replies = sorted(call.replies, key=lambda r: r.rank)
+        failed = [r for r in replies if not r.ok]
+        if failed:
+            by_error: dict[str, list[int]] = {}
+            for r in failed:  # ranks that merely followed another's veto share one message
+                by_error.setdefault(str(r.error), []).append(r.rank)
+            call.future.set_exception(ControlError("; ".join(
+                f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}: {err}"
+                for err, ranks in by_error.items())))
+        else:
+            call.future.set_result(replies)
+
+    # ---- reader ------------------------------------------------------------------------------
+    def _on_generate(self, out: GenerateOut) -> None:
+        with self._lock:
+            p = self._pending.get(out.rid)
+            if p is not None and out.finished:
+                del self._pending[out.rid]
+        if p is not None:
+            p.loop.call_soon_threadsafe(p.chunks.put_nowait, out)
+
+    def _on_stats(self, stats: RankStats) -> None:
+        if not stats.healthy:
+            self.mark_failed(stats.stall or f"dp_rank {stats.dp_rank} reported unhealthy")
+            return
+        self.stats[stats.dp_rank] = stats
+
+    def _read_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                msg = self.out_queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            except (EOFError, OSError):
+                return
+            try:
+                if isinstance(msg, GenerateOut):
+                    self._on_generate(msg)
+                elif isinstance(msg, ControlOut):
+                    self._on_control(msg)
+                elif isinstance(msg, RankStats):
+                    self._on_stats(msg)
+                else:
+                    logger.warning("dp controller: unexpected message %r", type(msg).__name__)
+            except Exception:  # a bad message must not kill the reader of every other request
+                logger.exception("dp controller: failed to handle %r", type(msg).__name__)
+
+    def shutdown(self) -> None:
+        """Ask every leader to stop, then stop the reader."""
+        for q in self.req_queues:
+            try:
+                q.put(ShutdownReq())
+            except (ValueError, OSError):
+                pass
+        self._stop.set()
+        self._reader.join(timeout=2)

@@ -1,0 +1,179 @@
+"""``python -m sglang_dsv41.launch_server``: SGLang-compatible flags plus the plugin flags.
+
+``--backend auto`` runs patched SGLang when it imports and a GPU is present, else the embedded
+engine (scheduler processes + DP controller + FastAPI, all in sglang_dsv41.engine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+
+from .server_args import ServerArgs
+
+logger = logging.getLogger("sglang_dsv41.launch_server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m sglang_dsv41.launch_server",
+        description="Serve a DSV4.1-class model (SGLang API) with the sglang-dsv41 plugins.")
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def parse_server_args(argv: list[str] | None = None,
+                      allow_unknown: bool = False) -> tuple[ServerArgs, list[str]]:
+    """argparse errors and ServerArgs validation errors both exit 2 with the reason. With
+    ``allow_unknown`` the flags we do not own are returned (SGLang's own, for --backend sglang)."""
+    parser = build_parser()
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown and not allow_unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    try:
+        return ServerArgs.from_cli_args(ns), unknown
+    except ValueError as e:
+        parser.error(str(e))
+        raise  # unreachable: parser.error exits
+
+
+def sglang_available() -> bool:
+    try:
+        import sglang  # noqa: F401
+        import torch
+    except Exception:  # sglang pulls CUDA-only extensions that may fail in many ways
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def resolve_backend(backend: str) -> str:
+    if backend == "auto":
+        return "sglang" if sglang_available() else "embedded"
+    return backend
+
+
+def run_sglang(server_args: ServerArgs, argv: list[str]) -> int:
+    try:
+        from .sglang_backend import launch
+    except ImportError as e:
+        logger.error("--backend sglang is unavailable: %s (install sglang-dsv41[sglang] on a "
+                     "CUDA machine, or use --backend embedded)", e)
+        return 1
+    try:
+        return int(launch(server_args, argv) or 0)
+    except (ImportError, RuntimeError, ValueError) as e:  # no SGLang, or a patch target moved
+        logger.error("--backend sglang failed: %s", e)
+        return 1
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind before spawning the engine, so a busy port fails in a second, not after loading."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot bind {host}:{port}: {e}") from e
+    sock.set_inheritable(True)
+    return sock
+
+
+def build_state(engine):
+    from .engine.api_models import RequestLimits
+    from .engine.http_server import ServerState
+    from .engine.launcher import context_length_for
+    from .tokenizer import ByteTokenizer
+
+    a, cfg = engine.server_args, engine.config
+    try:
+        tokenizer = ByteTokenizer.from_pretrained(engine.model_dir)
+    except ValueError:  # a checkpoint saved without tokenizer files: the config has the ids
+        tokenizer = ByteTokenizer.from_config(cfg)
+    limits = RequestLimits(vocab_size=cfg.vocab_size,
+                           context_length=context_length_for(a, cfg),
+                           max_new_tokens_limit=a.max_new_tokens_limit,
+                           dp_size=a.effective_dp_size)
+    versions = {str(i.get("weight_version")) for i in engine.ready_info.values()
+                if i.get("weight_version") is not None}
+    return ServerState(server_args=a, controller=engine.controller, tokenizer=tokenizer,
+                       limits=limits, model_path=engine.model_dir, model_config=cfg,
+                       ready_info=engine.ready_info,
+                       weight_version=versions.pop() if len(versions) == 1 else "default")
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
+async def _serve(server, sock: socket.socket, url: str) -> None:
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        logger.info("server ready at %s", url)
+    await task
+
+
+def run_embedded(server_args: ServerArgs) -> int:
+    import uvicorn
+
+    from .engine.http_server import create_app
+    from .engine.launcher import EngineStartError, launch_engine
+
+    # uvicorn re-raises a captured SIGTERM after its graceful stop; this handler turns it into an
+    # exception, so the finally below still stops the scheduler processes.
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    host, port = server_args.host, server_args.port
+    try:
+        sock = bind_socket(host, port)
+    except OSError as e:
+        logger.error("%s", e)
+        return 1
+    engine = None
+    try:
+        engine = launch_engine(server_args)
+        app = create_app(build_state(engine))
+        config = uvicorn.Config(app, log_level=server_args.log_level, timeout_graceful_shutdown=5,
+                                access_log=False)
+        asyncio.run(_serve(uvicorn.Server(config), sock, f"http://{host}:{port}"))
+    except (EngineStartError, ValueError) as e:
+        logger.error("cannot start the embedded engine: %s", e)
+        return 1
+    except (KeyboardInterrupt, _Terminated):
+        logger.info("interrupted")
+    finally:
+        if engine is not None:
+            logger.info("stopping %d scheduler processes", len(engine.processes))
+            engine.shutdown()
+        sock.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    server_args, unknown = parse_server_args(argv, allow_unknown=True)
+    logging.basicConfig(level=server_args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    backend = resolve_backend(server_args.backend)
+    logger.info("backend %s (requested %s), pid %d", backend, server_args.backend, os.getpid())
+    if backend == "sglang":
+        return run_sglang(server_args, argv)  # SGLang's own flags pass through to it
+    if unknown:
+        build_parser().error(f"unrecognized arguments for the embedded backend: "
+                             f"{' '.join(unknown)}")
+    return run_embedded(server_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Test side of the DP controller's queues: threads that drain each DP group's request queue and
+answer on the shared out_queue as the contract's leaders do. Only the HTTP/controller tests use
+it; the end-to-end tests run the real scheduler processes."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import numpy as np
+
+from sglang_dsv41.engine.messages import (AbortReq, ControlOut, ControlReq, GenerateOut,
+                                          GenerateReq, RankStats, ShutdownReq)
+
+# Servers under test run with --context-length CONTEXT --max-new-tokens-limit 200 (tiny vocab 320).
+CONTEXT = 256
+# (body, a phrase the 400's message must contain)
+BAD_BODIES = [
+    ({"input_ids": [1], "unknown_field": 1}, "unknown_field"),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": 10**9}}, "max-new-tokens-limit"),
+    ({"input_ids": [1] * 100, "sampling_params": {"max_new_tokens": 200}}, "context length"),
+    ({"input_ids": [1] * CONTEXT}, "context length"),
+    ({"input_ids": [1], "routed_dp_rank": 2}, "out of range"),
+    ({"input_ids": [1], "data_parallel_rank": -1}, "out of range"),
+    ({"input_ids": [1], "routed_dp_rank": 0, "data_parallel_rank": 1}, "conflicting"),
+    ({"input_ids": []}, "empty"),
+    ({"text": ""}, "empty"),
+    ({}, "text or input_ids"),
+    ({"text": "a", "input_ids": [1]}, "not both"),
+    ({"input_ids": [1, 320]}, "outside the vocabulary"),
+    ({"input_ids": [-1]}, "outside the vocabulary"),
+    ({"input_ids": [1], "sampling_params": {"temperature": -0.1}}, "temperature"),
+    ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "top_p"),
+    ({"input_ids": [1], "sampling_params": {"top_p": 1.5}}, "top_p"),
+    ({"input_ids": [1], "sampling_params": {"top_k": 0}}, "top_k"),
+    ({"input_ids": [1], "sampling_params": {"min_p": 2}}, "min_p"),
+    ({"input_ids": [1], "sampling_params": {"stop": [""]}}, "stop"),
+    ({"input_ids": [1], "sampling_params": {"stop_token_ids": [999]}}, "stop_token_ids"),
+    ({"input_ids": "abc"}, "input_ids"),
+]
+
+
+class QueueDrainer:
+    """Answers GenerateReq with tokens prompt[-1]+1, +2, ... (mod 256), one chunk per token
+    when streaming; every rank of the group answers ControlReq; ``refuse`` = {op: rank} makes
+    that rank refuse that op. ``hold`` = True parks generate requests until released."""
+
+    def __init__(self, req_queues, out_queue, attn_tp_size: int, refuse=None, layers=3, top_k=2):
+        self.req_queues, self.out_queue, self.attn_tp_size = req_queues, out_queue, attn_tp_size
+        self.refuse = refuse or {}
+        self.layers, self.top_k = layers, top_k
+        self.seen: list[tuple[int, object]] = []
+        self.hold = False
+        self.parked: list[tuple[int, GenerateReq]] = []
+        self.prompt_tokens = [0] * len(req_queues)
+        self._threads = [threading.Thread(target=self._run, args=(d,), daemon=True)
+                         for d in range(len(req_queues))]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, d: int) -> None:
+        while True:
+            try:
+                msg = self.req_queues[d].get(timeout=5)
+            except queue.Empty:
+                continue
+            self.seen.append((d, msg))
+            if isinstance(msg, ShutdownReq):
+                return
+            if isinstance(msg, GenerateReq):
+                if self.hold:
+                    self.parked.append((d, msg))
+                else:
+                    self.answer(d, msg)
+            elif isinstance(msg, AbortReq):
+                self.out_queue.put(GenerateOut(msg.rid, [], finished=True,
+                                               finish_reason={"type": "abort"}, dp_rank=d))
+            elif isinstance(msg, ControlReq):
+                for r in range(d * self.attn_tp_size, (d + 1) * self.attn_tp_size):
+                    bad = self.refuse.get(msg.op) == r
+                    self.out_queue.put(ControlOut(msg.req_id, not bad,
+                                                  result={"op": msg.op, "args": sorted(msg.args)},
+                                                  error=f"{msg.op} refused" if bad else None,
+                                                  rank=r))
+
+    def answer(self, d: int, req: GenerateReq) -> None:
+        n = req.sampling.max_new_tokens
+        ids = [(req.input_ids[-1] + i + 1) % 256 for i in range(n)]
+        self.prompt_tokens[d] += len(req.input_ids)
+        rows = len(req.input_ids) + n - 1
+        experts = np.arange(rows * self.layers * self.top_k, dtype=np.int32).reshape(
+            rows, self.layers, self.top_k)
+        steps = [[t] for t in ids] if req.stream else [ids]
+        for i, step in enumerate(steps):
+            last = i == len(steps) - 1
+            self.out_queue.put(GenerateOut(
+                req.rid, step, logprobs=[-0.5] * len(step) if req.return_logprob else None,
+                finished=last, finish_reason={"type": "length", "length": n} if last else None,
+                prompt_tokens=len(req.input_ids), completion_tokens=n, cached_tokens=0,
+                dp_rank=d, routed_experts=experts if last else None,
+                routed_weights=experts.astype(np.float32) / 10 if last else None))
+        self.out_queue.put(RankStats(dp_rank=d, num_running=0, num_queued=0, kv_used_tokens=5,
+                                     kv_total_tokens=100, prefix_hit_tokens=3,
+                                     prompt_tokens=self.prompt_tokens[d], step=1))

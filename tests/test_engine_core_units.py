@@ -1,0 +1,194 @@
+"""Engine core pieces in one process: pages, prefix caches, plans, sampling, stop rules."""
+
+import random
+
+import pytest
+import torch
+
+from sglang_dsv41.engine.batch import Req, build_plan
+from sglang_dsv41.engine.kv_cache import DUMMY_SLOT, OutOfPages, PageAllocator, slots_of
+from sglang_dsv41.engine.messages import SamplingParams
+from sglang_dsv41.engine.prefix_cache import NaivePrefixCache, RadixPrefixCache
+from sglang_dsv41.engine.sampling import StopChecker, sample_token, validate_sampling
+
+
+def test_allocator_refcounts_and_reserved_page():
+    a = PageAllocator(5, 4)
+    pages = a.alloc(4)
+    assert 0 not in pages and sorted(pages) == [1, 2, 3, 4]
+    with pytest.raises(OutOfPages):
+        a.alloc(1)
+    a.incref(pages[:2])
+    assert a.decref(pages) == 2 and a.num_free == 2
+    assert a.decref(pages[:2]) == 2 and a.num_free == 4
+    with pytest.raises(RuntimeError):
+        a.decref([pages[0]])
+    a.check()
+    assert slots_of([3, 1], 2, 6, 4) == [14, 15, 4, 5]
+
+
+def _run_session(cache_cls, seed: int, page_size: int = 4):
+    """Random multi-turn traffic; returns the cached-token count of every admission."""
+    rng = random.Random(seed)
+    alloc = PageAllocator(40, page_size)
+    cache = cache_cls(alloc)
+    histories = [[rng.randrange(5) for _ in range(rng.randrange(1, 9))] for _ in range(4)]
+    hits, live = [], []
+    for _ in range(60):
+        h = histories[rng.randrange(4)]
+        ids = h + [rng.randrange(5) for _ in range(rng.randrange(1, 9))]
+        m = cache.match_prefix(ids[:-1])
+        assert m.num_tokens % page_size == 0 and m.num_tokens <= len(ids) - 1
+        assert m.num_tokens == len(m.pages) * page_size
+        cache.lock(m.handle)
+        alloc.incref(m.pages)
+        need = -(-len(ids) // page_size) - len(m.pages)
+        if need > alloc.num_free:
+            cache.evict(need - alloc.num_free)
+        while need > alloc.num_free and live:   # locked pages hold it: drop the oldest request
+            old_ids, old_pages, old_handle = live.pop(0)
+            alloc.decref(old_pages)
+            cache.unlock(old_handle)
+            cache.evict(need - alloc.num_free)
+        pages = m.pages + alloc.alloc(need)
+        hits.append(m.num_tokens)
+        live.append((ids, pages, m.handle))
+        if rng.random() < 0.7:   # finish: cache whole computed pages, drop own references
+            ids, pages, handle = live.pop()
+            full = (len(ids) - 1) // page_size
+            cache.insert(ids[:full * page_size], pages[:full])
+            alloc.decref(pages)
+            cache.unlock(handle)
+            h[:] = ids
+        cache.check_integrity()
+        alloc.check()
+    for ids, pages, handle in live:
+        alloc.decref(pages)
+        cache.unlock(handle)
+    cache.check_integrity()
+    assert alloc.num_usable - alloc.num_free == cache.num_cached_pages
+    cache.reset()
+    assert alloc.num_free == alloc.num_usable
+    return hits
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_radix_cache_against_naive_twin(seed):
+    radix = _run_session(RadixPrefixCache, seed)
+    naive = _run_session(NaivePrefixCache, seed)
+    assert naive == [0] * len(naive)
+    assert sum(radix) > 0 and len(radix) == len(naive)
+
+
+def test_radix_match_split_insert_evict_lru():
+    alloc = PageAllocator(20, 2)
+    cache = RadixPrefixCache(alloc)
+    a_pages = alloc.alloc(3)
+    assert cache.insert([1, 2, 3, 4, 5, 6], a_pages) == 0
+    alloc.decref(a_pages)                          # the cache alone holds them now
+    m = cache.match_prefix([1, 2, 3, 4, 9, 9, 9])  # splits the 3-page node after 2 pages
+    assert m.num_tokens == 4 and m.pages == a_pages[:2]
+    cache.check_integrity()
+    b_pages = alloc.alloc(2)
+    assert cache.insert([1, 2, 3, 4, 9, 9], m.pages + b_pages[:1]) == 4
+    alloc.decref(b_pages)
+    cache.lock(m.handle)
+    assert cache.evict(10) == 2           # leaves [5,6] and [9,9]; the locked prefix stays
+    assert cache.match_prefix([1, 2, 3, 4]).num_tokens == 4
+    cache.unlock(m.handle)
+    assert cache.evict(10) == 2 and cache.num_cached_pages == 0
+    assert alloc.num_free == alloc.num_usable
+
+
+def test_plan_padding_rows_use_dummy_slot():
+    req = Req("a", [5, 6, 7], SamplingParams(), pages=[3])
+    plan = build_plan("extend", [req], [3], page_size=4, attn_tp_size=2, padding=True,
+                      max_order=3, record_routing=False)
+    assert plan.num_tokens == 3 and plan.padded_tokens == 4
+    assert plan.slots.tolist() == [12, 13, 14, DUMMY_SLOT]
+    assert plan.ngram[2].tolist() == [7, 6, 5] and plan.ngram[0].tolist() == [5, -1, -1]
+    assert plan.logit_rows == [2] and plan.key_slots.tolist() == [12, 13, 14]
+    off = build_plan("extend", [req], [3], 4, 2, False, 3, False)
+    assert off.padded_tokens == 3
+    req.num_computed, req.output_ids = 3, [8]
+    dec = build_plan("decode", [req], [1], 4, 4, True, 3, False)
+    assert dec.padded_tokens == 4 and dec.seq_lens == [4] and dec.page_table.tolist() == [[3]]
+
+
+def test_sampling_rules():
+    logits = torch.tensor([0.0, 3.0, 2.9, -1.0])
+    greedy = SamplingParams(temperature=0.0)
+    tok, lp = sample_token(logits, greedy, None)
+    assert tok == 1 and lp == pytest.approx(float(torch.log_softmax(logits, -1)[1]))
+    for p, allowed in [(SamplingParams(temperature=1.0, top_k=2), {1, 2}),
+                       (SamplingParams(temperature=1.0, top_p=0.5), {1}),
+                       (SamplingParams(temperature=1.0, min_p=0.5), {1, 2})]:
+        gen = torch.Generator().manual_seed(0)
+        assert {sample_token(logits, p, gen)[0] for _ in range(50)} == allowed
+    hot = SamplingParams(temperature=5.0, seed=7)
+    runs = [[sample_token(logits, hot, torch.Generator().manual_seed(7))[0] for _ in range(1)]
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+    with pytest.raises(ValueError, match="top_p"):
+        validate_sampling(SamplingParams(top_p=0.0), 10)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        validate_sampling(SamplingParams(max_new_tokens=0), 10)
+
+
+def test_stop_rules():
+    checker = StopChecker(eos_token_id=9, decode_fn=lambda ids: bytes(ids).decode())
+    p = SamplingParams(max_new_tokens=5, stop=["bc"], stop_token_ids=[7])
+    assert checker.check([ord("a")], p, 5) is None
+    assert checker.check([ord("a"), ord("b"), ord("c")], p, 5) == {"type": "stop", "matched": "bc"}
+    assert checker.check([1, 7], p, 5) == {"type": "stop", "matched": 7}
+    assert checker.check([1, 9], p, 5) == {"type": "stop", "matched": 9}
+    assert checker.check([1, 9], SamplingParams(ignore_eos=True), 5) is None
+    assert checker.check([1, 2], p, 2) == {"type": "length", "length": 2}
+
+
+def _single_rank_runner(**kw):
+    from types import SimpleNamespace
+
+    from sglang_dsv41.engine.dist import ParallelInfo
+    from sglang_dsv41.engine.model_runner import ModelRunner
+    from sglang_dsv41.server_args import ServerArgs
+
+    args = ServerArgs(model_path="tiny", device="cpu", page_size=4, max_total_tokens=64, **kw)
+    groups = SimpleNamespace(info=ParallelInfo.from_server_args(args, 0),
+                             min_over_world=lambda value, op: value)
+    return ModelRunner(args, groups, "tiny", torch.device("cpu"))
+
+
+def test_runner_refuses_attn_tp_that_does_not_divide_o_groups():
+    with pytest.raises(ValueError, match="must divide o_groups"):
+        _single_rank_runner(tp_size=3)
+
+
+def test_paged_chunked_prefill_and_decode_match_reference():
+    from sglang_dsv41.model import reference_logprobs
+
+    runner = _single_rank_runner()
+    seq = [(11 * i + 3) % 256 for i in range(13)]
+    req = Req("a", seq[:10], SamplingParams(), pages=[2, 5, 1, 7])  # scattered pages
+    got = []
+    # Two prefill chunks (the second attends over the first's keys in the pool), then decode.
+    for mode, n in [("extend", 6), ("extend", 4), ("decode", 1), ("decode", 1), ("decode", 1)]:
+        plan = build_plan(mode, [req], [n], 4, 1, True, 3, False)
+        hidden, _ = runner.forward(plan, [plan.padded_tokens])
+        if plan.logit_rows:
+            got.append(torch.log_softmax(runner.compute_logits(hidden, plan.logit_rows), -1)[0])
+        req.num_computed += n
+        if req.num_computed == len(req.all_ids) and len(req.all_ids) < len(seq):
+            req.output_ids.append(seq[len(req.all_ids)])
+    ref, _ = reference_logprobs(runner.model, [seq])
+    picked = torch.stack([g[t] for g, t in zip(got, seq[10:])])
+    torch.testing.assert_close(picked, ref[0][9:12], rtol=0, atol=1e-5)
+
+
+def test_dummy_load_format_is_sglang_uniform_and_rank_independent():
+    from sglang_dsv41.engine.model_runner import load_engine_model
+
+    a, b = (load_engine_model("tiny", torch.float32, torch.device("cpu"), "dummy")
+            for _ in range(2))
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert pa.abs().max() <= 1e-3 and torch.equal(pa, pb), name
