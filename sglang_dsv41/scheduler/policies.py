@@ -55,3 +55,14 @@ def mlp_sync_token_counts(per_rank_tokens: list[int], attn_tp_size: int, padding
     """Per-DP-rank token counts after padding, as the MLP sync sees them (0 stays 0: an idle rank
     runs its idle batch with zero tokens, which every collective must accept)."""
     return [plan_prefill_padding(n, attn_tp_size, padding).padded_tokens for n in per_rank_tokens]
+
+
+def pad_idle_ranks(per_rank_tokens: list[int], attn_tp_size: int) -> list[int]:
+    """Give every idle DP rank (0 tokens while another rank has some) attn_tp_size padding rows.
+
+    SGLang's SUM_LEN gather hands an idle rank a zero-length slice and runs its idle forward
+    with 0 tokens; a collective skipped on 0 tokens deadlocks the others. One row per
+    attention-TP rank keeps the idle forward inside every collective."""
+    if attn_tp_size < 1:
+        raise ValueError(f"attn_tp_size must be >= 1, got {attn_tp_size}")
+    return [attn_tp_size if needs_idle_batch(n, per_rank_tokens) else n for n in per_rank_tokens]
