@@ -1,0 +1,73 @@
+"""SessionRouter: the interface the trainer talks to when it sends a multi-turn episode's turns.
+
+A session (one trajectory) must come back to the same engine AND the same DP rank on every
+turn, or the KV cache of its prefix is recomputed elsewhere. Implementations decide where a new
+session goes, keep it there, move it when its engine dies, and hold new turns back while the
+weights are being replaced. A router service can implement the same interface later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+
+class RouterError(RuntimeError):
+    """A request failed for a reason retrying elsewhere cannot fix (e.g. HTTP 4xx)."""
+
+
+class NoEngineAvailable(RouterError):
+    """Every engine is dead (or none was given)."""
+
+
+@dataclass(frozen=True, order=True)
+class Route:
+    url: str
+    dp_rank: int
+
+
+class SessionRouter(ABC):
+    @abstractmethod
+    def generate(self, session_id: str, payload: dict[str, Any],
+                 expected_tokens: int = 0) -> dict[str, Any]:
+        """POST /generate for one turn of ``session_id`` on its pinned (engine, dp_rank).
+
+        ``expected_tokens`` (prompt + new tokens) helps place a new session by KV budget.
+        The response's meta_info gains ``"route": [url, dp_rank]``.
+        """
+
+    @abstractmethod
+    def route_of(self, session_id: str) -> Route | None:
+        """The pin of a session, None when it has none yet."""
+
+    @abstractmethod
+    def end_session(self, session_id: str) -> None:
+        """Forget the pin (the KV prefix may be evicted)."""
+
+    @abstractmethod
+    def pause(self) -> None:
+        """New turns block until resume(); turns already sent keep running."""
+
+    @abstractmethod
+    def resume(self) -> None: ...
+
+    @abstractmethod
+    def drain(self, timeout: float) -> bool:
+        """Wait until no turn is in flight; False on timeout."""
+
+    @abstractmethod
+    def engine_urls(self) -> list[str]:
+        """The engines that are alive (weight updates go to each of them)."""
+
+    @contextlib.contextmanager
+    def paused(self, drain_timeout: float = 300.0) -> Iterator[None]:
+        """Pause, drain, run the body (e.g. a weight update), resume, even on error."""
+        self.pause()
+        try:
+            if not self.drain(drain_timeout):
+                raise RouterError(f"requests still in flight after {drain_timeout}s of draining")
+            yield
+        finally:
+            self.resume()

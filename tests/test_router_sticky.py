@@ -1,0 +1,160 @@
+"""StickyRouter against small real HTTP engines (FastAPI + uvicorn in threads)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from sglang_dsv41.router import NoEngineAvailable, Route, RouterError, StickyRouter
+
+
+class FakeEngine:
+    """Answers /generate like the server (echoing the dp rank it was pinned to)."""
+
+    def __init__(self, dp_size: int = 2, kv_free: dict[int, int] | None = None,
+                 delay: float = 0.0):
+        self.calls: list[dict] = []
+        self.delay = delay
+        self.kv_free = kv_free or {d: 10_000 for d in range(dp_size)}
+        app = FastAPI()
+
+        @app.get("/get_server_info")
+        def info():
+            return {"dp_size": dp_size, "enable_dp_attention": dp_size > 1,
+                    "rank_stats": {str(d): {"dp_rank": d, "kv_used_tokens": 20_000 - f,
+                                            "kv_total_tokens": 20_000}
+                                   for d, f in self.kv_free.items()}}
+
+        @app.get("/health")
+        def health():
+            return {}
+
+        @app.post("/generate")
+        async def generate(request: Request):
+            body = await request.json()
+            if body.get("input_ids") == [-1]:
+                return JSONResponse({"error": {"message": "bad token"}}, status_code=400)
+            self.calls.append(body)
+            if self.delay:
+                import asyncio
+
+                await asyncio.sleep(self.delay)
+            return {"text": "x", "output_ids": [1],
+                    "meta_info": {"dp_rank": body.get("routed_dp_rank")}}
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
+                                                    log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("fake engine did not start")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(5)
+
+
+@pytest.fixture
+def engines():
+    started: list[FakeEngine] = []
+
+    def make(**kw) -> FakeEngine:
+        started.append(FakeEngine(**kw))
+        return started[-1]
+
+    yield make
+    for e in started:
+        e.stop()
+
+
+def turn(router, sid, tokens=8):
+    return router.generate(sid, {"input_ids": [1, 2], "sampling_params": {}}, tokens)
+
+
+def test_session_stays_on_its_engine_and_dp_rank(engines):
+    a, b = engines(), engines()
+    router = StickyRouter([a.url, b.url])
+    routes = {}
+    for sid in [f"s{i}" for i in range(8)]:
+        seen = {tuple(turn(router, sid)["meta_info"]["route"]) for _ in range(3)}
+        assert len(seen) == 1, f"{sid} moved between {seen}"
+        routes[sid] = seen.pop()
+    # Every slot (2 engines x 2 DP ranks) got two sessions: placement spreads by session count.
+    assert sorted(list(routes.values()).count(r) for r in set(routes.values())) == [2, 2, 2, 2]
+    for call in a.calls + b.calls:
+        assert call["routed_dp_rank"] in (0, 1)
+    assert router.route_of("s0") == Route(*routes["s0"])
+    router.end_session("s0")
+    assert router.route_of("s0") is None
+
+
+def test_new_sessions_avoid_busy_and_kv_short_slots(engines):
+    slow = engines(dp_size=2, kv_free={0: 50, 1: 10_000}, delay=0.5)
+    router = StickyRouter([slow.url], refresh_interval=0.0)
+    # Slot 0 has 50 free KV tokens: a 500-token session goes to slot 1.
+    assert turn(router, "big", tokens=500)["meta_info"]["route"][1] == 1
+    # While "busy" runs on one slot, the next new session is placed on the idle one.
+    t = threading.Thread(target=turn, args=(router, "busy", 10))
+    t.start()
+    time.sleep(0.2)
+    busy = router.route_of("busy")
+    assert [s.in_flight for s in router.slot_states() if s.route == busy] == [1]
+    assert router.route_of("x") is None
+    assert tuple(turn(router, "x", 10)["meta_info"]["route"]) != (busy.url, busy.dp_rank)
+    t.join()
+
+
+def test_failover_when_an_engine_dies(engines):
+    a, b = engines(dp_size=1), engines(dp_size=1)
+    router = StickyRouter([a.url, b.url])
+    first = {sid: turn(router, sid)["meta_info"]["route"][0] for sid in ("s1", "s2")}
+    assert set(first.values()) == {a.url, b.url}
+    victim = next(s for s, u in first.items() if u == a.url)
+    a.stop()
+    assert turn(router, victim)["meta_info"]["route"][0] == b.url
+    assert a.url in router.dead_engines() and router.engine_urls() == [b.url]
+    b.stop()
+    with pytest.raises(NoEngineAvailable):
+        turn(router, "s3")
+
+
+def test_pause_blocks_new_turns_and_drain_waits(engines):
+    e = engines(dp_size=1, delay=0.3)
+    router = StickyRouter([e.url])
+    t = threading.Thread(target=turn, args=(router, "a"))
+    t.start()
+    time.sleep(0.1)
+    assert not router.drain(timeout=0.01)
+    assert router.drain(timeout=5)
+    done = []
+    with router.paused():
+        blocked = threading.Thread(target=lambda: done.append(turn(router, "b")))
+        blocked.start()
+        time.sleep(0.3)
+        assert not done, "a turn ran while the router was paused"
+    blocked.join(5)
+    assert done
+    t.join()
+
+
+def test_client_errors_are_not_retried(engines):
+    e = engines(dp_size=1)
+    router = StickyRouter([e.url])
+    with pytest.raises(RouterError, match="400"):
+        router.generate("s", {"input_ids": [-1]})
+    assert router.engine_urls() == [e.url]
+    with pytest.raises(ValueError):
+        StickyRouter([])

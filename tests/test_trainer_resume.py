@@ -1,0 +1,176 @@
+"""Exact resume on CPU (2 FSDP ranks under torchrun, deterministic offline rollouts), the
+checked-in loss baseline, and a crash during a save leaving the previous checkpoint loadable."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.timeout(240)
+BASELINE = os.path.join(os.path.dirname(__file__), "assets", "losses", "tiny_offline_cpu.txt")
+
+
+@pytest.fixture(scope="module")
+def offline_rollouts(tmp_path_factory) -> str:
+    """Two steps of rollouts sampled in-process from the tiny checkpoint (fixed seed)."""
+    from sglang_dsv41.loader.checkpoint import load_model
+    from sglang_dsv41.tokenizer import ByteTokenizer
+    from trainer_bridge.config import RolloutConfig
+    from trainer_bridge.envs import make_env
+    from trainer_bridge.local_sampler import LocalRolloutSource
+    from trainer_bridge.rollout import append_record
+
+    path = str(tmp_path_factory.mktemp("rollouts") / "tiny.jsonl")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # oversubscribed OpenMP threads make the token loop crawl
+    model = load_model("tiny", dtype=torch.float32)
+    cfg = RolloutConfig(prompts_per_step=2, group_size=4, max_new_tokens=6)
+    src = LocalRolloutSource(model, make_env("byte_target", ByteTokenizer.from_config(
+        model.config)), cfg, seed=0)
+    for step in range(2):
+        append_record(path, step, src.collect(step))
+    torch.set_num_threads(threads)
+    return path
+
+
+def torchrun(out_dir: str, rollouts: str, *extra: str) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(port), "-m", "trainer_bridge.train", "--preset", "tiny",
+           "rollout.source=offline", f"rollout.offline_path={rollouts}", "steps=4",
+           "checkpoint_every=2", f"out_dir={out_dir}", "plots=false", "tensorboard=false",
+           # sinks frozen for steps 0-1, LR ramped at step 2, full at step 3
+           "optim.sink_frozen_frac=0.5", "optim.sink_ramp_frac=0.25", *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True, text=True)
+    try:
+        out, _ = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"torchrun timed out:\n{out[-3000:]}") from None
+    assert proc.returncode == 0, out[-3000:]
+
+
+def losses(out_dir: str) -> dict[int, float]:
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f)}
+
+
+def checkpoint_tensors(path: str) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dst = path + ".pt"
+    dcp_to_torch_save(path, dst)
+    return torch.load(dst, weights_only=False)
+
+
+def assert_same(a, b, where: str = "") -> None:
+    if isinstance(a, dict):
+        assert set(a) == set(b), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    elif torch.is_tensor(a):
+        assert torch.equal(a, b), f"{where} differs"
+    else:
+        assert a == b, where
+
+
+def test_resume_continues_exactly(tmp_path, offline_rollouts):
+    full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
+    torchrun(full, offline_rollouts)
+    os.makedirs(os.path.join(resumed, "checkpoints"))
+    shutil.copytree(os.path.join(full, "checkpoints", "step-000002"),
+                    os.path.join(resumed, "checkpoints", "step-000002"))
+    with open(os.path.join(resumed, "checkpoints", "latest"), "w") as f:
+        f.write("step-000002\n")
+    torchrun(resumed, offline_rollouts, "--resume")
+    a, b = losses(full), losses(resumed)
+    assert sorted(b) == [2, 3]
+    assert [a[2], a[3]] == [b[2], b[3]], "losses after resume differ"
+    final = checkpoint_tensors(os.path.join(full, "checkpoints", "step-000004"))
+    assert_same(final, checkpoint_tensors(os.path.join(resumed, "checkpoints", "step-000004")))
+    # Sink warm-up: unchanged while frozen, trained after; fp32 throughout (optimizer state too).
+    from sglang_dsv41.loader.checkpoint import load_model
+
+    initial = load_model("tiny", dtype=torch.float32)
+    at2 = checkpoint_tensors(os.path.join(full, "checkpoints", "step-000002"))
+    sink_names = [k for k in final["model"] if k.endswith("sinks")]
+    assert len(sink_names) == initial.config.num_hidden_layers
+    for name in sink_names:
+        start = initial.get_parameter(name.replace(".sink_holder.sinks", ".sinks")).detach()
+        assert torch.equal(at2["model"][name], start), f"{name} moved while frozen"
+        assert not torch.equal(final["model"][name], start), f"{name} never trained"
+        assert final["model"][name].dtype == torch.float32
+        assert final["optim"]["state"][name]["exp_avg"].dtype == torch.float32
+    with open(BASELINE) as f:
+        baseline = [float(line.split()[1]) for line in f if line.strip() and line[0] != "#"]
+    assert [a[i] for i in range(4)] == pytest.approx(baseline, rel=1e-4, abs=1e-6)
+
+
+def crash_worker(out_dir: str, rollouts: str, queue) -> None:
+    torch.set_num_threads(1)
+    import trainer_bridge.checkpoint as ckpt
+    from trainer_bridge.config import load_config
+    from trainer_bridge.trainer import Trainer
+
+    base = ["rollout.source=offline", f"rollout.offline_path={rollouts}", "steps=3",
+            "checkpoint_every=2", f"out_dir={out_dir}", "plots=false", "tensorboard=false"]
+    try:
+        trainer = Trainer(load_config("tiny", None, base))
+        for step in range(2):
+            trainer.train_step(step)
+        trainer.step = 2
+        trainer.save()
+        trainer.train_step(2)
+        trainer.step = 3
+        real_save = torch.save
+
+        def dying_save(obj, path, *a, **kw):
+            if str(path).endswith("trainer_state.pt"):
+                raise OSError("disk died mid-save")
+            return real_save(obj, path, *a, **kw)
+
+        ckpt.torch.save = dying_save
+        try:
+            trainer.save()
+        except OSError:
+            pass
+        ckpt.torch.save = real_save
+        latest = ckpt.latest_checkpoint(os.path.join(out_dir, "checkpoints"))
+        tmp_left = os.path.isdir(os.path.join(out_dir, "checkpoints", ".step-000003.tmp"))
+        state = ckpt.load_checkpoint(latest, trainer.policy.model, trainer.optimizer, 0)
+        queue.put((os.path.basename(latest), tmp_left, state["step"]))
+        trainer.close()
+    except Exception:
+        import traceback
+
+        queue.put(("error", traceback.format_exc(), None))
+
+
+def test_crash_during_save_keeps_previous_checkpoint(tmp_path, offline_rollouts):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=crash_worker, args=(str(tmp_path / "run"), offline_rollouts, queue))
+    proc.start()
+    try:
+        latest, tmp_left, step = queue.get(timeout=150)
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    assert latest != "error", tmp_left
+    assert latest == "step-000002" and step == 2
+    assert tmp_left, "the interrupted save should have left only its .tmp directory"

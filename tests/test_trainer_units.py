@@ -1,0 +1,136 @@
+"""Trainer bridge pieces that need no process group: config, advantages, loss, schedule,
+packing, environments."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from sglang_dsv41.tokenizer import ByteTokenizer
+from trainer_bridge.batch import Sample, pack, split_by_token_budget
+from trainer_bridge.config import LossConfig, load_config
+from trainer_bridge.envs import make_env
+from trainer_bridge.loss import compute_advantages, k3_kl, ppo_loss
+from trainer_bridge.schedule import SinkWarmupLR
+
+
+def sample(reward=0.0, group=0, n=6, gen=3, routed=None):
+    return Sample(list(range(n)), [0] * (n - gen) + [1] * gen, [0.0] * (n - gen) + [-1.0] * gen,
+                  reward, group, routed_experts=routed, routed_weights=None if routed is None
+                  else np.ones(routed.shape, np.float32))
+
+
+def test_config_overrides_and_errors(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("loss: {kl_coef: 0.5}\nrollout: {env_args: {target: xyz}}\n")
+    cfg = load_config("tiny", str(f), ["steps=7", "optim.lr=0.1"])
+    assert (cfg.steps, cfg.loss.kl_coef, cfg.optim.lr) == (7, 0.5, 0.1)
+    assert cfg.rollout.env_args == {"target": "xyz"}
+    for bad, msg in [("loss.nope=1", "unknown config key"), ("loss.advantage=x", "grpo"),
+                     ("steps=0", "positive"), ("rollout.source=offline", "offline_path"),
+                     ("noequals", "key=value")]:
+        with pytest.raises(ValueError, match=msg):
+            load_config("tiny", None, [bad])
+    with pytest.raises(ValueError, match="unknown preset"):
+        load_config("huge", None, [])
+
+
+def test_grpo_and_ppo_advantages():
+    s = [sample(1.0, 0), sample(0.0, 0), sample(5.0, 1), sample(5.0, 1)]
+    compute_advantages(s, LossConfig(advantage="grpo"))
+    assert s[0].advantage == pytest.approx(1.0, abs=1e-5)
+    assert s[1].advantage == pytest.approx(-1.0, abs=1e-5)
+    assert s[2].advantage == s[3].advantage == 0.0  # no signal inside a uniform group
+    compute_advantages(s, LossConfig(advantage="ppo", normalize_std=False))
+    assert [x.advantage for x in s] == pytest.approx([-1.75, -2.75, 2.25, 2.25])
+
+
+def test_ppo_loss_clip_dual_clip_tis_and_normalisation():
+    cfg = LossConfig(clip_eps=0.2, clip_eps_high=0.28, dual_clip_c=3.0, tis_cap=2.0)
+    old = torch.zeros(4)
+    logp = torch.log(torch.tensor([1.5, 0.5, 10.0, 1.0])).requires_grad_()
+    adv = torch.tensor([1.0, -1.0, -1.0, 1.0])
+    rollout = torch.tensor([0.0, 0.0, 0.0, math.log(0.25)])  # token 3: ratio old/rollout 4 -> 2
+    mask = torch.ones(4)
+    t = ppo_loss(logp, old, rollout, adv, mask, cfg, global_tokens=8.0, world_size=2)
+    # per token: A>0 ratio 1.5 clipped at 1.28; A<0 ratio .5 -> max(.5, .8) = .8;
+    # A<0 ratio 10 -> dual clip min(10, 3) = 3; last: ratio 1, TIS weight min(4, 2) = 2.
+    expected = (-1.28 + 0.8 + 3.0 + 2 * -1.0) * 2 / 8.0
+    assert float(t.loss.detach()) == pytest.approx(expected, rel=1e-6)
+    t.loss.backward()
+    assert logp.grad[0] == 0 and logp.grad[2] == 0 and logp.grad[3] != 0  # clipped: no gradient
+    assert t.clip_frac_sum == 2.0
+    with pytest.raises(ValueError):
+        ppo_loss(logp, old, rollout, adv, mask, cfg, global_tokens=0, world_size=1)
+
+
+def test_k3_kl_is_nonnegative_and_zero_at_equality():
+    a = torch.randn(100)
+    b = torch.randn(100)
+    assert (k3_kl(a, b) >= 0).all()
+    assert torch.allclose(k3_kl(a, a), torch.zeros(100))
+    cfg = LossConfig(kl_coef=0.5)
+    z = torch.zeros(3)
+    t = ppo_loss(z, z, z, z, torch.ones(3), cfg, global_tokens=3, world_size=1,
+                 ref_logp=torch.full((3,), -1.0))
+    assert float(t.loss) == pytest.approx(0.5 * (math.exp(-1) + 1 - 1))
+
+
+def test_sink_warmup_schedule():
+    lr = SinkWarmupLR(total_steps=20, frozen_frac=0.1, ramp_frac=0.4)
+    got = [lr(s) for s in range(20)]
+    assert got[:2] == [0.0, 0.0]
+    assert got[2:10] == pytest.approx([(i + 1) / 8 for i in range(8)])
+    assert got[10:] == [1.0] * 10
+
+
+def test_pack_aligns_targets_masks_and_routing():
+    r = np.arange(5 * 4 * 2, dtype=np.int32).reshape(5, 4, 2) % 8
+    a, b = sample(1.0, n=6, routed=r), sample(0.0, n=4, gen=2, routed=r[:3])
+    a.advantage, b.advantage = 2.0, -1.0
+    mb = pack([a, b], moe_layers=[1, 2], use_routing=True)
+    assert mb.input_ids.tolist() == list(range(6)) + list(range(4))
+    assert mb.hidden_index.tolist() == [0, 1, 2, 3, 4, 6, 7, 8]
+    assert mb.targets.tolist() == [1, 2, 3, 4, 5, 1, 2, 3]
+    assert mb.loss_mask.tolist() == [0, 0, 1, 1, 1, 0, 1, 1]
+    assert mb.advantages.tolist() == [2.0] * 5 + [-1.0] * 3
+    ids, w = mb.routing[1]
+    assert ids.shape == (10, 2) and w.dtype == torch.float32
+    assert ids[:5].tolist() == r[:, 1].tolist() and ids[5].tolist() == r[4, 1].tolist()
+    with pytest.raises(ValueError, match="-1 rows"):
+        pack([sample(routed=np.full((5, 4, 2), -1, np.int32))], [1], True)
+    dummy = pack([], [1], True)
+    assert dummy.num_samples == 0 and dummy.num_loss_tokens == 0
+    assert [len(g) for g in split_by_token_budget([a, b, a], budget=10)] == [2, 1]
+
+
+def test_sample_validation_and_json_roundtrip():
+    s = sample(0.5, routed=np.zeros((5, 4, 2), np.int32))
+    back = Sample.from_json(s.to_json())
+    assert back.tokens == s.tokens and np.array_equal(back.routed_experts, s.routed_experts)
+    with pytest.raises(ValueError):
+        Sample([1, 2], [1, 1], [0.0, 0.0], 0.0, 0)
+    with pytest.raises(ValueError):
+        Sample([1, 2, 3], [0, 1, 1], [0.0, 0.0, 0.0], 0.0, 0, routed_experts=np.zeros((3, 1, 1)))
+
+
+def test_environments_reward_what_they_say():
+    tok = ByteTokenizer()
+    env = make_env("byte_target", tok, {"target": "a"})
+    ep = env.new_episode(3)
+    assert ep.prompt[0] == tok.bos_token_id
+    r = ep.step([ord("a"), ord("a"), ord("b"), tok.eos_token_id])
+    assert r.done and r.reward == 0.5
+    env = make_env("tool_call", tok)
+    ep = env.new_episode(0)
+    first = ep.step([ord("x")])
+    assert not first.done and b"<tool_result>" in bytes(first.observation)
+    digit = bytes(first.observation).split(b">")[1][:1]
+    assert ep.step(list(digit * 3) + [ord("z")]).reward == 0.75
+    with pytest.raises(ValueError, match="unknown environment"):
+        make_env("chess", tok)
+    with pytest.raises(ValueError, match="bad env_args"):
+        make_env("byte_target", tok, {"nope": 1})

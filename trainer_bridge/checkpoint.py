@@ -1,0 +1,118 @@
+"""Checkpoints that resume exactly: sharded model + optimizer state through
+torch.distributed.checkpoint, plus the LR schedule, the data position and every rank's RNG.
+
+Layout: ``<dir>/step-000042/`` (DCP files, ``trainer_state.pt``, ``rng_rank<r>.pt``) written as
+``<dir>/.step-000042.tmp`` and renamed once every rank has finished; then ``<dir>/latest`` is
+replaced atomically. A crash mid-save leaves only a ``.tmp`` directory, which is never loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+LATEST = "latest"
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step-{step:06d}")
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_checkpoint(root: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    trainer_state: dict[str, Any], rank: int) -> str:
+    """Collective. ``trainer_state`` (schedule, data position, ...) is written by rank 0."""
+    final, tmp = step_dir(root, step), os.path.join(root, f".step-{step:06d}.tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
+    if rank == 0:
+        torch.save({"step": step, **trainer_state}, os.path.join(tmp, "trainer_state.pt"))
+    _barrier()
+    if rank == 0:
+        if os.path.isdir(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_latest(root, os.path.basename(final))
+    _barrier()
+    return final
+
+
+def _write_latest(root: str, name: str) -> None:
+    tmp = os.path.join(root, f".{LATEST}.tmp")
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, LATEST))
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The newest complete checkpoint (``latest``, else the highest complete step dir)."""
+    pointer = os.path.join(root, LATEST)
+    if os.path.isfile(pointer):
+        with open(pointer) as f:
+            path = os.path.join(root, f.read().strip())
+        if _complete(path):
+            return path
+    if not os.path.isdir(root):
+        return None
+    dirs = sorted(d for d in os.listdir(root) if d.startswith("step-"))
+    for d in reversed(dirs):
+        if _complete(os.path.join(root, d)):
+            return os.path.join(root, d)
+    return None
+
+
+def _complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "trainer_state.pt")) and os.path.isfile(
+        os.path.join(path, ".metadata"))
+
+
+def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    rank: int) -> dict[str, Any]:
+    """Collective. Restores model, optimizer and this rank's RNG; returns the trainer state."""
+    if not _complete(path):
+        raise ValueError(f"{path} is not a complete checkpoint")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    rng_file = os.path.join(path, f"rng_rank{rank}.pt")
+    if not os.path.isfile(rng_file):
+        raise ValueError(f"{path} has no RNG state for rank {rank} (saved with fewer ranks?)")
+    set_rng_state(torch.load(rng_file, weights_only=False))
+    return torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)

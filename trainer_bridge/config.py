@@ -1,0 +1,214 @@
+"""TrainConfig: every knob of the trainer bridge, nested by component, plus the recipes.
+
+Recipes are functions returning a config (``tiny()`` is the debug flavour every test uses). A
+YAML file and ``section.field=value`` overrides are applied on top; unknown keys are errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    model_path: str = "tiny"            # preset name or checkpoint dir (the server uses the same)
+    checkpoint_cache_dir: str | None = None
+    device: str = "auto"                # auto: cuda when available, else cpu
+    # bf16 compute with fp32 master weights on GPU, fp32 everywhere on CPU.
+    compute_dtype: str = "auto"
+    lm_head_fp32: bool = True
+    r3: bool = True                     # replay the server's routing (ids and weights)
+    freeze_router: bool = True          # RL on V4-class MoE keeps the router gate frozen
+    # Also route with the trainer's own router and report the agreement with the server's
+    # routing (one extra no-grad forward per micro-batch).
+    check_routing: bool = False
+    # dtype the engines serve (weights are cast to it before a sync); auto: ask /get_model_info,
+    # float32 when the engine does not say
+    served_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        _choice("model.device", self.device, ("auto", "cpu", "cuda"))
+        _choice("model.compute_dtype", self.compute_dtype, ("auto", "float32", "bfloat16"))
+        _choice("model.served_dtype", self.served_dtype, ("auto", "float32", "bfloat16",
+                                                           "float16"))
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    source: str = "server"              # server | offline (replay rollouts recorded to a file)
+    server_urls: list[str] = field(default_factory=lambda: ["http://127.0.0.1:30000"])
+    api_key: str | None = None
+    offline_path: str | None = None     # source=offline: read; source=server: also record here
+    env: str = "byte_target"
+    env_args: dict[str, Any] = field(default_factory=dict)
+    prompts_per_step: int = 8
+    group_size: int = 8                 # GRPO: samples per prompt
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    concurrency: int = 32
+
+    def __post_init__(self) -> None:
+        _choice("rollout.source", self.source, ("server", "offline"))
+        _positive("rollout", self, "prompts_per_step", "group_size", "max_new_tokens",
+                  "concurrency")
+        if self.source == "offline" and not self.offline_path:
+            raise ValueError("rollout.source=offline needs rollout.offline_path")
+
+
+@dataclass(kw_only=True)
+class LossConfig:
+    advantage: str = "grpo"             # grpo: per-group baseline; ppo: batch-whitened (no critic)
+    normalize_std: bool = True          # divide advantages by the group/batch reward std
+    clip_eps: float = 0.2
+    clip_eps_high: float = 0.28
+    dual_clip_c: float = 3.0
+    kl_coef: float = 0.0                # k3 KL to the frozen reference policy
+    tis_cap: float = 2.0                # truncated importance sampling against rollout logprobs
+    token_budget: int = 4096            # tokens per micro-batch (per rank)
+    mini_batches: int = 1               # optimizer steps per train step (PPO minibatches)
+
+    def __post_init__(self) -> None:
+        _choice("loss.advantage", self.advantage, ("grpo", "ppo"))
+        _positive("loss", self, "token_budget", "mini_batches", "dual_clip_c", "tis_cap")
+        if self.dual_clip_c <= 1.0:
+            raise ValueError("loss.dual_clip_c must be > 1")
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    lr: float = 1e-5
+    sink_lr: float | None = None        # None: same as lr
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 0
+    sink_frozen_frac: float = 0.1       # sinks frozen for this fraction of the steps,
+    sink_ramp_frac: float = 0.4         # then their LR ramps linearly over this fraction
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.sink_frozen_frac and 0 <= self.sink_ramp_frac
+                and self.sink_frozen_frac + self.sink_ramp_frac <= 1):
+            raise ValueError("optim.sink_frozen_frac and sink_ramp_frac must be >= 0 and sum <= 1")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    steps: int = 20
+    seed: int = 0
+    out_dir: str = "runs/tiny"
+    checkpoint_every: int = 0           # 0: only at the end
+    resume: bool = False
+    weight_sync: bool = True
+    weight_sync_transport: str = "tensor"     # tensor | distributed
+    dry_run: bool = False
+    plots: bool = True
+    tensorboard: bool = True
+    # --launch-server: start the embedded server with these launch_server flags
+    launch_server: bool = False
+    server_args: list[str] = field(default_factory=lambda: [
+        "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention",
+        "--enable-return-routed-experts"])
+
+    def __post_init__(self) -> None:
+        _positive("train", self, "steps")
+        _choice("weight_sync_transport", self.weight_sync_transport, ("tensor", "distributed"))
+        if self.checkpoint_every < 0:
+            raise ValueError("checkpoint_every must be >= 0")
+
+
+def tiny() -> TrainConfig:
+    """The Quickstart: the tiny model learns the byte-target task in a few dozen steps."""
+    return TrainConfig(
+        model=ModelConfig(model_path="tiny", check_routing=True),
+        rollout=RolloutConfig(env="byte_target", prompts_per_step=4, group_size=8,
+                              max_new_tokens=12),
+        loss=LossConfig(kl_coef=0.001, mini_batches=2, token_budget=1024),
+        optim=OptimConfig(lr=1e-2, sink_lr=1e-2, max_grad_norm=1.0),
+        steps=16, out_dir="runs/tiny")
+
+
+def tiny_multiturn() -> TrainConfig:
+    cfg = tiny()
+    cfg.rollout.env, cfg.out_dir = "tool_call", "runs/tiny-multiturn"
+    return cfg
+
+
+RECIPES = {"tiny": tiny, "tiny-multiturn": tiny_multiturn}
+
+
+def get_recipe(name: str) -> TrainConfig:
+    if name not in RECIPES:
+        raise ValueError(f"unknown preset {name!r}; choose from {sorted(RECIPES)}")
+    return RECIPES[name]()
+
+
+def apply_overrides(cfg: TrainConfig, values: dict[str, Any]) -> TrainConfig:
+    """Nested dict / dotted keys -> a new validated config. Unknown keys raise ValueError."""
+    data = dataclasses.asdict(cfg)
+    for key, value in _flatten(values).items():
+        node, parts = data, key.split(".")
+        for p in parts[:-1]:
+            if not isinstance(node.get(p), dict):
+                raise ValueError(f"unknown config key {key!r}")
+            node = node[p]
+        if parts[-1] not in node:
+            raise ValueError(f"unknown config key {key!r}")
+        node[parts[-1]] = value
+    return _build(TrainConfig, data)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise ValueError(f"override {text!r} is not key=value")
+    key, raw = text.split("=", 1)
+    return key.strip(), yaml.safe_load(raw)
+
+
+def load_config(preset: str | None, config_file: str | None, overrides: list[str]) -> TrainConfig:
+    cfg = get_recipe(preset or "tiny")
+    if config_file:
+        with open(config_file) as f:
+            cfg = apply_overrides(cfg, yaml.safe_load(f) or {})
+    return apply_overrides(cfg, dict(parse_override(o) for o in overrides))
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and key.split(".")[-1] != "env_args":
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _build(cls, data: dict[str, Any]):
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        v = data[f.name]
+        if dataclasses.is_dataclass(f.default_factory() if callable(f.default_factory) else None):
+            v = _build(type(f.default_factory()), v)
+        elif f.name == "betas":
+            v = tuple(v)
+        kwargs[f.name] = v
+    return cls(**kwargs)
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: choose from {choices}")
+
+
+def _positive(section: str, obj: Any, *names: str) -> None:
+    for n in names:
+        if not getattr(obj, n) > 0:
+            raise ValueError(f"{section}.{n} must be positive, got {getattr(obj, n)!r}")

@@ -1,0 +1,82 @@
+"""Process-group setup and the few scalar collectives the trainer needs (never logits)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    mesh: DeviceMesh
+
+    @property
+    def is_primary(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: torch.device) -> DistInfo:
+    """torchrun env (RANK/WORLD_SIZE/MASTER_*) or a single process on a free local port."""
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
+    return DistInfo(dist.get_rank(), world, mesh)
+
+
+def close_distributed() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def all_reduce_scalar(value: float, op: str = "sum", device: torch.device | None = None) -> float:
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device or "cpu")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+                               "min": dist.ReduceOp.MIN}[op])
+    return float(t.item())
+
+
+def broadcast_object(obj, src: int = 0):
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+class PrimaryError(RuntimeError):
+    """Raised on every rank when the work rank 0 did for all of them failed."""
+
+
+def on_primary(fn, *args):
+    """Runs ``fn(*args)`` on rank 0 and hands its result (or its failure) to every rank, so a
+    failed HTTP call raises everywhere instead of leaving the other ranks in a collective."""
+    result, error = None, None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            result = fn(*args)
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            error = f"{type(e).__name__}: {e}"
+    result, error = broadcast_object((result, error))
+    if error is not None:
+        raise PrimaryError(f"rank 0 failed: {error}")
+    return result
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

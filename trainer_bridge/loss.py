@@ -1,0 +1,82 @@
+"""PPO/GRPO: advantages, the clipped token-level loss with dual clip, k3 KL and truncated IS.
+
+Every per-token tensor is aligned with MicroBatch.targets. The loss of a micro-batch is
+``sum(token_loss * mask) / global_tokens * world_size``: FSDP averages gradients over ranks,
+so the result is the token-level mean over every rank's tokens of the mini-batch.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from .batch import Sample
+from .config import LossConfig
+
+
+def compute_advantages(samples: list[Sample], cfg: LossConfig, eps: float = 1e-6) -> None:
+    """grpo: reward minus its group's mean (over group std); ppo: batch-whitened rewards.
+    Sets ``sample.advantage`` (one value per episode, broadcast to its tokens)."""
+    if cfg.advantage == "grpo":
+        groups: dict[int, list[Sample]] = defaultdict(list)
+        for s in samples:
+            groups[s.group_id].append(s)
+        for members in groups.values():
+            _normalize(members, cfg.normalize_std, eps)
+    else:
+        _normalize(samples, cfg.normalize_std, eps)
+
+
+def _normalize(members: list[Sample], by_std: bool, eps: float) -> None:
+    r = torch.tensor([s.reward for s in members], dtype=torch.float64)
+    centered = r - r.mean()
+    if by_std and len(members) > 1:
+        centered = centered / (r.std(unbiased=False) + eps)
+    for s, a in zip(members, centered.tolist()):
+        s.advantage = a
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k3 estimator of KL(pi || ref) per token: exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+@dataclass
+class LossTerms:
+    loss: torch.Tensor                # the scalar to backward
+    # Token sums (divide by the token count for means), detached floats.
+    pg_sum: float
+    kl_sum: float
+    clip_frac_sum: float
+    tis_sum: float
+
+
+def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp: torch.Tensor,
+             advantages: torch.Tensor, mask: torch.Tensor, cfg: LossConfig, *,
+             global_tokens: float, world_size: int,
+             ref_logp: torch.Tensor | None = None) -> LossTerms:
+    if global_tokens <= 0:
+        raise ValueError("global_tokens must be positive")
+    ratio = torch.exp(logp - old_logp)
+    pg_unclipped = -advantages * ratio
+    pg_clipped = -advantages * ratio.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps_high)
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+    # Dual clip: a negative advantage with a huge ratio is bounded by -c * A.
+    pg = torch.where(advantages < 0, torch.minimum(pg, -advantages * cfg.dual_clip_c), pg)
+    # Truncated IS: the samples came from the rollout engine's policy, not from old_logp's.
+    tis = torch.exp(old_logp - rollout_logp).clamp(max=cfg.tis_cap).detach()
+    token_loss = tis * pg
+    kl = torch.zeros_like(logp)
+    if ref_logp is not None and cfg.kl_coef > 0:
+        kl = k3_kl(logp, ref_logp)
+        token_loss = token_loss + cfg.kl_coef * kl
+    scale = world_size / global_tokens
+    loss = (token_loss * mask).sum() * scale
+    clipped = (pg_clipped > pg_unclipped).float()
+    return LossTerms(loss=loss, pg_sum=float((pg * mask).sum().detach()),
+                     kl_sum=float((kl * mask).sum().detach()),
+                     clip_frac_sum=float((clipped * mask).sum()),
+                     tis_sum=float((tis * mask).sum()))

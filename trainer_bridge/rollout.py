@@ -1,0 +1,136 @@
+"""Rollout sources: episodes over HTTP through the sticky router, or replayed from a file.
+
+Each episode is one router session, so all its turns run on one (engine, dp_rank) and reuse the
+KV cache of the growing prefix. Requests ask for logprobs and, with R3, the routed experts; the
+last turn's routing covers every position of the episode but the last.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import threading
+from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from sglang_dsv41.router import SessionRouter
+
+from .batch import Sample
+from .config import RolloutConfig
+from .envs import Environment
+
+
+class RolloutSource(ABC):
+    @abstractmethod
+    def collect(self, step: int) -> list[Sample]:
+        """Every sample of one train step (called on rank 0 only)."""
+
+    def close(self) -> None:
+        pass
+
+
+def decode_routing(meta: dict[str, Any], key: str, dtype) -> np.ndarray | None:
+    if meta.get(key) is None:
+        return None
+    shape = meta.get("routed_experts_shape")
+    arr = np.frombuffer(base64.b64decode(meta[key]), dtype=np.dtype(dtype).newbyteorder("<"))
+    if shape is None:
+        raise ValueError(f"meta_info has {key} but no routed_experts_shape")
+    return arr.reshape(shape).astype(dtype)
+
+
+def run_episode(router: SessionRouter, env: Environment, prompt_index: int, group_id: int,
+                session_id: str, cfg: RolloutConfig, routed_experts: bool) -> Sample:
+    episode = env.new_episode(prompt_index)
+    tokens = list(episode.prompt)
+    mask, lps = [0] * len(tokens), [0.0] * len(tokens)
+    prompt_tokens = cached = 0
+    try:
+        for turn in range(env.max_turns):
+            resp = router.generate(session_id, {
+                "input_ids": tokens,
+                "sampling_params": {"max_new_tokens": cfg.max_new_tokens,
+                                    "temperature": cfg.temperature, "top_p": 1.0, "top_k": -1},
+                "return_logprob": True, "return_routed_experts": routed_experts,
+            }, expected_tokens=len(tokens) + cfg.max_new_tokens)
+            meta, out = resp["meta_info"], list(resp["output_ids"])
+            out_lps = [float(x[0]) for x in meta.get("output_token_logprobs") or []]
+            if not out or len(out_lps) != len(out):
+                raise ValueError(f"session {session_id}: {len(out)} output ids but "
+                                 f"{len(out_lps)} logprobs")
+            tokens += out
+            mask += [1] * len(out)
+            lps += out_lps
+            prompt_tokens += int(meta.get("prompt_tokens", 0))
+            cached += int(meta.get("cached_tokens", 0))
+            result = episode.step(out)
+            if result.done:
+                break
+            if turn == env.max_turns - 1:
+                raise ValueError(f"{env.name}: episode not done after max_turns={env.max_turns}")
+            tokens += result.observation
+            mask += [0] * len(result.observation)
+            lps += [0.0] * len(result.observation)
+    finally:
+        router.end_session(session_id)
+    return Sample(tokens, mask, lps, result.reward, group_id,
+                  routed_experts=decode_routing(meta, "routed_experts", np.int32),
+                  routed_weights=decode_routing(meta, "routed_expert_weights", np.float32),
+                  prompt_tokens=prompt_tokens, cached_tokens=cached,
+                  route=tuple(meta["route"]) if meta.get("route") else None)
+
+
+class ServerRolloutSource(RolloutSource):
+    """GRPO groups of episodes run concurrently against the server(s) through ``router``.
+    With ``record_path`` every step's samples are appended there (JSONL) for offline replay."""
+
+    def __init__(self, router: SessionRouter, env: Environment, cfg: RolloutConfig,
+                 routed_experts: bool, record_path: str | None = None):
+        self.router, self.env, self.cfg = router, env, cfg
+        self.routed_experts, self.record_path = routed_experts, record_path
+        self._pool = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="rollout")
+        self._lock = threading.Lock()
+
+    def collect(self, step: int) -> list[Sample]:
+        cfg = self.cfg
+        futures = []
+        for p in range(cfg.prompts_per_step):
+            prompt_index = step * cfg.prompts_per_step + p
+            for g in range(cfg.group_size):
+                sid = f"step{step}-p{prompt_index}-g{g}"
+                futures.append(self._pool.submit(run_episode, self.router, self.env,
+                                                 prompt_index, prompt_index, sid, cfg,
+                                                 self.routed_experts))
+        samples = [f.result() for f in futures]
+        if self.record_path:
+            append_record(self.record_path, step, samples)
+        return samples
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def append_record(path: str, step: int, samples: list[Sample]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": step, "samples": [s.to_json() for s in samples]}) + "\n")
+
+
+class OfflineRolloutSource(RolloutSource):
+    """Replays recorded steps (step i reads record i modulo the number of records)."""
+
+    def __init__(self, path: str):
+        if not os.path.isfile(path):
+            raise ValueError(f"offline rollouts file {path} does not exist")
+        with open(path) as f:
+            self.records = [json.loads(line) for line in f if line.strip()]
+        if not self.records:
+            raise ValueError(f"offline rollouts file {path} is empty")
+
+    def collect(self, step: int) -> list[Sample]:
+        rec = self.records[step % len(self.records)]
+        return [Sample.from_json(s) for s in rec["samples"]]

@@ -1,0 +1,120 @@
+"""Per-step metrics: JSONL always, TensorBoard when installed, PNG plots at the end."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from .batch import Sample
+
+log = logging.getLogger("trainer_bridge")
+
+
+def host_rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    out = {"host_rss_bytes": float(host_rss_bytes()), "mem_allocated_bytes": 0.0,
+           "mem_reserved_bytes": 0.0, "pinned_bytes": 0.0}
+    if device.type == "cuda":
+        out["mem_allocated_bytes"] = float(torch.cuda.memory_allocated(device))
+        out["mem_reserved_bytes"] = float(torch.cuda.memory_reserved(device))
+        stats = torch.cuda.host_memory_stats()
+        out["pinned_bytes"] = float(stats.get("allocated_bytes.current", 0))
+    return out
+
+
+def rollout_metrics(samples: list[Sample]) -> dict[str, float]:
+    rewards = np.array([s.reward for s in samples], dtype=np.float64)
+    lengths = np.array([s.response_length for s in samples], dtype=np.float64)
+    prompt = sum(s.prompt_tokens for s in samples)
+    return {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+            "response_len_mean": float(lengths.mean()),
+            "response_len_p50": float(np.percentile(lengths, 50)),
+            "response_len_p90": float(np.percentile(lengths, 90)),
+            "response_len_max": float(lengths.max()),
+            "prefix_cache_hit_ratio": sum(s.cached_tokens for s in samples) / prompt
+            if prompt else 0.0,
+            "num_samples": float(len(samples))}
+
+
+class Telemetry:
+    """Rank 0 writes; other ranks hold a disabled instance (every method is then a no-op)."""
+
+    def __init__(self, out_dir: str, enabled: bool, tensorboard: bool = True):
+        self.enabled, self.out_dir = enabled, out_dir
+        self.rows: list[dict[str, Any]] = []
+        self._first_alloc: tuple[int, float] = (0, 0.0)
+        self._calls = 0
+        self._tb = None
+        if not enabled:
+            return
+        os.makedirs(out_dir, exist_ok=True)
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(os.path.join(out_dir, "tb"))
+            except ImportError:
+                log.info("tensorboard is not installed: TensorBoard logging skipped")
+
+    def log(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+        metrics = dict(metrics)
+        alloc = metrics.get("mem_allocated_bytes", 0.0) or metrics.get("host_rss_bytes", 0.0)
+        self._calls += 1
+        if self._calls <= 2:  # the first step pays for lazy initialisation: measure from the 2nd
+            self._first_alloc = (step, alloc)
+        s0, a0 = self._first_alloc
+        metrics["mem_growth_per_100_steps"] = (alloc - a0) / (step - s0) * 100 if step > s0 else 0.0
+        if not self.enabled:
+            return metrics
+        row = {"step": step, **metrics}
+        self.rows.append(row)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for k, v in metrics.items():
+                self._tb.add_scalar(k, v, step)
+        return metrics
+
+    def close(self, plots: bool = True) -> list[str]:
+        if not self.enabled:
+            return []
+        if self._tb is not None:
+            self._tb.close()
+        return self.plot() if plots and self.rows else []
+
+    def plot(self) -> list[str]:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            log.info("matplotlib is not installed: plots skipped")
+            return []
+        panels = {"reward": ["reward_mean"], "mismatch": ["mismatch_abs_logp", "mismatch_k3"],
+                  "memory": ["mem_allocated_bytes", "mem_reserved_bytes", "host_rss_bytes"]}
+        steps = [r["step"] for r in self.rows]
+        paths = []
+        for name, keys in panels.items():
+            fig, ax = plt.subplots(figsize=(6, 3.5))
+            for k in keys:
+                if any(k in r for r in self.rows):
+                    ax.plot(steps, [r.get(k, float("nan")) for r in self.rows], label=k)
+            ax.set_xlabel("step")
+            ax.legend()
+            path = os.path.join(self.out_dir, f"{name}.png")
+            fig.tight_layout()
+            fig.savefig(path)
+            plt.close(fig)
+            paths.append(path)
+        return paths

@@ -1,0 +1,252 @@
+"""Trainer: rollouts -> advantages -> PPO mini-batches on FSDP2 -> weight sync -> telemetry."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor
+
+from sglang_dsv41.tokenizer import ByteTokenizer
+
+from .batch import MicroBatch, Sample, pack, split_by_token_budget
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import TrainConfig
+from .dist import all_reduce_scalar, close_distributed, init_distributed, on_primary
+from .envs import make_env
+from .loss import compute_advantages, k3_kl, ppo_loss
+from .parallelize import is_sink_param
+from .policy import Policy, build_policy, resolve_device
+from .rollout import OfflineRolloutSource, RolloutSource, ServerRolloutSource
+from .schedule import build_optimizer
+from .telemetry import Telemetry, memory_metrics, rollout_metrics
+from .weight_sync import WeightSyncer
+
+log = logging.getLogger("trainer_bridge")
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, server_url: str | None = None):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.model.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(max(1, torch.get_num_threads() // int(
+                os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))))
+        self.dist = init_distributed(self.device)
+        self._seed(cfg.seed + self.dist.rank)
+        self.policy = build_policy(cfg.model, self.dist.mesh, self.device)
+        self.ref_policy: Policy | None = None
+        if cfg.loss.kl_coef > 0:
+            self.ref_policy = build_policy(cfg.model, self.dist.mesh, self.device, trainable=False)
+        self.optimizer, self.scheduler = build_optimizer(self.policy, cfg.optim, cfg.steps)
+        self.step = 0
+        self.router = self.rollouts = None
+        self.syncer: WeightSyncer | None = None
+        # Rank 0 talks to the engines; a bad URL must fail every rank, not strand them.
+        on_primary(lambda: self.build_rollout_source(server_url) and None)
+        if cfg.weight_sync and cfg.rollout.source == "server":
+            self.syncer = WeightSyncer(self.router, api_key=cfg.rollout.api_key,
+                                       served_dtype=cfg.model.served_dtype,
+                                       transport=cfg.weight_sync_transport)
+        self.telemetry = Telemetry(cfg.out_dir, self.dist.is_primary, cfg.tensorboard)
+        if cfg.resume:
+            self.load_latest()
+
+    # ---- setup ----------------------------------------------------------------------------
+    def build_rollout_source(self, server_url: str | None) -> RolloutSource:
+        rc = self.cfg.rollout
+        if rc.source == "offline":
+            self.rollouts = OfflineRolloutSource(rc.offline_path)
+            return self.rollouts
+        from sglang_dsv41.router import StickyRouter
+
+        self.router = StickyRouter([server_url] if server_url else rc.server_urls,
+                                   api_key=rc.api_key)
+        env = make_env(rc.env, ByteTokenizer.from_config(self.policy.config), rc.env_args)
+        self.rollouts = ServerRolloutSource(self.router, env, rc, self.cfg.model.r3,
+                                            rc.offline_path)
+        return self.rollouts
+
+    @staticmethod
+    def _seed(seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+    # ---- one step -------------------------------------------------------------------------
+    def collect_rollouts(self, step: int) -> list[Sample]:
+        samples = on_primary(lambda: self.rollouts.collect(step))
+        compute_advantages(samples, self.cfg.loss)
+        return samples
+
+    def build_mini_batches(self, samples: list[Sample]) -> list[list[MicroBatch]]:
+        """This rank's share, cut into mini-batches and token-budget micro-batches; every rank
+        gets the same number of micro-batches per mini-batch (empty ones are dummies)."""
+        mine = samples[self.dist.rank::self.dist.world_size]
+        n_mini = self.cfg.loss.mini_batches
+        per = math.ceil(len(mine) / n_mini) if mine else 0
+        out = []
+        for i in range(n_mini):
+            chunk = mine[i * per:(i + 1) * per]
+            groups = split_by_token_budget(chunk, self.cfg.loss.token_budget)
+            count = int(all_reduce_scalar(len(groups), "max"))
+            groups += [[]] * (count - len(groups))
+            top_k = self.policy.config.num_experts_per_tok
+            out.append([pack(g, self.policy.moe_layers, self.cfg.model.r3, top_k) for g in groups])
+        return out
+
+    @torch.no_grad()
+    def reference_pass(self, mini_batches: list[list[MicroBatch]]) -> dict[str, float]:
+        """old (pre-update) and reference logprobs; train-inference mismatch against the
+        rollout logprobs, reduced over ranks."""
+        abs_sum = k3_sum = tokens = agree = routed_rows = 0.0
+        for mb in (m for mini in mini_batches for m in mini):
+            mb.old_logprobs = self.policy.forward(mb, replay=self.cfg.model.r3).logprobs.cpu()
+            if self.ref_policy is not None:
+                mb.ref_logprobs = self.ref_policy.forward(mb, replay=self.cfg.model.r3
+                                                          ).logprobs.cpu()
+            if self.cfg.model.check_routing and mb.routing is not None:
+                same, rows = routing_agreement(self.policy, mb)
+                agree += same
+                routed_rows += rows
+            m = mb.loss_mask
+            diff = mb.old_logprobs - mb.rollout_logprobs
+            abs_sum += float((diff.abs() * m).sum())
+            # float64: at fp32 agreement (|d| ~ 1e-7) k3 ~ d^2/2 vanishes in float32
+            k3 = k3_kl(mb.rollout_logprobs.double(), mb.old_logprobs.double())
+            k3_sum += float((k3 * m).sum())
+            tokens += float(m.sum())
+        tokens = all_reduce_scalar(tokens)
+        out = {"mismatch_abs_logp": all_reduce_scalar(abs_sum) / max(tokens, 1.0),
+               "mismatch_k3": all_reduce_scalar(k3_sum) / max(tokens, 1.0),
+               "train_tokens": tokens}
+        if self.cfg.model.check_routing:
+            out["routing_agreement"] = all_reduce_scalar(agree) / max(
+                all_reduce_scalar(routed_rows), 1.0)
+        return out
+
+    def forward_backward_step(self, mb: MicroBatch, global_tokens: float) -> dict[str, float]:
+        out = self.policy.forward(mb, replay=self.cfg.model.r3)
+        dev = out.logprobs.device
+        terms = ppo_loss(out.logprobs, mb.old_logprobs.to(dev), mb.rollout_logprobs.to(dev),
+                         mb.advantages.to(dev), mb.loss_mask.to(dev), self.cfg.loss,
+                         global_tokens=global_tokens, world_size=self.dist.world_size,
+                         ref_logp=None if mb.ref_logprobs is None else mb.ref_logprobs.to(dev))
+        terms.loss.backward()
+        return {"loss": float(terms.loss.detach()), "pg": terms.pg_sum, "kl": terms.kl_sum,
+                "clip": terms.clip_frac_sum, "tis": terms.tis_sum}
+
+    def train_step(self, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        samples = self.collect_rollouts(step)
+        t_rollout = time.perf_counter() - t0
+        mini_batches = self.build_mini_batches(samples)
+        metrics = self.reference_pass(mini_batches)
+        sums = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "clip": 0.0, "tis": 0.0}
+        grad_norm = sink_norm = 0.0
+        lr, sink_lr = self.scheduler.get_last_lr()  # the LRs this step uses
+        for mini in mini_batches:
+            self.optimizer.zero_grad(set_to_none=True)
+            global_tokens = max(all_reduce_scalar(sum(mb.num_loss_tokens for mb in mini)), 1.0)
+            for mb in mini:
+                for k, v in self.forward_backward_step(mb, global_tokens).items():
+                    sums[k] += v
+            sink_norm = self.sink_grad_norm()
+            grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(
+                [p for _, p in self.policy.trainable_parameters()], self.cfg.optim.max_grad_norm)))
+            self.optimizer.step()
+        self.scheduler.step()
+        tokens = metrics["train_tokens"]
+        for k in ("pg", "kl", "clip", "tis"):
+            metrics[f"{k}_mean" if k != "clip" else "clip_frac"] = all_reduce_scalar(sums[k]) / \
+                max(tokens, 1.0)
+        metrics["loss"] = all_reduce_scalar(sums["loss"]) / self.dist.world_size
+        metrics.update(rollout_metrics(samples), grad_norm=grad_norm, sink_grad_norm=sink_norm,
+                       lr=lr, sink_lr=sink_lr, rollout_s=t_rollout)
+        if self.syncer is not None:
+            metrics["weight_sync_s"] = self.sync_weights(f"step-{step + 1}")
+        metrics.update(memory_metrics(self.device), step_s=time.perf_counter() - t0)
+        return metrics
+
+    def sync_weights(self, version: str) -> float:
+        """Push the current weights to every engine; returns the seconds it took."""
+        if self.syncer is None:
+            return 0.0
+        return self.syncer.sync(self.policy.model, version, self.dist.is_primary)["weight_sync_s"]
+
+    def sink_grad_norm(self) -> float:
+        grads = [p.grad for n, p in self.policy.trainable_parameters()
+                 if is_sink_param(n) and p.grad is not None]
+        if not grads:
+            return 0.0
+        return float(torch.sqrt(sum(_full(g).float().pow(2).sum() for g in grads)))
+
+    def sink_grads(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) sink gradients, identical on every rank."""
+        return {n: _full(p.grad).detach().cpu().clone()
+                for n, p in self.policy.trainable_parameters()
+                if is_sink_param(n) and p.grad is not None}
+
+    # ---- loop -----------------------------------------------------------------------------
+    def train(self) -> list[dict[str, float]]:
+        history = []
+        # The engines may serve other weights (a previous run, a resumed checkpoint).
+        self.sync_weights(f"step-{self.step}")
+        while self.step < self.cfg.steps:
+            metrics = self.telemetry.log(self.step, self.train_step(self.step))
+            history.append(metrics)
+            if self.dist.is_primary:
+                log.info("step %d reward %.3f loss %.4f mismatch %.2e sync %.2fs", self.step,
+                         metrics["reward_mean"], metrics["loss"], metrics["mismatch_abs_logp"],
+                         metrics.get("weight_sync_s", 0.0))
+            self.step += 1
+            every = self.cfg.checkpoint_every
+            if (every and self.step % every == 0) or self.step == self.cfg.steps:
+                self.save()
+        return history
+
+    def save(self) -> str:
+        return save_checkpoint(os.path.join(self.cfg.out_dir, "checkpoints"), self.step,
+                               self.policy.model, self.optimizer,
+                               {"scheduler": self.scheduler.state_dict()}, self.dist.rank)
+
+    def load_latest(self) -> None:
+        path = latest_checkpoint(os.path.join(self.cfg.out_dir, "checkpoints"))
+        if path is None:
+            raise ValueError(f"--resume: no complete checkpoint under {self.cfg.out_dir}")
+        state = load_checkpoint(path, self.policy.model, self.optimizer, self.dist.rank)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+        log.info("resumed from %s at step %d", path, self.step)
+
+    def close(self) -> None:
+        self.telemetry.close(plots=self.cfg.plots)
+        for obj in (self.rollouts, self.syncer, self.router):
+            if obj is not None:
+                obj.close()
+        close_distributed()
+
+
+def routing_agreement(policy: Policy, mb: MicroBatch) -> tuple[float, float]:
+    """(rows where the trainer's own router picks the server's experts in the server's order,
+    rows compared) over every MoE layer and every position the server routed."""
+    own = policy.forward(mb, replay=False, record_routing=True).routed
+    last = torch.cumsum(torch.tensor(mb.seq_lens), 0) - 1  # the server never routed these
+    valid = torch.ones(mb.input_ids.shape[0], dtype=torch.bool)
+    valid[last] = False
+    same = rows = 0.0
+    for layer, (ids, _) in mb.routing.items():
+        eq = (own[layer][0].cpu() == ids).all(-1)[valid]
+        same += float(eq.sum())
+        rows += float(valid.sum())
+    return same, rows
+
+
+def _full(t: Any) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t

@@ -1,0 +1,198 @@
+"""Push the trainer's weights to every engine after a step. transport "tensor":
+/update_weights_from_tensor with base64 safetensors buckets; "distributed": a process group
+with every scheduler rank (/init_weights_update_group once, then per sync
+/update_weights_from_distributed while rank 0 broadcasts the buckets). Engram tables are never
+sent, and each engine's Engram checksum (GET /engram_checksum) must be unchanged by the update.
+
+All ranks call ``sync`` (gathering the full state dict is a collective); rank 0 talks HTTP and
+broadcasts the outcome so every rank raises the same error.
+"""
+
+from __future__ import annotations
+
+import base64
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import torch
+from safetensors.torch import save
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from sglang_dsv41.model import DSV41ForCausalLM, is_engram_table
+from sglang_dsv41.router import SessionRouter
+
+from .dist import broadcast_object
+from .parallelize import server_param_name
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class WeightSyncError(RuntimeError):
+    pass
+
+
+def served_dtypes(model: DSV41ForCausalLM, served_dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """Each tensor's dtype in a server that loaded the model in ``served_dtype`` (sinks, the
+    routing bias and an fp32 lm_head stay fp32 there, as the model builds them)."""
+    with torch.device("meta"):
+        meta = DSV41ForCausalLM(model.config, served_dtype)
+    return {n: p.dtype for n, p in meta.named_parameters()}
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: the unsharded state dict on CPU on rank 0, {} elsewhere."""
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=opts)
+
+
+class WeightSyncer:
+    def __init__(self, router: SessionRouter | None, *, api_key: str | None = None,
+                 bucket_bytes: int = 256 << 20, timeout: float = 600.0,
+                 served_dtype: str = "auto", transport: str = "tensor",
+                 master_address: str = "127.0.0.1"):
+        if transport not in ("tensor", "distributed"):
+            raise ValueError(f"weight sync transport {transport!r}: tensor or distributed")
+        self.router, self.bucket_bytes, self.served_dtype = router, bucket_bytes, served_dtype
+        self.transport, self.master_address = transport, master_address
+        self._groups: dict[str, Any] = {}
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(timeout=timeout, headers=headers) if router else None
+        self._dtypes: dict[str, torch.dtype] | None = None
+
+    def sync(self, model: DSV41ForCausalLM, version: str, is_primary: bool) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        state = full_state_dict(model)
+        outcome: dict[str, Any] = {}
+        if is_primary:
+            try:
+                outcome = self._push(model, state, version)
+            except Exception as e:  # every rank must learn about it, then raise the same error
+                outcome = {"error": f"{type(e).__name__}: {e}"}
+        outcome = broadcast_object(outcome)
+        if "error" in outcome:
+            raise WeightSyncError(outcome["error"])
+        outcome["weight_sync_s"] = time.perf_counter() - t0
+        return outcome
+
+    # ---- rank 0 ---------------------------------------------------------------------------
+    def _push(self, model, state: dict[str, torch.Tensor], version: str) -> dict[str, Any]:
+        assert self.router is not None and self.client is not None
+        urls = self.router.engine_urls()
+        if not urls:
+            raise WeightSyncError("no live engine to update")
+        named = [(server_param_name(n), t) for n, t in state.items() if not is_engram_table(n)]
+        with self.router.paused():
+            before = {u: self._get(u, "/engram_checksum") for u in urls}
+            dtypes = self._served_dtypes(model, urls[0])
+            buckets = list(_buckets(named, dtypes, self.bucket_bytes))
+            num_bytes = 0
+            if self.transport == "distributed":
+                cast = [item for bucket in buckets for item in bucket]
+                for u in urls:
+                    num_bytes += self._push_distributed(u, cast, version)
+            for i, bucket in enumerate(buckets if self.transport == "tensor" else []):
+                payload = base64.b64encode(save(dict(bucket))).decode()
+                num_bytes += len(payload)
+                body = {"serialized_named_tensors": payload, "weight_version": version,
+                        "flush_cache": i == len(buckets) - 1}
+                for u in urls:
+                    self._post(u, "/update_weights_from_tensor", body)
+            after = {u: self._get(u, "/engram_checksum") for u in urls}
+        for u in urls:
+            if _checksums(before[u]) != _checksums(after[u]):
+                raise WeightSyncError(f"{u}: Engram checksum changed by the weight update: "
+                                      f"{_checksums(before[u])} -> {_checksums(after[u])}")
+        return {"num_tensors": len(named), "num_buckets": len(buckets), "payload_bytes": num_bytes,
+                "engram_checksum": _checksums(after[urls[0]]), "engines": urls}
+
+    def _push_distributed(self, url: str, named: list[tuple[str, torch.Tensor]],
+                          version: str) -> int:
+        from sglang_dsv41.loader.weight_sync_group import send_weights
+
+        group, name = self._groups.get(url) or self._init_group(url)
+        body = {"names": [n for n, _ in named],
+                "dtypes": [str(t.dtype).replace("torch.", "") for _, t in named],
+                "shapes": [list(t.shape) for _, t in named], "group_name": name,
+                "flush_cache": True, "weight_version": version}
+        # The server joins the broadcasts while its HTTP call is in flight.
+        with ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(self._post, url, "/update_weights_from_distributed", body)
+            sent = send_weights(group, named, self.bucket_bytes)
+            reply.result()
+        if not sent:
+            raise WeightSyncError(f"{url} refused the distributed update")
+        return sum(t.numel() * t.element_size() for _, t in named)
+
+    def _init_group(self, url: str):
+        from sglang_dsv41.loader.weight_sync_group import init_weight_sync_group
+
+        tp = int(self._get(url, "/get_server_info")["tp_size"])
+        port = _free_port()
+        name = f"trainer-weights-{port}"
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        body = {"master_address": self.master_address, "master_port": port, "rank_offset": 1,
+                "world_size": 1 + tp, "group_name": name, "backend": backend}
+        with ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(self._post, url, "/init_weights_update_group", body)
+            group = init_weight_sync_group(self.master_address, port, 0, 1 + tp, name, backend)
+            reply.result()
+        self._groups[url] = (group, name)
+        return self._groups[url]
+
+    def _served_dtypes(self, model, url: str) -> dict[str, torch.dtype]:
+        if self._dtypes is None:
+            name = self.served_dtype
+            if name == "auto":
+                info = self._get(url, "/get_model_info")
+                name = info.get("dtype") or self._get(url, "/get_server_info").get("dtype")
+                name = name or "float32"
+            if name not in DTYPES:
+                raise WeightSyncError(f"unknown served dtype {name!r}")
+            self._dtypes = served_dtypes(model, DTYPES[name])
+        return self._dtypes
+
+    def _get(self, url: str, path: str) -> dict[str, Any]:
+        r = self.client.get(url + path)
+        if r.status_code != 200:
+            raise WeightSyncError(f"GET {url}{path} answered {r.status_code}: {r.text}")
+        return r.json()
+
+    def _post(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        r = self.client.post(url + path, json=body)
+        if r.status_code != 200:
+            raise WeightSyncError(f"POST {url}{path} answered {r.status_code}: {r.text}")
+        return r.json()
+
+    def close(self) -> None:
+        for group, _ in self._groups.values():
+            group.close()
+        if self.client is not None:
+            self.client.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _checksums(reply: dict[str, Any]) -> Any:
+    return reply.get("result", reply)
+
+
+def _buckets(named, dtypes: dict[str, torch.dtype], bucket_bytes: int):
+    bucket, size = [], 0
+    for name, t in named:
+        if name not in dtypes:
+            raise WeightSyncError(f"trainer tensor {name} has no counterpart in the served model")
+        t = t.to(dtypes[name]).contiguous()
+        if bucket and size + t.numel() * t.element_size() > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += t.numel() * t.element_size()
+    if bucket:
+        yield bucket
