@@ -1,20 +1,11 @@
 """Sink-attention reference math and the backend dispatch (CPU, float64, no Triton needed)."""
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from sglang_dsv41.attention import (BACKEND_ENV, resolve_backend, sink_attention,
                                     sink_attention_reference, sink_decode_reference)
-
-
-@pytest.fixture
-def seed():
-    value = int.from_bytes(os.urandom(4), "little")
-    torch.manual_seed(value)
-    return value
 
 
 def _cu(lens):

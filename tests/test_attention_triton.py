@@ -21,13 +21,6 @@ DEVICE = "cpu" if INTERPRET else "cuda"
 TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-3}
 
 
-@pytest.fixture
-def seed():
-    value = int.from_bytes(os.urandom(4), "little")
-    torch.manual_seed(value)
-    return value
-
-
 def _cu(lens):
     return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
                         device=DEVICE)

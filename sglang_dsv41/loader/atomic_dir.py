@@ -23,7 +23,7 @@ def _sibling(out_dir: str, tag: str) -> str:
     return os.path.join(parent, f".{base}{tag}{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -45,7 +45,7 @@ def clean_stale_siblings(out_dir: str) -> list[str]:
             if not entry.startswith(prefix):
                 continue
             pid = entry[len(prefix):].split("-", 1)[0]
-            if pid.isdigit() and not _pid_alive(int(pid)):
+            if pid.isdigit() and not pid_alive(int(pid)):
                 shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
                 removed.append(entry)
     return removed

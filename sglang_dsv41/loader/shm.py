@@ -22,6 +22,8 @@ import mmap
 import os
 import re
 
+from .atomic_dir import pid_alive
+
 PREFIX = "sgldsv41"
 _NS_RE = re.compile(r"^[A-Za-z0-9_]+$")
 
@@ -45,13 +47,7 @@ def _is_alive(lease: dict) -> bool:
     if os.path.isdir("/proc"):
         start = _start_time(pid)
         return start is not None and start == lease.get("start")
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid_alive(pid)
 
 
 def _read_lease(path: str) -> dict:
