@@ -200,11 +200,13 @@ def iter_checkpoint_tensors(ckpt_dir: str, names: Iterable[str] | None = None
 def load_weights(model: torch.nn.Module, ckpt_dir: str,
                  skip: Callable[[str], bool] | None = None) -> list[str]:
     """Strict load into ``model`` (cast to each parameter's dtype); returns the loaded names.
-    Tensors whose name satisfies ``skip`` are neither read nor required."""
+    Tensors whose name satisfies ``skip`` are neither read, nor required, nor refused (a model
+    may not hold them at all, e.g. Engram tables kept in a host store, with their fp8 scales)."""
     expected = model_tensors(model)
     aliases = set(model.state_dict().keys()) - set(expected)  # tied duplicates are optional
     headers = list_checkpoint_tensors(ckpt_dir)
-    unexpected = sorted(set(headers) - set(expected) - aliases)
+    unexpected = sorted(n for n in set(headers) - set(expected) - aliases
+                        if not (skip and skip(n)))
     if unexpected:
         raise ValueError(f"unexpected tensor {unexpected[0]!r} in checkpoint {ckpt_dir} "
                          f"({len(unexpected)} unexpected)")

@@ -54,25 +54,10 @@ def _skip_default_init():
 
 @torch.no_grad()
 def load_non_engram_weights(model: DSV41ForCausalLM, model_dir: str) -> None:
-    """Strict streaming load of every tensor but the Engram tables (and their fp8 scales, which
-    checkpoint.load_weights would reject as unexpected), cast to each parameter's dtype."""
-    from .checkpoint import iter_checkpoint_tensors, list_checkpoint_tensors, model_tensors
+    """Strict streaming load of every tensor but the Engram tables (and their fp8 scales)."""
+    from .checkpoint import load_weights
 
-    expected = {n: t for n, t in model_tensors(model).items() if not is_engram_table(n)}
-    aliases = set(model.state_dict().keys()) - set(model_tensors(model))
-    headers = {n: v for n, v in list_checkpoint_tensors(model_dir).items()
-               if not is_engram_table(n)}
-    for what, names in (("unexpected", set(headers) - set(expected) - aliases),
-                        ("missing", set(expected) - set(headers))):
-        if names:
-            raise ValueError(f"{what} tensor {sorted(names)[0]!r} in checkpoint {model_dir} "
-                             f"({len(names)} {what})")
-    for name, t in expected.items():
-        if list(t.shape) != list(headers[name][1]):
-            raise ValueError(f"tensor {name!r} in checkpoint {model_dir} has shape "
-                             f"{headers[name][1]}, the model expects {list(t.shape)}")
-    for name, t in iter_checkpoint_tensors(model_dir, names=list(expected)):
-        expected[name].copy_(t)
+    load_weights(model, model_dir, skip=is_engram_table)
 
 
 def load_serving_model(model_dir: str, dtype: torch.dtype, device, load_format: str = "auto",
