@@ -1,6 +1,10 @@
-"""Test side of the DP controller's queues: threads that drain each DP group's request queue and
-answer on the shared out_queue as the contract's leaders do. Only the HTTP/controller tests use
-it; the end-to-end tests run the real scheduler processes."""
+"""Test harness for the HTTP layer's unit tests (test_engine_server_http.py): threads that
+drain each DP group's request queue and answer on the shared out_queue as the contract's leaders
+do, with canned tokens. It stands in for our own scheduler ranks so that those tests can hold a
+request in its queue (to abort it, or to see a dead rank fail it), make one rank refuse a control
+call and check exactly what reached a queue, in milliseconds. It does not match stop strings or
+sample: the end-to-end tests (test_engine_server_e2e.py) run the real ranks.
+"""
 
 from __future__ import annotations
 
@@ -11,34 +15,6 @@ import numpy as np
 
 from sglang_dsv41.engine.messages import (AbortReq, ControlOut, ControlReq, GenerateOut,
                                           GenerateReq, RankStats, ShutdownReq)
-
-# Servers under test run with --context-length CONTEXT --max-new-tokens-limit 200 (tiny vocab 320).
-CONTEXT = 256
-# (body, a phrase the 400's message must contain)
-BAD_BODIES = [
-    ({"input_ids": [1], "unknown_field": 1}, "unknown_field"),
-    ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
-    ({"input_ids": [1], "sampling_params": {"max_new_tokens": 10**9}}, "max-new-tokens-limit"),
-    ({"input_ids": [1] * 100, "sampling_params": {"max_new_tokens": 200}}, "context length"),
-    ({"input_ids": [1] * CONTEXT}, "context length"),
-    ({"input_ids": [1], "routed_dp_rank": 2}, "out of range"),
-    ({"input_ids": [1], "data_parallel_rank": -1}, "out of range"),
-    ({"input_ids": [1], "routed_dp_rank": 0, "data_parallel_rank": 1}, "conflicting"),
-    ({"input_ids": []}, "empty"),
-    ({"text": ""}, "empty"),
-    ({}, "text or input_ids"),
-    ({"text": "a", "input_ids": [1]}, "not both"),
-    ({"input_ids": [1, 320]}, "outside the vocabulary"),
-    ({"input_ids": [-1]}, "outside the vocabulary"),
-    ({"input_ids": [1], "sampling_params": {"temperature": -0.1}}, "temperature"),
-    ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "top_p"),
-    ({"input_ids": [1], "sampling_params": {"top_p": 1.5}}, "top_p"),
-    ({"input_ids": [1], "sampling_params": {"top_k": 0}}, "top_k"),
-    ({"input_ids": [1], "sampling_params": {"min_p": 2}}, "min_p"),
-    ({"input_ids": [1], "sampling_params": {"stop": [""]}}, "stop"),
-    ({"input_ids": [1], "sampling_params": {"stop_token_ids": [999]}}, "stop_token_ids"),
-    ({"input_ids": "abc"}, "input_ids"),
-]
 
 
 class QueueDrainer:

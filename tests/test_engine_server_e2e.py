@@ -11,7 +11,7 @@ import random
 import httpx
 import numpy as np
 import pytest
-from engine_server_fakes import BAD_BODIES, CONTEXT
+from engine_server_cases import BAD_BODIES, CONTEXT
 
 from sglang_dsv41.server_process import ServerProcess
 

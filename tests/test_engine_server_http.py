@@ -9,7 +9,8 @@ import queue
 import httpx
 import numpy as np
 import pytest
-from engine_server_fakes import BAD_BODIES, CONTEXT, QueueDrainer
+from engine_server_cases import BAD_BODIES, CONTEXT
+from engine_server_fakes import QueueDrainer
 
 from sglang_dsv41.engine.api_models import RequestLimits
 from sglang_dsv41.engine.dp_controller import DPController

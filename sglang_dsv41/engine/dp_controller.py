@@ -102,13 +102,18 @@ class DPController:
                 call.future.set_exception(EngineUnavailable(reason))
 
     # ---- generate ----------------------------------------------------------------------------
+    def _in_flight(self) -> list[int]:
+        """Requests awaiting their final chunk, per DP rank; the caller holds self._lock."""
+        counts = [0] * self.dp_size
+        for p in self._pending.values():
+            counts[p.dp_rank] += 1
+        return counts
+
     def _pick_dp_rank(self) -> int:
         if self.dp_size == 1:
             return 0
         if self.load_balance_method == "shortest_queue":
-            load = [0] * self.dp_size
-            for p in self._pending.values():
-                load[p.dp_rank] += 1
+            load = self._in_flight()
             return min(range(self.dp_size), key=lambda d: (load[d], d))
         return next(self._round_robin) % self.dp_size
 
@@ -157,10 +162,7 @@ class DPController:
 
     def num_in_flight(self) -> list[int]:
         with self._lock:
-            counts = [0] * self.dp_size
-            for p in self._pending.values():
-                counts[p.dp_rank] += 1
-        return counts
+            return self._in_flight()
 
     # ---- control calls -----------------------------------------------------------------------
     def control(self, op: str, args: dict[str, Any] | None = None) -> concurrent.futures.Future:

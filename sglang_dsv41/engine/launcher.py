@@ -66,6 +66,10 @@ def context_length_for(server_args: ServerArgs, config: DSV41Config) -> int:
     return server_args.context_length
 
 
+def rank_log_path(log_dir: str, rank: int) -> str:
+    return os.path.join(log_dir, f"rank{rank}.log")
+
+
 def describe_exit(code: int | None) -> str:
     if code is not None and code < 0:
         try:
@@ -133,7 +137,7 @@ class Engine:
             threading.Thread(target=self._echo_logs, name="rank-log-echo", daemon=True).start()
 
     def log_path(self, rank: int) -> str:
-        return os.path.join(self.log_dir, f"rank{rank}.log")
+        return rank_log_path(self.log_dir, rank)
 
     def _monitor(self) -> None:
         reported: set[int] = set()
@@ -207,7 +211,7 @@ def launch_engine(server_args: ServerArgs, echo_logs: bool = True) -> Engine:
         dp_rank, attn_rank = a.rank_to_dp(rank)
         leader_queue = req_queues[dp_rank] if attn_rank == 0 else None
         p = ctx.Process(target=_scheduler_main, name=f"scheduler-rank{rank}", daemon=True,
-                        args=(os.path.join(log_dir, f"rank{rank}.log"), a, rank, model_dir,
+                        args=(rank_log_path(log_dir, rank), a, rank, model_dir,
                               dist_port, leader_queue, out_queue, ready_queue))
         p.start()
         processes.append(p)
@@ -235,7 +239,7 @@ def _wait_ready(a: ServerArgs, processes: list[mp.Process], ready_queue: Any,
         except queue.Empty:
             for rank, p in enumerate(processes):
                 if p.exitcode is not None and rank not in info:
-                    tail = log_tail(os.path.join(log_dir, f"rank{rank}.log"))
+                    tail = log_tail(rank_log_path(log_dir, rank))
                     raise EngineStartError(f"scheduler rank {rank} died during startup with "
                                            f"{describe_exit(p.exitcode)}: {tail}")
             if time.monotonic() > deadline:

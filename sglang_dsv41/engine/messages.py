@@ -30,7 +30,7 @@ class GenerateReq:
     sampling: SamplingParams
     return_logprob: bool = False
     return_routed_experts: bool = False
-    routed_dp_rank: int | None = None   # None: the DP controller picks (round robin)
+    routed_dp_rank: int | None = None   # None: the DP controller picks (--load-balance-method)
     stream: bool = False
 
 
@@ -60,11 +60,6 @@ class AbortReq:
 
 
 @dataclass
-class FlushCacheReq:
-    pass
-
-
-@dataclass
 class ControlReq:
     """A request/response call into every scheduler rank (weight updates, checksums, stats).
 
@@ -85,7 +80,8 @@ class ControlOut:
 
 @dataclass
 class RankStats:
-    """Published by each DP group's leader after every step (for /metrics and load balancing)."""
+    """Published by each DP group's leader every STATS_INTERVAL_S (scheduler.py), and with
+    healthy=False by any rank whose watchdog saw a stall (for /metrics and /health)."""
     dp_rank: int
     num_running: int
     num_queued: int

@@ -1,7 +1,9 @@
 """Turns a request's GenerateOut chunks into SGLang's /generate response body.
 
-Stop strings are matched here, on the detokenized text, because the schedulers see token ids
-only: the text is cut before the stop string and the ids after the token that completed it.
+Stop strings are matched here too, on the whole detokenized text: the leader's StopChecker
+(sampling.py) decides when generation stops, but it decodes only a tail of the output ids, so a
+stop string spanning ids that decode to nothing (specials, reserved ids) can slip past it. The
+text is cut before the stop string and the ids after the token that completed it.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ class OutputAssembler:
         self.last: GenerateOut | None = None
 
     def add(self, chunk: GenerateOut) -> bool:
-        """Append a chunk; True when a stop string ended the request here (the engine should
-        then be told to stop generating)."""
+        """Append a chunk; True when a stop string the scheduler has not acted on ended the
+        request here (the engine should then be told to stop generating)."""
         self.last = chunk
         self.output_ids.extend(chunk.token_ids)
         if chunk.logprobs is not None:

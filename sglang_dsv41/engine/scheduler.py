@@ -30,8 +30,7 @@ from .batch import idle_plan
 from .control import run_control_op
 from .dist import DistGroups, ParallelInfo, init_distributed
 from .leader import LeaderScheduler
-from .messages import (AbortReq, ControlReq, FlushCacheReq, GenerateReq, RankStats, ReadyMsg,
-                       ShutdownReq)
+from .messages import AbortReq, ControlReq, GenerateReq, RankStats, ReadyMsg, ShutdownReq
 from .model_runner import ModelRunner, resolve_device
 
 logger = logging.getLogger("sglang_dsv41.engine")
@@ -81,8 +80,6 @@ class SchedulerRank:
                 self.leader.add_request(msg)
             elif isinstance(msg, AbortReq):
                 self.leader.abort(msg.rid)
-            elif isinstance(msg, FlushCacheReq):
-                self.leader.flush_cache()
             elif isinstance(msg, ControlReq):
                 new_control.append(msg)
             elif isinstance(msg, ShutdownReq):
