@@ -17,8 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sglang_dsv41.attention import sink_attention  # noqa: E402
-from sglang_dsv41.model import DSV41Config, ForwardContext, build_model, get_preset  # noqa: E402
+from sglang_dsv41.model import DSV41Config, build_model, get_preset  # noqa: E402
 from trainer_bridge.batch import Sample, pack  # noqa: E402
 from trainer_bridge.config import LossConfig, OptimConfig  # noqa: E402
 from trainer_bridge.dist import close_distributed, init_distributed  # noqa: E402
@@ -28,14 +27,6 @@ from trainer_bridge.policy import Policy  # noqa: E402
 from trainer_bridge.schedule import build_optimizer  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
-
-
-class BackendContext(ForwardContext):
-    backend: str = "reference"
-
-    def attend(self, layer_id, q, k, v, sinks, window, scale):
-        return sink_attention(q, k, v, sinks, self.cu_seqlens, self.cu_seqlens, causal=True,
-                              window=window, softmax_scale=scale, backend=self.backend)
 
 
 def active_params(cfg: DSV41Config) -> int:
@@ -67,7 +58,8 @@ def run_backend(backend: str, cfg: DSV41Config, args, mesh, device) -> dict:
     model.to(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     parallelize_policy(model, mesh, compute_dtype=dtype, lm_head_fp32=cfg.lm_head_fp32)
-    policy = Policy(model, "bench", device, torch.float32 if cfg.lm_head_fp32 else dtype)
+    policy = Policy(model, "bench", device, torch.float32 if cfg.lm_head_fp32 else dtype,
+                    attention_backend=backend)
     opt, _ = build_optimizer(policy, OptimConfig(lr=1e-5, sink_frozen_frac=0, sink_ramp_frac=0), 1)
     gen = torch.Generator().manual_seed(0)
     samples = []
@@ -78,10 +70,6 @@ def run_backend(backend: str, cfg: DSV41Config, args, mesh, device) -> dict:
         samples.append(s)
     mb = pack(samples, policy.moe_layers, use_routing=False)
     mb.old_logprobs = torch.zeros(mb.targets.shape[0])
-    BackendContext.backend = backend
-    import trainer_bridge.policy as policy_mod
-
-    policy_mod.ForwardContext = BackendContext  # the policy builds its context from this name
     times = []
     prof = None
     for i in range(args.warmup + args.steps):
@@ -107,7 +95,6 @@ def run_backend(backend: str, cfg: DSV41Config, args, mesh, device) -> dict:
         key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
         print(f"--- {backend}: top ops over {args.steps} steps ---")
         print(prof.key_averages().table(sort_by=key, row_limit=15))
-    policy_mod.ForwardContext = ForwardContext
     step_s = sorted(times)[len(times) // 2]
     tokens = args.seq * args.batch
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -12,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from sglang_dsv41.router import NoEngineAvailable, Route, RouterError, StickyRouter
+from sglang_dsv41.server_process import free_port
 
 
 class FakeEngine:
@@ -48,9 +48,7 @@ class FakeEngine:
             return {"text": "x", "output_ids": [1],
                     "meta_info": {"dp_rank": body.get("routed_dp_rank")}}
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
                                                     log_level="error"))

@@ -4,7 +4,6 @@ gradients (reduced like every other gradient, equal on both ranks, fp32), uneven
 from __future__ import annotations
 
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ import torch.multiprocessing as mp
 
 from sglang_dsv41.loader.checkpoint import load_model
 from sglang_dsv41.model import ForwardContext
+from sglang_dsv41.server_process import free_port
 from trainer_bridge.batch import Sample, pack
 
 pytestmark = pytest.mark.timeout(180)
@@ -95,9 +95,7 @@ def collect(queue, procs, count: int, timeout: float) -> list:
 
 
 def test_fsdp_policy_matches_unsharded_model():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, port, queue)) for r in range(WORLD)]

@@ -7,13 +7,14 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+from sglang_dsv41.server_process import free_port
 
 pytestmark = pytest.mark.timeout(240)
 BASELINE = os.path.join(os.path.dirname(__file__), "assets", "losses", "tiny_offline_cpu.txt")
@@ -43,9 +44,7 @@ def offline_rollouts(tmp_path_factory) -> str:
 
 
 def torchrun(out_dir: str, rollouts: str, *extra: str) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", str(port), "-m", "trainer_bridge.train", "--preset", "tiny",
            "rollout.source=offline", f"rollout.offline_path={rollouts}", "steps=4",

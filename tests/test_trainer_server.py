@@ -16,7 +16,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 
@@ -26,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from sglang_dsv41.server_process import ServerProcess
+from sglang_dsv41.server_process import ServerProcess, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 SERVER_ARGS = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention",
@@ -49,12 +48,6 @@ def run(cmd: list[str], timeout: float) -> tuple[int, str]:
 def metrics(out_dir: str) -> list[dict]:
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_quickstart_learns_with_matching_logprobs(tmp_path):

@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from sglang_dsv41.server_process import free_port
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -26,7 +28,7 @@ def init_distributed(device: torch.device) -> DistInfo:
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     world = dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
@@ -72,11 +74,3 @@ def on_primary(fn, *args):
     if error is not None:
         raise PrimaryError(f"rank 0 failed: {error}")
     return result
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

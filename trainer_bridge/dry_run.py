@@ -11,6 +11,7 @@ import torch
 
 from .batch import Sample, pack
 from .dist import all_reduce_scalar, on_primary
+from .parallelize import is_sink_param
 from .rollout import decode_routing
 from .trainer import Trainer
 
@@ -51,7 +52,7 @@ def run_dry_run(trainer: Trainer, limits: DryRunLimits | None = None) -> list[st
         if spread != 0.0:
             failures.append(f"sink gradient norms differ across FSDP ranks by {spread:.3g}")
         bad = [n for n, p in trainer.policy.trainable_parameters()
-               if n.endswith("sinks") and p.dtype != torch.float32]
+               if is_sink_param(n) and p.dtype != torch.float32]
         if bad:
             failures.append(f"sinks are not fp32: {bad}")
     if trainer.syncer is not None:

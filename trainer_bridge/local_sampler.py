@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from sglang_dsv41.model import DSV41ForCausalLM, reference_logprobs
+from sglang_dsv41.model import DSV41ForCausalLM, ForwardContext, reference_logprobs
 
 from .batch import Sample
 from .config import RolloutConfig
@@ -38,7 +38,7 @@ class LocalRolloutSource(RolloutSource):
         for _ in range(self.env.max_turns):
             turn = []
             for _ in range(self.cfg.max_new_tokens):
-                hidden = self.model(torch.tensor(tokens), _ctx(len(tokens)))
+                hidden = self.model(torch.tensor(tokens), ForwardContext.packed([len(tokens)]))
                 logits = self.model.compute_logits(hidden[-1:]).float() / self.cfg.temperature
                 logp = logits.log_softmax(-1)[0]
                 tok = int(torch.multinomial(logp.exp(), 1, generator=gen))
@@ -63,9 +63,3 @@ class LocalRolloutSource(RolloutSource):
             weights[:, layer] = w[:-1].float().numpy()
         return Sample(tokens, mask, lps, result.reward, prompt_index, routed_experts=ids,
                       routed_weights=weights, prompt_tokens=len(episode.prompt))
-
-
-def _ctx(n: int):
-    from sglang_dsv41.model import ForwardContext
-
-    return ForwardContext.packed([n])

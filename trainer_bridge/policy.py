@@ -56,9 +56,9 @@ class ForwardOut:
 
 class Policy:
     def __init__(self, model: DSV41ForCausalLM, checkpoint_dir: str, device: torch.device,
-                 head_dtype: torch.dtype):
+                 head_dtype: torch.dtype, attention_backend: str | None = None):
         self.model, self.checkpoint_dir, self.device = model, checkpoint_dir, device
-        self.head_dtype = head_dtype
+        self.head_dtype, self.attention_backend = head_dtype, attention_backend
         self.config = model.config
 
     @property
@@ -72,7 +72,8 @@ class Policy:
         if replay and mb.routing is not None:
             routing = {k: (i.to(dev), w.to(dev)) for k, (i, w) in mb.routing.items()}
         ctx = ForwardContext.packed(mb.seq_lens, device=dev, routing_replay=routing,
-                                    record_routing=record_routing)
+                                    record_routing=record_routing,
+                                    attention_backend=self.attention_backend)
         hidden = self.model(mb.input_ids.to(dev), ctx)
         rows = hidden.index_select(0, mb.hidden_index.to(dev))
         # Call lm_head as a module (not compute_logits) so its FSDP group unshards for it.

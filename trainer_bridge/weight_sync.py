@@ -11,7 +11,6 @@ broadcasts the outcome so every rank raises the same error.
 from __future__ import annotations
 
 import base64
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -22,13 +21,12 @@ from safetensors.torch import save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from sglang_dsv41.model import DSV41ForCausalLM, is_engram_table
+from sglang_dsv41.model.model import DTYPES
 from sglang_dsv41.router import SessionRouter
+from sglang_dsv41.server_process import free_port
 
 from .dist import broadcast_object
 from .parallelize import server_param_name
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class WeightSyncError(RuntimeError):
     pass
@@ -130,7 +128,7 @@ class WeightSyncer:
         from sglang_dsv41.loader.weight_sync_group import init_weight_sync_group
 
         tp = int(self._get(url, "/get_server_info")["tp_size"])
-        port = _free_port()
+        port = free_port()
         name = f"trainer-weights-{port}"
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         body = {"master_address": self.master_address, "master_port": port, "rank_offset": 1,
@@ -171,12 +169,6 @@ class WeightSyncer:
             group.close()
         if self.client is not None:
             self.client.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _checksums(reply: dict[str, Any]) -> Any:

@@ -60,12 +60,12 @@ def sink_decode_reference(q, k_cache, v_cache, page_table, seq_lens, sinks, wind
     seq_lens int [B] (keys in the cache, the query's own key included) -> [B, Hq, D].
     """
     page_size = k_cache.shape[1]
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     outs = []
     for b in range(q.shape[0]):
         n = int(seq_lens[b])
         pages = page_table[b, : (n + page_size - 1) // page_size].long()
         k = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:n]
         v = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:n]
-        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         outs.append(_one_sequence(q[b:b + 1], k, v, sinks, True, window, scale))
     return torch.cat(outs, 0).to(q.dtype) if outs else q.new_zeros(q.shape)

@@ -25,7 +25,7 @@ class ForwardContext:
     routing_replay: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
     record_routing: bool = False
     routed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    max_seqlen: int | None = None
+    attention_backend: str | None = None  # attend's sink_attention backend (None: auto/env)
 
     @classmethod
     def packed(cls, seq_lens: list[int], device: torch.device | str = "cpu",
@@ -35,7 +35,7 @@ class ForwardContext:
         cu[1:] = torch.cumsum(lens, 0)
         positions = torch.cat([torch.arange(n, device=device) for n in seq_lens]) if seq_lens \
             else torch.zeros(0, dtype=torch.long, device=device)
-        return cls(cu_seqlens=cu, positions=positions, max_seqlen=max(seq_lens, default=0), **kw)
+        return cls(cu_seqlens=cu, positions=positions, **kw)
 
     # ---- sharding: which part of each layer this rank computes ------------------------------
     def attn_group_range(self, o_groups: int) -> range:
@@ -75,7 +75,7 @@ class ForwardContext:
         from ..attention import sink_attention
 
         return sink_attention(q, k, v, sinks, self.cu_seqlens, self.cu_seqlens, causal=True,
-                              window=window, softmax_scale=scale)
+                              window=window, softmax_scale=scale, backend=self.attention_backend)
 
     # ---- Engram -----------------------------------------------------------------------------
     def ngram_window(self, input_ids: torch.Tensor, n: int) -> torch.Tensor:

@@ -96,10 +96,6 @@ class DSV41ForCausalLM(nn.Module):
                 val = torch.randn(p.shape, generator=gen) * std
             p.copy_(val.to(p.dtype))
 
-    def trainable_named_parameters(self):
-        """Everything but the frozen Engram tables and the routing bias."""
-        return [(n, p) for n, p in self.named_parameters() if p.requires_grad]
-
 
 def is_engram_table(name: str) -> bool:
     return ".engram.table." in name
