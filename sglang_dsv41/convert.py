@@ -67,18 +67,14 @@ def _write_shards(plan: ConversionPlan, out_dir: str, max_shard_bytes: int,
         for k, group in enumerate(groups):
             file = shard_file_name(k, len(groups))
             entries = [plan.entries[i] for i in group]
-            writer = StreamingShardWriter(os.path.join(out_dir, file),
-                                          [(e.dst_name, torch.bfloat16, e.shape) for e in entries])
-            try:
+            with StreamingShardWriter(os.path.join(out_dir, file),
+                                      [(e.dst_name, torch.bfloat16, e.shape) for e in entries]
+                                      ) as writer:
                 for e in entries:
                     for chunk in reader.chunks(e, torch.bfloat16):
                         writer.write(e.dst_name, chunk)
                         bar.update(chunk.nbytes)
                     weight_map[e.dst_name] = file
-                writer.close()
-            except BaseException:
-                writer.abort()
-                raise
             if delay:
                 time.sleep(delay)
     finally:
@@ -99,15 +95,16 @@ def convert(src: str, dst: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     plan = plan_conversion(src)
     staged = StagedDir(dst)
     try:
+        total_size = sum(e.dst_bytes for e in plan.entries)
         weight_map = _write_shards(plan, staged.path, max_shard_bytes, progress)
-        write_index(staged.path, weight_map, sum(e.dst_bytes for e in plan.entries))
+        write_index(staged.path, weight_map, total_size)
         with open(os.path.join(staged.path, CONFIG_FILE), "w") as f:
             json.dump(plan.config, f, indent=2, sort_keys=True)
         for name in plan.tokenizer_files:
             shutil.copy2(os.path.join(src, name), os.path.join(staged.path, name))
         summary = {"dst": os.path.abspath(dst), "tensors": len(plan.entries),
                    "shards": len(set(weight_map.values())), "dropped": plan.dropped,
-                   "total_size": sum(e.dst_bytes for e in plan.entries)}
+                   "total_size": total_size}
         if verify:
             result = verify_conversion(src, staged.path)
             summary["verify"] = result.__dict__

@@ -121,3 +121,20 @@ def test_dummy_load_refuses_a_checkpoint_without_engram(tiny_checkpoint, tmp_pat
     with pytest.raises(ValueError, match="has Engram tables .* holds none"):
         engram.make_dummy_load_engram(lambda self, **kw: model)(None, model_config=None,
                                                                 device_config=None)
+
+
+def test_scale_rows_follow_128_row_blocks_when_rows_are_not_a_multiple():
+    import torch
+
+    from sglang_dsv41.loader.engram_codec import shard_range
+    from sglang_dsv41.sglang_backend.patches.engram import engram_row_slice
+
+    table = "model.layers.1.engram.table"
+    headers = {f"{table}.weight": (torch.float8_e4m3fn, [1000, 256]),
+               f"{table}.weight_scale_inv": (torch.float32, [8, 2])}
+    lo, hi = shard_range(1000, 0, 2)
+    assert engram_row_slice(f"{table}.weight_scale_inv", headers, 0, 2) == (lo // 128,
+                                                                              -(-hi // 128))
+    headers[f"{table}.weight_scale_inv"] = (torch.float32, [9, 2])
+    with pytest.raises(ValueError, match="scale rows"):
+        engram_row_slice(f"{table}.weight_scale_inv", headers, 0, 2)

@@ -35,14 +35,9 @@ TensorSource = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 # ---- writing --------------------------------------------------------------------------------
 def _write_shard(path: str, items: list[tuple[str, torch.Tensor]]) -> None:
-    writer = StreamingShardWriter(path, [(n, t.dtype, list(t.shape)) for n, t in items])
-    try:
+    with StreamingShardWriter(path, [(n, t.dtype, list(t.shape)) for n, t in items]) as writer:
         for name, t in items:
             writer.write(name, t)
-        writer.close()
-    except BaseException:
-        writer.abort()
-        raise
 
 
 def _normalized(tensors: TensorSource, dtype: torch.dtype | None

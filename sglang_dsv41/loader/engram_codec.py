@@ -15,7 +15,7 @@ import struct
 import torch
 
 from .engram_source import ALIGN_ROWS, TableSource, tensor_bytes
-from .fp8 import FP8_DTYPE, scale_to_float32
+from .fp8 import FP8_DTYPE, apply_column_scales, scale_row_range, scale_to_float32
 
 HASH_SPACE = 1 << 256
 
@@ -33,13 +33,12 @@ def shard_range(num_rows: int, rank: int, world_size: int) -> tuple[int, int]:
 class RowDecoder:
     """Turns stored rows (bf16/fp16/fp32, or fp8 + block scales) into float32 on lookup.
 
-    fp8 rows dequantize exactly as loader.fp8.dequantize_fp8_rows (q.float() * scale in float32)
-    so a lookup equals the full-load parameter bit for bit."""
+    fp8 rows dequantize through loader.fp8.apply_column_scales, as the full load does, so a
+    lookup equals the full-load parameter bit for bit."""
 
     def __init__(self, source: TableSource, scale: torch.Tensor | None, first_row: int):
         self.is_fp8 = source.weight.dtype == FP8_DTYPE
         self.block = source.block
-        self.dim = source.dim
         self.first_scale_row = first_row // source.block[0]
         self.scale = scale_to_float32(scale) if self.is_fp8 else None
 
@@ -57,10 +56,7 @@ class RowDecoder:
         """values [n, dim] with their per-row block scales [n, nb] (from scales_for)."""
         if not self.is_fp8:
             return values.float()
-        n, bc = values.shape[0], self.block[1]
-        if self.dim % bc == 0:  # broadcast over each column block: the same products, no copy
-            return (values.float().view(n, -1, bc) * s.unsqueeze(-1)).view(n, self.dim)
-        return values.float() * s.repeat_interleave(bc, 1)[:, :self.dim]
+        return apply_column_scales(values, s, self.block[1])
 
 
 def chunk_digest_sum(values: torch.Tensor, scale: torch.Tensor | None, first_row: int,
@@ -79,7 +75,7 @@ def chunk_digest_sum(values: torch.Tensor, scale: torch.Tensor | None, first_row
         h = hashlib.sha256(struct.pack("<Q", (first_row + a) // ALIGN_ROWS))
         h.update(data[a * row_bytes:b * row_bytes])
         if sdata is not None:
-            sa, sb = a // block_rows, -(-b // block_rows)
+            sa, sb = scale_row_range(a, b, block_rows)
             h.update(sdata[sa * srow_bytes:sb * srow_bytes])
         total = (total + int.from_bytes(h.digest(), "little")) % HASH_SPACE
     return total
@@ -106,6 +102,6 @@ def source_checksum(source: TableSource, rows_per_read: int = 64 * ALIGN_ROWS) -
     scale = source.scale.read_rows(0, source.scale.shape[0]) if source.scale else None
     for lo in range(0, source.num_rows, rows_per_read):
         hi = min(source.num_rows, lo + rows_per_read)
-        s = scale[lo // br:-(-hi // br)] if scale is not None else None
+        s = scale[slice(*scale_row_range(lo, hi, br))] if scale is not None else None
         total += chunk_digest_sum(source.weight.read_rows(lo, hi), s, lo, br)
     return finish_checksum(source.weight.dtype, source.weight.shape, total % HASH_SPACE)

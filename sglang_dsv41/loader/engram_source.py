@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .fp8 import FP8_DTYPE, scale_name, scale_shape
+from .fp8 import FP8_BLOCK, FP8_DTYPE, scale_name, scale_row_range, scale_shape
 from .shards import DTYPES_BY_NAME, checkpoint_files
 
 TABLE_SUFFIX = ".engram.table.weight"
@@ -62,7 +62,7 @@ class TableSource:
 
     weight: TensorEntry
     scale: TensorEntry | None = None
-    block: tuple[int, int] = (128, 128)
+    block: tuple[int, int] = FP8_BLOCK
 
     @property
     def name(self) -> str:
@@ -82,7 +82,7 @@ class TableSource:
 
     def scale_rows(self, lo: int, hi: int) -> tuple[int, int]:
         """The scale rows that cover table rows lo..hi-1."""
-        return lo // self.block[0], -(-hi // self.block[0])
+        return scale_row_range(lo, hi, self.block[0])
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -119,7 +119,7 @@ def read_safetensors_header(path: str) -> dict[str, TensorEntry]:
     return out
 
 
-def find_engram_tables(ckpt_dir: str, block: tuple[int, int] = (128, 128)
+def find_engram_tables(ckpt_dir: str, block: tuple[int, int] = FP8_BLOCK
                        ) -> dict[str, TableSource]:
     """Every ``...engram.table.weight`` of a checkpoint (index or single file), by name."""
     entries: dict[str, TensorEntry] = {}

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ..model.engram import EngramLayer
 from .engram_source import find_engram_tables
+from .fp8 import FP8_BLOCK
 from .engram_tables import PrivateEngramTable, SharedEngramTable, agree
 from .shm import ShmNamespace, reclaim_stale
 
@@ -69,7 +70,7 @@ def resolve_layout(layout: str, world_size: int, local_world_size: int) -> str:
 def install_engram_tables(model, ckpt_dir: str, layout: str, rank: int = 0, world_size: int = 1,
                           group=None, local_rank: int | None = None,
                           local_world_size: int | None = None, namespace: str | None = None,
-                          block: tuple[int, int] = (128, 128), guard=None) -> EngramStoreHandle:
+                          block: tuple[int, int] = FP8_BLOCK, guard=None) -> EngramStoreHandle:
     """Load every Engram table of ``model`` from ``ckpt_dir`` into host memory and install it.
 
     Collective over ``group`` (default: the default process group) when world_size > 1: every

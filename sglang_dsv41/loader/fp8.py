@@ -21,6 +21,9 @@ SCALE_FORMATS = ("float32", "ue8m0")
 CHUNK_BYTES = 2 << 20
 
 
+# DeepSeek FP8 release format: one scale per 128 x 128 block of a weight.
+FP8_BLOCK: tuple[int, int] = (128, 128)
+
 def scale_name(weight_name: str) -> str:
     return weight_name + SCALE_SUFFIX
 
@@ -28,6 +31,11 @@ def scale_name(weight_name: str) -> str:
 def scale_shape(shape: tuple[int, ...] | list[int], block: tuple[int, int]) -> tuple[int, int]:
     r, c = shape
     return (-(-r // block[0]), -(-c // block[1]))
+
+
+def scale_row_range(lo: int, hi: int, block_rows: int) -> tuple[int, int]:
+    """Scale rows [a, b) whose blocks cover weight rows lo..hi-1."""
+    return lo // block_rows, -(-hi // block_rows)
 
 
 def scale_to_float32(scale: torch.Tensor) -> torch.Tensor:
@@ -44,7 +52,7 @@ def scale_to_float32(scale: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"unsupported scale dtype {scale.dtype}")
 
 
-def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128),
+def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = FP8_BLOCK,
                         scale_fmt: str = "float32") -> tuple[torch.Tensor, torch.Tensor]:
     """[r, c] float weight -> (fp8 e4m3 [r, c], scale_inv [ceil(r/br), ceil(c/bc)]).
 
@@ -72,13 +80,22 @@ def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128),
     return q.view(nr * br, nc * bc)[:r, :c].contiguous(), stored.contiguous()
 
 
+def apply_column_scales(values: torch.Tensor, s: torch.Tensor, block_cols: int) -> torch.Tensor:
+    """float32 ``values [n, c] * scale``, where s [n, ceil(c/block_cols)] holds each row's scale
+    per column block. Every dequantization (full load and Engram lookups) multiplies here, so
+    the two agree bit for bit."""
+    n, c = values.shape
+    if c % block_cols == 0:  # broadcast over each column block: the same products, no copy
+        return (values.float().view(n, c // block_cols, block_cols) * s.unsqueeze(-1)).view(n, c)
+    return values.float() * s.repeat_interleave(block_cols, 1)[:, :c]
+
+
 def dequantize_fp8_rows(q_rows: torch.Tensor, scale_rows: torch.Tensor, block: tuple[int, int],
                         dtype: torch.dtype) -> torch.Tensor:
     """Dequantize whole block-rows: q_rows [n, c] with the matching float32 scale rows
     [ceil(n/br), ceil(c/bc)]."""
-    n, c = q_rows.shape
-    s = scale_rows.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :c]
-    return (q_rows.float() * s).to(dtype)
+    s = scale_rows.repeat_interleave(block[0], 0)[:q_rows.shape[0]]
+    return apply_column_scales(q_rows, s, block[1]).to(dtype)
 
 
 def iter_dequantized_rows(read_rows: Callable[[int, int], torch.Tensor], shape: list[int],
@@ -100,10 +117,10 @@ def iter_dequantized_rows(read_rows: Callable[[int, int], torch.Tensor], shape: 
         q = read_rows(a, b)
         if q.dtype != FP8_DTYPE:
             raise ValueError(f"expected {FP8_DTYPE} rows, got {q.dtype}")
-        yield dequantize_fp8_rows(q, scale[a // block[0]:-(-b // block[0])], block, dtype)
+        yield dequantize_fp8_rows(q, scale[slice(*scale_row_range(a, b, block[0]))], block, dtype)
 
 
-def dequantize_fp8_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128),
+def dequantize_fp8_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = FP8_BLOCK,
                           dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     if q.dim() != 2:
         raise ValueError(f"FP8 block weights are 2-D, got shape {tuple(q.shape)}")

@@ -92,6 +92,16 @@ class StreamingShardWriter:
     def abort(self) -> None:
         self._f.close()
 
+    def __enter__(self) -> "StreamingShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """close() (the shard must be complete) on success, abort() on an exception."""
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
 
 def plan_shards(sizes: list[int], max_shard_bytes: int) -> list[list[int]]:
     """Greedy in-order grouping of tensor indices; a tensor over the limit gets its own shard."""

@@ -42,17 +42,15 @@ def _host_targets(model) -> dict[str, tuple[Any, str]]:
     return out
 
 
-def expected_shape_dtype(model, name: str) -> tuple[tuple[int, ...], torch.dtype] | None:
-    """What a tensor named ``name`` must look like, or None when the model has no such tensor."""
-    params = _param_targets(model)
-    if name in params:
-        return tuple(params[name].shape), params[name].dtype
-    host = _host_targets(model).get(name)
-    if host is None:
-        return None
-    table, part = host
-    entry = table.source.weight if part == "weight" else table.source.scale
-    return tuple(entry.shape), entry.dtype
+def served_specs(model) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name -> (shape, dtype) of every tensor an update may target (parameters win over host
+    tables). Built once per update: a per-tensor rebuild would walk the model N times."""
+    specs = {}
+    for name, (table, part) in _host_targets(model).items():
+        entry = table.source.weight if part == "weight" else table.source.scale
+        specs[name] = (tuple(entry.shape), entry.dtype)
+    specs.update({n: (tuple(t.shape), t.dtype) for n, t in _param_targets(model).items()})
+    return specs
 
 
 def validate_named_tensors(model, named: Iterable[tuple[str, torch.Tensor]],
@@ -60,6 +58,7 @@ def validate_named_tensors(model, named: Iterable[tuple[str, torch.Tensor]],
     """Raise WeightUpdateError naming the first bad tensor: unknown name, shape or dtype
     mismatch, a duplicate, a non-finite value, or an Engram table when not allowed."""
     seen: set[str] = set()
+    specs = served_specs(model)
     for i, item in enumerate(named):
         if not (isinstance(item, (tuple, list)) and len(item) == 2
                 and isinstance(item[0], str) and isinstance(item[1], torch.Tensor)):
@@ -72,7 +71,7 @@ def validate_named_tensors(model, named: Iterable[tuple[str, torch.Tensor]],
             raise WeightUpdateError(
                 f"{name}: refusing to overwrite a frozen Engram table (start the server with "
                 "--allow-engram-update or pass allow_engram_update in the request)")
-        want = expected_shape_dtype(model, name)
+        want = specs.get(name)
         if want is None:
             raise WeightUpdateError(f"{name}: the served model has no tensor of this name")
         shape, dtype = want

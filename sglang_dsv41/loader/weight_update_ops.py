@@ -16,7 +16,7 @@ import torch
 from ..model.model import is_engram_table
 from .weight_sync_group import init_weight_sync_group, parse_dtype, receive_weights
 from .weight_update import (WeightUpdateError, apply_named_tensors, engram_checksums,
-                            expected_shape_dtype, validate_named_tensors)
+                            served_specs, validate_named_tensors)
 
 
 def _allow_engram(runner, flag: bool) -> bool:
@@ -56,10 +56,10 @@ def read_disk_update(model, model_path: str) -> list[tuple[str, torch.Tensor]]:
     if missing:
         raise WeightUpdateError(f"{missing[0]}: missing from checkpoint {model_path} "
                                 f"({len(missing)} missing)")
-    named = []
+    named, specs = [], served_specs(model)
     for name, t in iter_checkpoint_tensors(model_path, [n for n in headers
                                                         if not is_engram_table(n)]):
-        want = expected_shape_dtype(model, name)
+        want = specs.get(name)
         if want is not None and t.is_floating_point():
             t = t.to(want[1])
         named.append((name, t))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import glob
 import importlib.util
 import os
 import sys
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 from .env import ENV
 from .registry import (PatchStatus, all_patches, apply_patches, check_plugin_names,
                        format_table, verify_source)
+from .state import stall_report_files
 
 DSV41_PREFIXES = ("--dsv41-", "--no-dsv41-")
 
@@ -185,7 +185,7 @@ def launch(server_args, argv: list[str]) -> int:
     verify_source(root, disabled=settings.disabled)  # raises, naming every bad target
     run_dir = settings.run_dir or tempfile.mkdtemp(prefix="sglang-dsv41-")
     os.makedirs(run_dir, exist_ok=True)
-    for stale in glob.glob(os.path.join(run_dir, "stall-rank*.json")):
+    for stale in stall_report_files(run_dir):
         os.remove(stale)
     os.environ.update(dataclasses.replace(settings, run_dir=run_dir).environ())
     # SGLang's own knob (read as an int when its http_server module is imported)

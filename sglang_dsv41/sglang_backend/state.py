@@ -82,9 +82,18 @@ def init_scheduler_process(tp_rank: int, tp_size: int, dp_rank: int | None) -> N
 
 
 # ---- stall reports on disk (scheduler ranks -> HTTP process, same node) ---------------------
+def stall_report_path(run_dir: str, rank: int | str) -> str:
+    """The report file of ``rank`` ("*": the glob pattern of every rank's file)."""
+    return os.path.join(run_dir, f"stall-rank{rank}.json")
+
+
+def stall_report_files(run_dir: str) -> list[str]:
+    return sorted(glob.glob(stall_report_path(run_dir, "*")))
+
+
 def write_stall_report(run_dir: str, report: StallReport) -> str:
     os.makedirs(run_dir, exist_ok=True)
-    path = os.path.join(run_dir, f"stall-rank{report.rank}.json")
+    path = stall_report_path(run_dir, report.rank)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         json.dump({"rank": report.rank, "step": report.step, "op": report.op,
@@ -95,14 +104,14 @@ def write_stall_report(run_dir: str, report: StallReport) -> str:
 
 def clear_stall_report(run_dir: str, rank: int) -> None:
     try:
-        os.remove(os.path.join(run_dir, f"stall-rank{rank}.json"))
+        os.remove(stall_report_path(run_dir, rank))
     except FileNotFoundError:
         pass
 
 
 def read_stall_reports(run_dir: str) -> list[dict]:
     out = []
-    for path in sorted(glob.glob(os.path.join(run_dir, "stall-rank*.json"))):
+    for path in stall_report_files(run_dir):
         try:
             with open(path) as f:
                 out.append(json.load(f))

@@ -16,13 +16,13 @@ from typing import Iterator
 import torch
 
 from ..loader.checkpoint import MAX_PRESET_BUILD_PARAMS, model_tensors, save_checkpoint
-from ..loader.fp8 import SCALE_FORMATS, quantize_fp8_blocks, scale_name
+from ..loader.fp8 import FP8_BLOCK, SCALE_FORMATS, quantize_fp8_blocks, scale_name
 from ..loader.release_layout import RELEASE_ARCHITECTURE, RELEASE_MODEL_TYPE, TEXT_PREFIX
 from ..model.config import PRESETS, DSV41Config, get_preset
 from ..model.model import build_model
 from ..tokenizer import ByteTokenizer
 
-BLOCK = (128, 128)
+
 NUM_DRAFT_LAYERS = 3
 VISION = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
           "num_attention_heads": 4, "patch_size": 14, "image_size": 224, "num_channels": 3}
@@ -47,7 +47,7 @@ def release_config(cfg: DSV41Config, scale_fmt: str) -> dict:
         "vision_config": {"model_type": "deepseek_v41_vision", **VISION},
         "image_token_index": cfg.vocab_size - 1,
         "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme":
-                                "dynamic", "weight_block_size": list(BLOCK),
+                                "dynamic", "weight_block_size": list(FP8_BLOCK),
                                 "scale_fmt": scale_fmt},
         "dspark_config": {"num_draft_layers": NUM_DRAFT_LAYERS, "draft_hidden_size":
                           cfg.hidden_size, "draft_vocab_size": cfg.vocab_size},
@@ -57,7 +57,7 @@ def release_config(cfg: DSV41Config, scale_fmt: str) -> dict:
 
 
 def _quantized(name: str, w: torch.Tensor, scale_fmt: str) -> Iterator[tuple[str, torch.Tensor]]:
-    q, s = quantize_fp8_blocks(w, BLOCK, scale_fmt)
+    q, s = quantize_fp8_blocks(w, FP8_BLOCK, scale_fmt)
     yield name, q
     yield scale_name(name), s
 

@@ -43,6 +43,7 @@ def engram_row_slice(name: str, headers: dict[str, tuple[torch.dtype, list[int]]
     weight decides the row shard (loader.engram_codec.shard_range); a companion tensor with
     fewer rows (fp8 block scales) gets the block rows that cover it."""
     from ...loader.engram_codec import shard_range
+    from ...loader.fp8 import FP8_BLOCK, scale_row_range
 
     weight_name = _table_of(name) + ".weight"
     if weight_name not in headers:
@@ -53,8 +54,11 @@ def engram_row_slice(name: str, headers: dict[str, tuple[torch.dtype, list[int]]
     rows = headers[name][1][0]
     if rows == table_rows:
         return lo, hi
-    block = -(-table_rows // rows)
-    return lo // block, -(-hi // block)
+    block_rows = FP8_BLOCK[0]
+    if rows != -(-table_rows // block_rows):
+        raise ValueError(f"Engram tensor {name!r} has {rows} rows; {table_rows} table rows in "
+                         f"blocks of {block_rows} need {-(-table_rows // block_rows)} scale rows")
+    return scale_row_range(lo, hi, block_rows)
 
 
 def place_engram(weights: Iterable[tuple[str, torch.Tensor]], layout: str, rank: int,
