@@ -6,7 +6,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import uuid
 from dataclasses import replace
@@ -15,12 +14,7 @@ from sglang_dsv41.engine.messages import (ControlOut, ControlReq, GenerateOut, G
                                           RankStats, ReadyMsg, SamplingParams, ShutdownReq)
 from sglang_dsv41.engine.scheduler import run_scheduler_process
 from sglang_dsv41.server_args import ServerArgs
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from sglang_dsv41.server_process import free_port
 
 
 def _rank_main(stderr_path, *args) -> None:

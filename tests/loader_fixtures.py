@@ -6,7 +6,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import traceback
 
 import torch
@@ -15,6 +14,7 @@ from sglang_dsv41.loader.checkpoint import model_tensors, save_checkpoint
 from sglang_dsv41.loader.fp8 import quantize_fp8_blocks, scale_name
 from sglang_dsv41.model import build_model, get_preset
 from sglang_dsv41.model.model import is_engram_table
+from sglang_dsv41.server_process import free_port
 
 
 def tiny_cfg(**kw):
@@ -38,12 +38,6 @@ def write_checkpoint(path: str, cfg, table: str = "bf16", seed: int = 0) -> dict
             tensors[name] = t.to(torch.bfloat16)
     save_checkpoint(tensors, path, cfg, tokenizer=False)
     return tensors
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(fn, rank, world, port, args, queue):

@@ -8,6 +8,7 @@ and leaves nothing in /dev/shm."""
 from __future__ import annotations
 
 import base64
+import glob
 import os
 import signal
 import threading
@@ -63,6 +64,7 @@ def setup(tmp_path_factory):
 def test_dummy_start_update_equals_full_load(setup):
     ckpt, shm, tensors, env = setup
     base = ["--model-path", ckpt, "--tp-size", "2", "--stall-timeout", "60"]
+    semaphores_before = set(glob.glob("/dev/shm/sem.mp-*"))
     with ServerProcess([*base, "--engram-layout", "shared"], env=env, startup_timeout=150) as ref:
         http = httpx.Client(base_url=ref.url, timeout=60)
         want = generate_all(http)
@@ -76,6 +78,10 @@ def test_dummy_start_update_equals_full_load(setup):
         os.killpg(ref.proc.pid, signal.SIGKILL)
         ref.proc.wait(10)
     assert segments(shm), "a SIGKILLed server leaves its segment behind"
+    # SIGKILL of the whole group also kills multiprocessing's resource tracker, which would
+    # have unlinked the killed server's queue semaphores: remove them so the test leaves none.
+    for path in set(glob.glob("/dev/shm/sem.mp-*")) - semaphores_before:
+        os.unlink(path)
 
     with ServerProcess([*base, "--engram-layout", "private", "--load-format", "dummy"], env=env,
                        startup_timeout=150) as srv:

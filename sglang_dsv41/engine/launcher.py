@@ -14,7 +14,6 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -25,6 +24,7 @@ from typing import Any
 
 from ..model.config import PRESETS, DSV41Config
 from ..server_args import ServerArgs
+from ..server_process import free_port
 from .dp_controller import DPController
 from .messages import ReadyMsg
 
@@ -35,12 +35,6 @@ _ERROR_MARKERS = ("Check failed", "enforce fail", "what()", "Error", "Exception"
 
 class EngineStartError(RuntimeError):
     """A scheduler rank failed to start; the message names the rank and the reason."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def resolve_model_dir(server_args: ServerArgs) -> str:
