@@ -11,6 +11,8 @@ import json
 import os
 from typing import TYPE_CHECKING, Any, Iterable
 
+from .jsonio import read_json_object
+
 if TYPE_CHECKING:
     from .model.config import DSV41Config
 
@@ -93,16 +95,10 @@ class ByteTokenizer:
     @classmethod
     def from_pretrained(cls, path: str) -> "ByteTokenizer":
         file = os.path.join(path, TOKENIZER_CONFIG_FILE) if os.path.isdir(path) else path
-        if not os.path.isfile(file):
-            raise ValueError(f"no tokenizer at {path!r}: {TOKENIZER_CONFIG_FILE} is missing")
-        try:
-            with open(file) as f:
-                d = json.load(f)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"corrupt tokenizer file {file}: {e}") from e
-        if not isinstance(d, dict) or d.get("tokenizer_class") != TOKENIZER_CLASS:
-            got = d.get("tokenizer_class") if isinstance(d, dict) else type(d).__name__
-            raise ValueError(f"{file}: tokenizer_class is {got!r}, expected {TOKENIZER_CLASS!r}")
+        d = read_json_object(file, "tokenizer file")
+        if d.get("tokenizer_class") != TOKENIZER_CLASS:
+            raise ValueError(f"{file}: tokenizer_class is {d.get('tokenizer_class')!r}, "
+                             f"expected {TOKENIZER_CLASS!r}")
         try:
             return cls(d["vocab_size"], d["bos_token_id"], d["eos_token_id"], d["pad_token_id"])
         except KeyError as e:

@@ -140,3 +140,8 @@ def test_config_round_trip_and_validation(tmp_path):
     with pytest.raises(ValueError, match="convert"):
         DSV41Config.from_dict({"model_type": "deepseek_v41", "text_config": {}})
     assert get_preset("v41-flash").num_parameters() > 2e11
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="corrupt model config .*config.json"):
+        DSV41Config.from_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="is missing"):
+        DSV41Config.from_pretrained(str(tmp_path / "nowhere"))

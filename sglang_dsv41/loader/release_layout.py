@@ -22,10 +22,10 @@ from typing import Iterator
 
 import torch
 
+from ..jsonio import read_json_object
 from ..model.config import ARCHITECTURE, MODEL_TYPE, DSV41Config
 from .fp8 import CHUNK_BYTES, FP8_DTYPE, SCALE_SUFFIX, iter_dequantized_rows, scale_shape
-from .shards import (RawShardReader, checkpoint_files, read_json, shard_headers,
-                     tensor_nbytes)
+from .shards import RawShardReader, checkpoint_files, shard_headers, tensor_nbytes
 
 RELEASE_ARCHITECTURE = "DeepseekV41ForConditionalGeneration"
 RELEASE_MODEL_TYPE = "deepseek_v41_vl"
@@ -129,7 +129,7 @@ class ConversionPlan:
 def plan_conversion(src: str) -> ConversionPlan:
     """Read every header, classify every tensor and check the result against the model's
     names and shapes before a single byte is written."""
-    release = read_json(os.path.join(src, "config.json"), "config")
+    release = read_json_object(os.path.join(src, "config.json"), "config")
     config = text_config_from_release(release)
     cfg = DSV41Config.from_dict(config)
     block = quant_block(release)

@@ -14,6 +14,8 @@ from typing import Iterable
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ..jsonio import read_json_object
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -145,25 +147,12 @@ def write_index(out_dir: str, weight_map: dict[str, str], total_size: int) -> No
         json.dump(index, f, indent=2)
 
 
-def read_json(path: str, what: str) -> dict:
-    if not os.path.isfile(path):
-        raise ValueError(f"{what} {path} is missing")
-    try:
-        with open(path) as f:
-            d = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"corrupt {what} {path}: {e}") from e
-    if not isinstance(d, dict):
-        raise ValueError(f"corrupt {what} {path}: top level is not an object")
-    return d
-
-
 def checkpoint_files(ckpt_dir: str) -> dict[str, list[str] | None]:
     """Shard file -> the names the index assigns to it, in file order; a single-file checkpoint
     maps model.safetensors -> None (its names come from the header)."""
     index_path = os.path.join(ckpt_dir, INDEX_FILE)
     if os.path.exists(index_path):
-        index = read_json(index_path, "checkpoint index")
+        index = read_json_object(index_path, "checkpoint index")
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"corrupt checkpoint index {index_path}: no weight_map")

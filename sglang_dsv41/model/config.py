@@ -7,6 +7,8 @@ import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from ..jsonio import read_json_object
+
 MODEL_TYPE = "deepseek_v41"
 ARCHITECTURE = "DeepseekV41ForCausalLM"
 CONFIG_FILE = "config.json"
@@ -156,8 +158,7 @@ class DSV41Config:
     @classmethod
     def from_pretrained(cls, path: str) -> "DSV41Config":
         file = path if path.endswith(".json") else os.path.join(path, CONFIG_FILE)
-        with open(file) as f:
-            return cls.from_dict(json.load(f))
+        return cls.from_dict(read_json_object(file, "model config"))
 
 
 PRESETS: dict[str, DSV41Config] = {
