@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..scheduler.policies import plan_prefill_padding
+from ..policies.dp_attention import plan_prefill_padding
 from .kv_cache import DUMMY_SLOT, slots_of
 from .messages import SamplingParams
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from ..scheduler.watchdog import StallWatchdog
+    from ..policies.watchdog import StallWatchdog
     from ..server_args import ServerArgs
 
 # gloo in torch 2.13 warns that the *_tensor collectives are deprecated aliases.

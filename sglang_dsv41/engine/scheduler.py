@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from ..scheduler.policies import should_run_forward
-from ..scheduler.watchdog import StallReport, StallWatchdog
+from ..policies.dp_attention import should_run_forward
+from ..policies.watchdog import StallReport, StallWatchdog
 from ..server_args import ServerArgs
 from .batch import idle_plan
 from .control import run_control_op

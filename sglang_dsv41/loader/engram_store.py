@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from ..model.engram import EngramLayer
+from ..policies.engram_layout import LAYOUTS, choose_engram_layout
 from .engram_source import find_engram_tables
 from .fp8 import FP8_BLOCK
 from .engram_tables import PrivateEngramTable, SharedEngramTable, agree
@@ -26,7 +27,6 @@ __all__ = ["EngramStoreHandle", "PrivateEngramTable", "SharedEngramTable", "LAYO
            "install_engram_tables", "engram_layers", "resolve_layout"]
 
 logger = logging.getLogger("sglang_dsv41.loader")
-LAYOUTS = ("shared", "private")
 
 
 @dataclass
@@ -59,12 +59,9 @@ def engram_layers(model) -> dict[str, EngramLayer]:
 
 
 def resolve_layout(layout: str, world_size: int, local_world_size: int) -> str:
-    """auto: private when the ranks span several nodes, shared on one node."""
-    if layout == "auto":
-        return "private" if local_world_size < world_size else "shared"
-    if layout not in LAYOUTS:
-        raise ValueError(f"Engram layout must be one of {('auto',) + LAYOUTS}, got {layout!r}")
-    return layout
+    """auto: private when the ranks span several nodes, shared on one node (the one rule:
+    sglang_dsv41.policies.engram_layout; shared across nodes is refused there)."""
+    return choose_engram_layout(layout, spans_nodes=local_world_size < world_size)
 
 
 def install_engram_tables(model, ckpt_dir: str, layout: str, rank: int = 0, world_size: int = 1,

@@ -1,7 +1,7 @@
-"""DP-attention scheduling policies as pure functions over plain data.
+"""DP-attention batch policies of the embedded engine, as pure functions over plain data.
 
-One implementation, two adapters: the embedded engine's scheduler ranks and the SGLang patches
-(``sglang_dsv41.sglang_backend``) both call these.
+SGLang 0.5.23 already pads prefill counts to attn_tp_size and adds idle batches
+(``managers/scheduler_components/dp_attn.py``), so only the embedded engine calls these.
 """
 
 from __future__ import annotations
@@ -48,21 +48,3 @@ def should_run_forward(local_tokens: int, global_tokens: list[int], idle_batch_e
     if local_tokens > 0:
         return True
     return idle_batch_enabled and needs_idle_batch(local_tokens, global_tokens)
-
-
-def mlp_sync_token_counts(per_rank_tokens: list[int], attn_tp_size: int, padding: bool = True
-                          ) -> list[int]:
-    """Per-DP-rank token counts after padding, as the MLP sync sees them (0 stays 0: an idle rank
-    runs its idle batch with zero tokens, which every collective must accept)."""
-    return [plan_prefill_padding(n, attn_tp_size, padding).padded_tokens for n in per_rank_tokens]
-
-
-def pad_idle_ranks(per_rank_tokens: list[int], attn_tp_size: int) -> list[int]:
-    """Give every idle DP rank (0 tokens while another rank has some) attn_tp_size padding rows.
-
-    SGLang's SUM_LEN gather hands an idle rank a zero-length slice and runs its idle forward
-    with 0 tokens; a collective skipped on 0 tokens deadlocks the others. One row per
-    attention-TP rank keeps the idle forward inside every collective."""
-    if attn_tp_size < 1:
-        raise ValueError(f"attn_tp_size must be >= 1, got {attn_tp_size}")
-    return [attn_tp_size if needs_idle_batch(n, per_rank_tokens) else n for n in per_rank_tokens]
