@@ -15,14 +15,17 @@ from typing import Callable
 
 import torch
 
+from .dsv4 import DSV4_BACKENDS, dsv4_attention, dsv4_decode
 from .reference import sink_attention_reference, sink_decode_reference
+from .transformers_backend import register_transformers_attention
 
 BACKEND_ENV = "SGLANG_DSV41_ATTENTION_BACKEND"
 PREFILL_BACKENDS = ("reference", "triton", "flash_attn")
 DECODE_BACKENDS = ("reference", "triton")
 
 __all__ = ["sink_attention", "sink_decode", "sink_attention_reference", "sink_decode_reference",
-           "resolve_backend", "PREFILL_BACKENDS", "DECODE_BACKENDS", "BACKEND_ENV"]
+           "resolve_backend", "PREFILL_BACKENDS", "DECODE_BACKENDS", "BACKEND_ENV",
+           "dsv4_attention", "dsv4_decode", "DSV4_BACKENDS", "register_transformers_attention"]
 
 
 def _flash_attn_available() -> bool:

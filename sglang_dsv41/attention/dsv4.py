@@ -1,0 +1,127 @@
+"""Dispatch of the DSV4 sparse sink attention: one entry for the model, the trainer and the engine.
+
+Backends: "reference" (torch, dsv4_reference.py) and "triton" (dsv4_triton_*.py). The choice
+follows the package's rule (sglang_dsv41.attention.resolve_backend): the `backend` argument,
+then SGLANG_DSV41_ATTENTION_BACKEND, then CUDA -> triton, CPU -> reference; triton on CPU only
+under TRITON_INTERPRET=1 (tests). Inputs are validated here, once, before any kernel launch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .dsv4_reference import dsv4_attention_reference, window_indices
+
+DSV4_BACKENDS = ("reference", "triton")
+
+
+def _resolve(device: torch.device, backend: str | None) -> str:
+    from . import BACKEND_ENV, _triton_runs_on
+    import os
+
+    name = backend or os.environ.get(BACKEND_ENV) or "auto"
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "reference"
+    if name not in DSV4_BACKENDS:
+        raise ValueError(f"DSV4 attention backend {name!r} unknown; choose one of "
+                         f"{DSV4_BACKENDS} or 'auto'")
+    if name == "triton" and not _triton_runs_on(device):
+        raise ValueError("the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
+    return name
+
+
+def _check(q, kv, sinks, cu_seqlens, window, comp_kv, comp_idx):
+    if q.dim() != 3 or kv.dim() != 2 or kv.shape != (q.shape[0], q.shape[2]):
+        raise ValueError(f"q must be [T, H, D] and kv [T, D]; got {tuple(q.shape)}, "
+                         f"{tuple(kv.shape)}")
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise ValueError(f"unsupported dtype {q.dtype}")
+    if kv.dtype != q.dtype or (comp_kv is not None and comp_kv.dtype != q.dtype):
+        raise ValueError(f"q, kv and comp_kv must share a dtype; got {q.dtype}, {kv.dtype}, "
+                         f"{None if comp_kv is None else comp_kv.dtype}")
+    if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(f"sinks must have shape [{q.shape[1]}], got {tuple(sinks.shape)}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or int(cu_seqlens[-1]) != q.shape[0]:
+        raise ValueError(f"cu_seqlens must be 1-D and end at T={q.shape[0]}; got "
+                         f"{cu_seqlens.tolist() if cu_seqlens.numel() < 16 else cu_seqlens.shape}")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if comp_idx is not None:
+        if comp_idx.dim() != 2 or comp_idx.shape[0] != q.shape[0]:
+            raise ValueError(f"comp_idx must be [T, K]; got {tuple(comp_idx.shape)}")
+        if comp_idx.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"comp_idx must be int32 (or int64); got {comp_idx.dtype}")
+        if comp_kv is None:
+            raise ValueError("comp_idx given without comp_kv")
+        if comp_kv.dim() != 2 or comp_kv.shape[1] != q.shape[2]:
+            raise ValueError(f"comp_kv must be [C, {q.shape[2]}]; got {tuple(comp_kv.shape)}")
+        if comp_idx.numel() and (int(comp_idx.max()) >= comp_kv.shape[0]
+                                 or int(comp_idx.min()) < -1):
+            raise ValueError(f"comp_idx entries must lie in [-1, {comp_kv.shape[0]}); got "
+                             f"[{int(comp_idx.min())}, {int(comp_idx.max())}]")
+
+
+def dsv4_attention(q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor | None,
+                   cu_seqlens: torch.Tensor, window: int, scale: float,
+                   comp_kv: torch.Tensor | None = None, comp_idx: torch.Tensor | None = None,
+                   backend: str | None = None) -> torch.Tensor:
+    """The reference's contract (dsv4_reference.dsv4_attention_reference) on the chosen backend."""
+    _check(q, kv, sinks, cu_seqlens, window, comp_kv, comp_idx)
+    if _resolve(q.device, backend) == "reference" or q.dtype == torch.float64:
+        return dsv4_attention_reference(q, kv, sinks, cu_seqlens, window, scale, comp_kv,
+                                        comp_idx)
+    from .dsv4_triton_backward import dsv4_attention_triton
+
+    return dsv4_attention_triton(q, kv, sinks, cu_seqlens, window, scale, comp_kv, comp_idx)
+
+
+def dsv4_decode_reference(q, kv_cache, page_table, seq_lens, sinks, window, scale, comp_kv=None,
+                          comp_idx=None) -> torch.Tensor:
+    """Paged decode through the prefill reference: gather each request's window, one query each."""
+    batch, _, dim = q.shape
+    page = kv_cache.shape[1]
+    outs = []
+    for b in range(batch):
+        n = int(seq_lens[b])
+        lo = max(0, n - window)
+        pos = torch.arange(lo, n, device=q.device)
+        rows = page_table[b, pos // page].long() * page + pos % page
+        keys = kv_cache.reshape(-1, dim)[rows]
+        # The query is the last of a pseudo-sequence of its window keys; only its row counts.
+        qs = torch.zeros(n - lo, *q.shape[1:], dtype=q.dtype, device=q.device)
+        qs[-1] = q[b]
+        cu = torch.tensor([0, n - lo], dtype=torch.int32, device=q.device)
+        cidx = None
+        if comp_idx is not None:
+            cidx = comp_idx[b:b + 1].expand(n - lo, -1)
+        outs.append(dsv4_attention_reference(qs, keys, sinks, cu, window, scale, comp_kv,
+                                             cidx)[-1])
+    return torch.stack(outs) if outs else q.new_zeros(q.shape)
+
+
+def dsv4_decode(q, kv_cache, page_table, seq_lens, sinks, window, scale, comp_kv=None,
+                comp_idx=None, backend: str | None = None) -> torch.Tensor:
+    """q [B, H, D]; kv_cache [pages, page_size, D]; page_table [B, max_pages]; seq_lens [B]
+    (the query's own latent already cached); comp_kv [C, D] pool; comp_idx [B, K] -> [B, H, D]."""
+    if q.dim() != 3 or kv_cache.dim() != 3 or kv_cache.shape[2] != q.shape[2]:
+        raise ValueError(f"q must be [B, H, D] and kv_cache [pages, page_size, D]; got "
+                         f"{tuple(q.shape)}, {tuple(kv_cache.shape)}")
+    if page_table.dim() != 2 or page_table.shape[0] != q.shape[0] or \
+            tuple(seq_lens.shape) != (q.shape[0],):
+        raise ValueError("page_table must be [B, max_pages] and seq_lens [B]")
+    if seq_lens.numel() and int(seq_lens.max()) > page_table.shape[1] * kv_cache.shape[1]:
+        raise ValueError("a seq_len exceeds the pages its page_table row can hold")
+    if comp_idx is not None and (comp_kv is None or comp_idx.shape[0] != q.shape[0]):
+        raise ValueError("comp_idx must be [B, K] and come with comp_kv")
+    if _resolve(q.device, backend) == "reference":
+        return dsv4_decode_reference(q, kv_cache, page_table, seq_lens, sinks, window, scale,
+                                     comp_kv, comp_idx)
+    from .dsv4_triton_decode import dsv4_decode_triton
+
+    return dsv4_decode_triton(q, kv_cache, page_table, seq_lens,
+                              sinks.float().contiguous() if sinks is not None else None,
+                              window, scale, comp_kv, comp_idx)
+
+
+__all__ = ["dsv4_attention", "dsv4_decode", "dsv4_attention_reference", "dsv4_decode_reference",
+           "window_indices", "DSV4_BACKENDS"]

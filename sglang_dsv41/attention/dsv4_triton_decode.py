@@ -1,0 +1,28 @@
+"""Paged decode of the DSV4 sparse sink attention over the engine's cache (Triton).
+
+One query token per request. The request's window is its last `window` cached positions, read
+through the page table of a paged latent cache [num_pages, page_size, D] (one K=V head); its
+compressed selection is a list of rows of a flat compressed pool [C, D] (-1 = none), exactly as
+in prefill. The forward kernel serves both (PAGED=True); one program per (request, head block)
+reads each key tile once for all heads of the block, which keeps decode bandwidth-bound.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .dsv4_triton_forward import DSV4Blocks, default_blocks, dsv4_forward, selection_or_empty
+
+
+def dsv4_decode_triton(q, kv_cache, page_table, seq_lens, sinks, window, scale, comp_kv=None,
+                       comp_idx=None, blocks: DSV4Blocks | None = None) -> torch.Tensor:
+    """q [B, H, D]; kv_cache [pages, page_size, D]; page_table [B, max_pages] int32;
+    seq_lens [B] (tokens cached, the query's own included) -> [B, H, D]."""
+    batch, heads, dim = q.shape
+    blocks = blocks or default_blocks(heads)
+    ckv, cidx = selection_or_empty(comp_kv, comp_idx, batch, dim, kv_cache)
+    out, _ = dsv4_forward(q.contiguous(), kv_cache.reshape(-1, dim), sinks, seq_lens.to(torch.int32)
+                          .contiguous(), window, scale, ckv, cidx, blocks, store_lse=False,
+                          page_table=page_table.to(torch.int32).contiguous(),
+                          page_size=kv_cache.shape[1])
+    return out

@@ -1,0 +1,185 @@
+"""Triton forward of the DSV4 sparse sink attention (contract: dsv4_reference.py).
+
+One program per (query token, block of heads). All heads of a token share one K=V latent
+(MQA), so the heads are the M side of every tile: q [BH, D] against gathered keys [BN, D].
+Two key sources per token, walked in order with one online softmax seeded by the sink:
+  1. the sliding window, positions (pos - window, pos] of the token's sequence, contiguous rows
+     of `kv` (packed prefill) or rows found through a page table (paged decode, PAGED=True);
+  2. the token's compressed selection, rows of `comp_kv` listed in comp_idx[t] (-1 = none).
+Tiles of the selection whose indices are all -1 are skipped (the indexer puts its invalid picks
+last, so most padding costs one index load).
+
+Scores use exp2 with log2(e) folded into the scale; the saved LSE is in the same log2 units and
+sink-inclusive; a row that sees nothing (and has no sink) stores +inf so the backward's
+probabilities are 0 there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_common import LOG2E, dot_precision, interpreting, mma, to_dtype
+
+
+@dataclass(frozen=True)
+class DSV4Blocks:
+    """Tile sizes of the DSV4 kernels: heads per program (bh), keys per tile (bn), warps, stages."""
+
+    fwd_bh: int = 64
+    fwd_bn: int = 32
+    fwd_warps: int = 8
+    fwd_stages: int = 1
+    dq_bh: int = 64
+    dq_bn: int = 16
+    dq_warps: int = 8
+    dq_stages: int = 1
+    dkv_bh: int = 32
+    dkv_bn: int = 16
+    dkv_warps: int = 8
+    dkv_stages: int = 1
+
+    def __post_init__(self):
+        for name in ("fwd_bh", "fwd_bn", "dq_bh", "dq_bn", "dkv_bh", "dkv_bn"):
+            val = getattr(self, name)
+            if val < 16 or val & (val - 1):
+                raise ValueError(f"DSV4Blocks.{name}={val}: must be a power of two >= 16")
+
+
+INTERPRET_BLOCKS = DSV4Blocks(16, 16, 1, 1, 16, 16, 1, 1, 16, 16, 1, 1)
+
+
+def default_blocks(heads: int) -> DSV4Blocks:
+    if interpreting():
+        return INTERPRET_BLOCKS
+    bh = max(16, min(64, triton.next_power_of_2(heads)))
+    return DSV4Blocks(fwd_bh=bh, dq_bh=bh, dkv_bh=min(bh, 32))
+
+
+@triton.jit
+def _load_keys(kv_ptr, comp_ptr, idx_ptr, page_ptr, t, n, lo, hi, num_sel, stride_kv, stride_c,
+               stride_idx, stride_page, offs_n, offs_d, dmask, IS_WINDOW: tl.constexpr,
+               PAGED: tl.constexpr, PAGE: tl.constexpr):
+    """-> (keys [BN, BD], valid [BN], row [BN]) of tile n of a token's window or selection."""
+    if IS_WINDOW:
+        pos = n + offs_n
+        valid = pos < hi
+        if PAGED:
+            page = tl.load(page_ptr + t * stride_page + pos // PAGE, mask=valid, other=0)
+            row = page * PAGE + pos % PAGE
+        else:
+            row = pos
+        ptrs = kv_ptr + row[:, None].to(tl.int64) * stride_kv + offs_d[None, :]
+    else:
+        j = n + offs_n
+        row = tl.load(idx_ptr + t * stride_idx + j, mask=j < num_sel, other=-1)
+        valid = row >= 0
+        ptrs = comp_ptr + row[:, None].to(tl.int64) * stride_c + offs_d[None, :]
+    keys = tl.load(ptrs, mask=valid[:, None] & dmask[None, :], other=0.0)
+    return keys, valid, row
+
+
+@triton.jit
+def _dsv4_fwd_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, sink_ptr, first_ptr, page_ptr, o_ptr,
+                     lse_ptr, H, D, window, num_sel, qk_scale, stride_qt, stride_qh, stride_kv,
+                     stride_c, stride_idx, stride_page, stride_ot, stride_oh,
+                     HAS_SINK: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
+                     STORE_LSE: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+                     BD: tl.constexpr, DOT_PREC: tl.constexpr):
+    t = tl.program_id(0)
+    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+    offs_d = tl.arange(0, BD)
+    offs_n = tl.arange(0, BN)
+    hmask = offs_h < H
+    dmask = offs_d < D
+    q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh
+                + offs_d[None, :], mask=hmask[:, None] & dmask[None, :], other=0.0)
+    if HAS_SINK:
+        m_i = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BH], 1.0, tl.float32)
+    else:
+        m_i = tl.full([BH], -1.0e30, tl.float32)
+        l_i = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, BD], tl.float32)
+    # Window bounds in positions: packed rows [first, t] or cached positions [0, seq_len).
+    if PAGED:
+        hi = tl.load(first_ptr + t)
+        lo = tl.maximum(hi - window, 0)
+    else:
+        hi = t + 1
+        lo = tl.maximum(tl.load(first_ptr + t), t + 1 - window)
+    for n in range(lo, hi, BN):
+        k, valid, _ = _load_keys(kv_ptr, comp_ptr, idx_ptr, page_ptr, t, n, lo, hi, num_sel,
+                                 stride_kv, stride_c, stride_idx, stride_page, offs_n, offs_d,
+                                 dmask, True, PAGED, PAGE)
+        s = mma(q, tl.trans(k), DOT_PREC) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + mma(to_dtype(p, k.dtype, DOT_PREC), k, DOT_PREC)
+        m_i = m_new
+    for n in range(0, num_sel, BN):
+        k, valid, row = _load_keys(kv_ptr, comp_ptr, idx_ptr, page_ptr, t, n, lo, hi, num_sel,
+                                   stride_kv, stride_c, stride_idx, stride_page, offs_n, offs_d,
+                                   dmask, False, PAGED, PAGE)
+        if tl.max(row, 0) >= 0:
+            s = mma(q, tl.trans(k), DOT_PREC) * qk_scale
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + mma(to_dtype(p, k.dtype, DOT_PREC), k, DOT_PREC)
+            m_i = m_new
+    out = acc / tl.maximum(l_i, 1.0e-30)[:, None]
+    tl.store(o_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
+    if STORE_LSE:
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("inf"))
+        tl.store(lse_ptr + t * H + offs_h, lse, mask=hmask)
+
+
+def sequence_first_rows(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """[T] int32: the packed row where each token's sequence starts."""
+    cu = cu_seqlens.to(device=cu_seqlens.device, dtype=torch.long)
+    t = torch.arange(total, device=cu.device)
+    seq = torch.searchsorted(cu[1:], t, right=True)
+    return cu[seq].to(torch.int32)
+
+
+def selection_or_empty(comp_kv, comp_idx, total, dim, like):
+    """(comp_kv [C>=1, D], comp_idx [T, K] int32 contiguous) with a dummy row when empty."""
+    if comp_idx is None or comp_idx.shape[1] == 0 or comp_kv is None or comp_kv.shape[0] == 0:
+        k = 0 if comp_idx is None else comp_idx.shape[1]
+        idx = torch.full((total, k), -1, dtype=torch.int32, device=like.device)
+        return like.new_zeros(1, dim), idx
+    return comp_kv.contiguous(), comp_idx.to(torch.int32).contiguous()
+
+
+def dsv4_forward(q, kv, sinks, first_rows, window, scale, comp_kv, comp_idx,
+                 blocks: DSV4Blocks, store_lse: bool = True, page_table=None, page_size=1):
+    """-> (out [T, H, D], lse [T, H] fp32 log2 units or None). Inputs already validated and
+    contiguous; comp_kv/comp_idx from selection_or_empty. With page_table, `kv` is the paged
+    cache [pages * page_size, D], T is the batch and first_rows holds the sequence lengths."""
+    total, heads, dim = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(total, heads, device=q.device, dtype=torch.float32) if store_lse else None
+    if total == 0:
+        return out, lse
+    paged = page_table is not None
+    grid = (total, triton.cdiv(heads, blocks.fwd_bh))
+    _dsv4_fwd_kernel[grid](
+        q, kv, comp_kv, comp_idx, sinks if sinks is not None else q, first_rows,
+        page_table if paged else first_rows, out, lse if store_lse else out, heads, dim, window,
+        comp_idx.shape[1], scale * LOG2E, q.stride(0), q.stride(1), kv.stride(0),
+        comp_kv.stride(0), comp_idx.stride(0), page_table.stride(0) if paged else 0,
+        out.stride(0), out.stride(1), HAS_SINK=sinks is not None, PAGED=paged, PAGE=page_size,
+        STORE_LSE=store_lse, BH=blocks.fwd_bh, BN=blocks.fwd_bn,
+        BD=triton.next_power_of_2(dim), DOT_PREC=dot_precision(q.dtype),
+        num_warps=blocks.fwd_warps, num_stages=blocks.fwd_stages)
+    return out, lse

@@ -1,0 +1,151 @@
+"""DSV4 sparse sink attention kernels against the float64 torch reference.
+
+CI runs these on the CPU under TRITON_INTERPRET=1 (tiny shapes, 16-wide tiles); on a CUDA
+machine they run on the GPU. Inputs are drawn fresh each run (`seed` fixture); the reference sees
+the same rounded inputs upcast to float64.
+"""
+
+import os
+
+import pytest
+import torch
+
+from sglang_dsv41.attention import dsv4_attention, dsv4_decode
+from sglang_dsv41.attention.dsv4 import dsv4_decode_reference
+from sglang_dsv41.attention.dsv4_reference import dsv4_attention_reference
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
+                                reason="Triton needs CUDA or TRITON_INTERPRET=1")
+DEVICE = "cpu" if INTERPRET else "cuda"
+TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-3}
+
+
+def _cu(lens):
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
+                        device=DEVICE)
+
+
+def _rel(x, ref):
+    return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-300)).item()
+
+
+def hca_selection(lens, ratio):
+    """Every compressed block complete before the query, per packed sequence (the HCA rule)."""
+    rows, base, most = [], 0, max(max(lens) // ratio, 1)
+    for n in lens:
+        for pos in range(n):
+            ready = (pos + 1) // ratio
+            rows.append([base + c for c in range(ready)] + [-1] * (most - ready))
+        base += n // ratio
+    return torch.tensor(rows, dtype=torch.int32, device=DEVICE), base
+
+
+def csa_selection(lens, ratio, topk, gen):
+    """Random top-k of the blocks complete before the query, no repeats, invalid picks -1 last."""
+    rows, base = [], 0
+    for n in lens:
+        for pos in range(n):
+            ready = (pos + 1) // ratio
+            pick = (torch.randperm(ready, generator=gen)[:topk] + base).tolist()
+            rows.append(pick + [-1] * (topk - len(pick)))
+        base += n // ratio
+    return torch.tensor(rows, dtype=torch.int32, device=DEVICE), base
+
+
+def _compare(lens, heads, dim, window, dtype, comp_rows, comp_idx, with_sinks=True, scale=0.2):
+    total = sum(lens)
+    q = torch.randn(total, heads, dim, device=DEVICE).to(dtype)
+    kv = torch.randn(total, dim, device=DEVICE).to(dtype)
+    sinks = torch.randn(heads, device=DEVICE) if with_sinks else None
+    comp = torch.randn(comp_rows, dim, device=DEVICE).to(dtype) if comp_idx is not None else None
+    ins = [x for x in (q, kv, sinks, comp) if x is not None]
+    dout = torch.randn(total, heads, dim, device=DEVICE).to(dtype)
+
+    def run(leaves, fn, **kw):
+        it = iter(leaves)
+        args = [next(it), next(it), next(it) if with_sinks else None, _cu(lens), window, scale,
+                next(it) if comp is not None else None, comp_idx]
+        out = fn(*args, **kw)
+        # The reference never reads a 0-row comp_kv: its gradient is then zeros, not absent.
+        grads = torch.autograd.grad(out, leaves, dout.to(out.dtype), allow_unused=True)
+        return out, [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
+
+    out, grads = run([x.clone().requires_grad_() for x in ins], dsv4_attention, backend="triton")
+    ref, ref_grads = run([x.double().requires_grad_() for x in ins], dsv4_attention_reference)
+    names = ["q", "kv", "sinks", "comp_kv"][:len(ins)] if with_sinks else ["q", "kv", "comp_kv"]
+    if comp_rows == 0 and comp is not None:
+        assert not grads[-1].any() and grads[-1].shape == (0, dim)
+        grads, ref_grads = grads[:-1], ref_grads[:-1]
+    errs = {"out": _rel(out, ref)} | {f"d{n}": _rel(g, r) for n, g, r in
+                                     zip(names, grads, ref_grads)}
+    bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
+    assert not bad, f"relative errors over {TOL[dtype]}: {bad} (all: {errs})"
+    return out, grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["sliding", "hca", "csa"])
+def test_every_layer_kind_matches_float64_reference(seed, kind, dtype):
+    # Three packed sequences: one shorter than the window, windows cut at each start.
+    lens, ratio, gen = [5, 37, 22], 4, torch.Generator().manual_seed(seed)
+    comp_idx, rows = {"sliding": (None, 0), "hca": hca_selection(lens, ratio),
+                      "csa": csa_selection(lens, ratio, 3, gen)}[kind]
+    _compare(lens, heads=4, dim=32, window=16, dtype=dtype, comp_rows=rows, comp_idx=comp_idx)
+
+
+def test_padding_empty_selection_and_no_sinks(seed):
+    lens, gen = [9, 20], torch.Generator().manual_seed(seed)
+    idx, rows = csa_selection(lens, 2, 4, gen)
+    # Whole tiles of -1 (skipped by the kernels) and queries that select nothing.
+    idx = torch.cat([idx, torch.full((idx.shape[0], 20), -1, dtype=torch.int32,
+                                     device=DEVICE)], 1)
+    _compare(lens, heads=3, dim=48, window=8, dtype=torch.float32, comp_rows=rows,
+             comp_idx=idx, with_sinks=False)
+    # An empty compressed set (no rows at all), and K = 0.
+    empty = torch.full((sum(lens), 2), -1, dtype=torch.int32, device=DEVICE)
+    _compare(lens, heads=3, dim=32, window=8, dtype=torch.float32, comp_rows=0, comp_idx=empty)
+    _compare(lens, heads=3, dim=32, window=8, dtype=torch.float32, comp_rows=0,
+             comp_idx=empty[:, :0])
+
+
+def test_dsink_is_bitwise_deterministic(seed):
+    lens = [30, 17]
+    idx, rows = hca_selection(lens, 4)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(seed)
+        runs.append(_compare(lens, 4, 32, 8, torch.float32, rows, idx)[1][2])
+    assert torch.equal(runs[0], runs[1]), f"dsink differs between identical runs: {runs}"
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_paged_decode_matches_reference(seed, page_size):
+    batch, heads, dim, window, pages = 3, 4, 32, 8, 12
+    seq_lens = torch.tensor([3, 21, 9], device=DEVICE)
+    cache = torch.randn(pages, page_size, dim, device=DEVICE)
+    table = torch.stack([torch.randperm(pages, device=DEVICE)[:6] for _ in range(batch)]).int()
+    q = torch.randn(batch, heads, dim, device=DEVICE)
+    sinks = torch.randn(heads, device=DEVICE)
+    comp = torch.randn(10, dim, device=DEVICE)
+    idx = torch.tensor([[-1, -1, -1], [4, 0, -1], [9, 2, 7]], dtype=torch.int32, device=DEVICE)
+    out = dsv4_decode(q, cache, table, seq_lens, sinks, window, 0.3, comp, idx, backend="triton")
+    ref = dsv4_decode_reference(q.double(), cache.double(), table, seq_lens, sinks.double(),
+                                window, 0.3, comp.double(), idx)
+    assert _rel(out, ref) <= 1e-3
+
+
+def test_hostile_inputs_get_clear_errors():
+    q, kv = torch.randn(6, 2, 16), torch.randn(6, 16)
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    comp = torch.randn(3, 16)
+    with pytest.raises(ValueError, match="end at T=6"):
+        dsv4_attention(q, kv, None, torch.tensor([0, 5], dtype=torch.int32), 4, 1.0)
+    with pytest.raises(ValueError, match=r"lie in \[-1, 3\)"):
+        dsv4_attention(q, kv, None, cu, 4, 1.0, comp, torch.full((6, 1), 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="without comp_kv"):
+        dsv4_attention(q, kv, None, cu, 4, 1.0, None, torch.zeros(6, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="share a dtype"):
+        dsv4_attention(q, kv.double(), None, cu, 4, 1.0)
+    with pytest.raises(ValueError, match="unknown"):
+        dsv4_attention(q, kv, None, cu, 4, 1.0, backend="cuda_magic")
