@@ -23,10 +23,17 @@ IMPLEMENTATION_NAME = "sglang_dsv41_dsv4"
 log = logging.getLogger(__name__)
 
 
-def _band(seq: int, window: int, device) -> torch.Tensor:
-    i = torch.arange(seq, device=device)
-    rel = i[:, None] - i[None, :]
-    return (rel >= 0) & (rel < window)
+def _is_band(allowed: torch.Tensor, window: int, rows: int = 2048) -> bool:
+    """allowed [B, S, S] is exactly the sliding causal band; checked in row chunks so a 64k mask
+    needs no [S, S] int64 temporary."""
+    seq = allowed.shape[-1]
+    cols = torch.arange(seq, device=allowed.device)
+    for r0 in range(0, seq, rows):
+        i = cols[r0:r0 + rows, None]
+        band = (cols[None, :] <= i) & (cols[None, :] > i - window)
+        if not bool((allowed[:, r0:r0 + rows] == band).all()):
+            return False
+    return True
 
 
 def selection_from_mask(allowed: torch.Tensor) -> torch.Tensor:
@@ -51,7 +58,7 @@ def _split_mask(attention_mask, seq, keys, window):
     allowed = mask > torch.finfo(mask.dtype).min / 2
     if bool((mask[allowed] != 0).any()):
         return None
-    if not bool((allowed[:, :, :seq] == _band(seq, window, mask.device)).all()):
+    if not _is_band(allowed[:, :, :seq], window):
         return None
     return allowed[:, :, seq:]
 
