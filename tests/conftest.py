@@ -3,6 +3,12 @@ import os
 import pytest
 import torch
 
+from sglang_cpu import install_torchvision_shim
+
+# The test install's torchvision (pinned by SGLang 0.5.23) is a CUDA build whose ops cannot
+# register on CPU torch; transformers imports it. Define the two schemas before anything does.
+install_torchvision_shim()
+
 
 @pytest.fixture
 def seed():

@@ -1,0 +1,92 @@
+"""DeepSeek V4 / V4.1 attention: low-rank Q, one K=V latent head, sinks, window + compressed
+entries, grouped output projection.
+
+  q_lora = q_norm(wq_a x);  q = wq_b q_lora  [T, H, D]  (V4: unweighted per-head RMS norm)
+  kv = kv_norm(wkv x)  [T, D]: the key and the value of every head (MQA)
+  RoPE on the last qk_rope_head_dim channels of q and kv (interleaved pairs)
+  o = attend(q, kv, sinks, window, compressed entries selected per query)
+  the rope slice of o is de-rotated (RoPE at -position): K=V carried rope into the values
+  o grouped in o_groups -> wo_a per group [G, R, H*D/G] -> wo_b [hidden, G*R]
+
+Names are SGLang's flat ones (``attn.wq_a`` ... ``attn.attn_sink``). Attention TP splits the
+o-groups (ctx.attn_group_range): heads, wq_b rows and wo_a rows of the local groups, then
+ctx.attn_reduce sums wo_b's partial outputs, so attention TP can never exceed o_groups.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .compressor import Compressor, Indexer, all_visible_index
+from .config import DSV4Config
+from .context import DSV4Context
+from .mhc import unweighted_rms_norm
+from .norm import RMSNorm
+from .rope import apply_rope, layer_inv_freq
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DSV4Config, layer_id: int):
+        super().__init__()
+        self.layer_id, self.cfg = layer_id, cfg
+        self.ratio = cfg.compress_ratio(layer_id)
+        h, d, g = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
+        self.n_heads, self.head_dim, self.o_groups = h, d, g
+        self.window, self.scale, self.eps = cfg.window_size, d ** -0.5, cfg.rms_norm_eps
+        self.wq_a = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, h * d, bias=False)
+        self.wkv = nn.Linear(cfg.hidden_size, d, bias=False)
+        self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.wo_a = nn.Linear(h * d // g, g * cfg.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(g * cfg.o_lora_rank, cfg.hidden_size, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(h, dtype=torch.float32))
+        self.compressor: nn.Module | None = None
+        self.indexer: nn.Module | None = None
+        if self.ratio in (4, 128):
+            self.compressor = Compressor(cfg.hidden_size, d, self.ratio, cfg.rms_norm_eps)
+            if self.ratio == 4:
+                self.indexer = Indexer(cfg, self.ratio)
+        elif self.ratio in (1, 2):
+            from .v41 import build_low_ratio_modules
+
+            self.compressor, self.indexer = build_low_ratio_modules(cfg, layer_id)
+        self.register_buffer("freqs", layer_inv_freq(cfg, self.ratio > 0), persistent=False)
+
+    def compressed(self, x: torch.Tensor, q_lora: torch.Tensor, ctx: DSV4Context):
+        """-> (entries [C, D] or None, selected rows [T, K] or None) for this layer's kind."""
+        if self.ratio == 0:
+            return None, None
+        if self.ratio in (1, 2):
+            from .v41 import low_ratio_entries
+
+            return low_ratio_entries(self, x, q_lora, ctx)
+        bounds = ctx.seq_bounds
+        entries, cu = self.compressor(x, bounds, self.freqs)
+        if self.indexer is None:
+            return entries, all_visible_index(ctx.positions, bounds, cu, self.ratio)
+        return entries, self.indexer(x, q_lora, ctx.positions, bounds, cu, self.freqs)
+
+    def forward(self, x: torch.Tensor, ctx: DSV4Context) -> torch.Tensor:
+        """x [T, hidden] (after attn_norm) -> [T, hidden] (this rank's partial under attn TP)."""
+        t, d = x.shape[0], self.head_dim
+        groups = ctx.attn_group_range(self.o_groups)
+        per_group = self.n_heads // self.o_groups
+        heads = slice(groups.start * per_group, groups.stop * per_group)
+        q_lora = self.q_norm(self.wq_a(x))
+        wq_b = self.wq_b.weight[heads.start * d:heads.stop * d]
+        q = torch.nn.functional.linear(q_lora, wq_b).view(t, -1, d)
+        if self.cfg.q_head_norm:
+            q = unweighted_rms_norm(q, self.eps)
+        q = apply_rope(q, ctx.positions, self.freqs)
+        kv = apply_rope(self.kv_norm(self.wkv(x)), ctx.positions, self.freqs)
+        entries, selected = self.compressed(x, q_lora, ctx)
+        o = ctx.attend(self.layer_id, q, kv, self.attn_sink[heads], self.window, self.scale,
+                       entries, selected)
+        o = apply_rope(o, ctx.positions, self.freqs, inverse=True)
+        rank = self.wo_a.weight.shape[0] // self.o_groups
+        wo_a = self.wo_a.weight.view(self.o_groups, rank, -1)[groups.start:groups.stop]
+        o = torch.einsum("tgi,gri->tgr", o.reshape(t, len(groups), -1), wo_a.to(o.dtype))
+        wo_b = self.wo_b.weight[:, groups.start * rank:groups.stop * rank]
+        return ctx.attn_reduce(torch.nn.functional.linear(o.flatten(1), wo_b))

@@ -1,0 +1,118 @@
+"""V4 compressed attention: the CSA (ratio 4) and HCA (ratio 128) compressors and the CSA indexer.
+
+A compressor pools every ``ratio`` tokens of a sequence into one entry: softmax over the window
+of (gate + ape) weights the projected latents, then RMSNorm, then RoPE at the window's first
+position. CSA overlaps windows: its projections are 2x wide; entry w pools the first half of
+window w-1 with the second half of window w (2 x ratio slots; window 0's missing half gets weight
+0). A query at position p may see entry w only when the entry's span ended: w < (p + 1) // ratio.
+HCA attends to every such entry; CSA to the indexer's top-k of them.
+
+Mirrors transformers' DeepseekV4HCACompressor / DeepseekV4CSACompressor / DeepseekV4Indexer
+(stateless path). Names are SGLang's flat ones: ``compressor.{wkv,wgate,ape,norm}``,
+``indexer.{wq_b,weights_proj}``, ``indexer.compressor.*``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import DSV4Config
+from .norm import RMSNorm
+from .rope import apply_rope
+
+
+class Compressor(nn.Module):
+    def __init__(self, hidden: int, head_dim: int, ratio: int, eps: float):
+        super().__init__()
+        self.ratio, self.head_dim, self.overlap = ratio, head_dim, ratio == 4
+        width = 2 * head_dim if self.overlap else head_dim
+        self.wkv = nn.Linear(hidden, width, bias=False)
+        self.wgate = nn.Linear(hidden, width, bias=False)
+        self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
+        self.norm = RMSNorm(head_dim, eps)
+
+    def forward(self, x: torch.Tensor, bounds: list[tuple[int, int]], freqs: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> entries [C, head_dim] (normed, RoPE'd) and cu_entries [B+1]."""
+        kv_all, gate_all = self.wkv(x), self.wgate(x)
+        r, d = self.ratio, self.head_dim
+        entries, counts = [], []
+        for start, end in bounds:
+            n = (end - start) // r
+            counts.append(n)
+            if n == 0:
+                continue
+            kv = kv_all[start:start + n * r].view(n, r, -1)
+            gate = gate_all[start:start + n * r].view(n, r, -1).float() + self.ape.float()
+            if self.overlap:
+                prev_kv = torch.cat([kv.new_zeros(1, r, d), kv[:-1, :, :d]])
+                prev_gate = torch.cat([gate.new_full((1, r, d), float("-inf")), gate[:-1, :, :d]])
+                kv = torch.cat([prev_kv, kv[..., d:]], dim=1)
+                gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
+            pooled = (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)
+            pos = torch.arange(n, device=x.device) * r
+            entries.append(apply_rope(self.norm(pooled), pos, freqs))
+        cu = torch.zeros(len(bounds) + 1, dtype=torch.int32, device=x.device)
+        cu[1:] = torch.cumsum(torch.tensor(counts, device=x.device), 0)
+        out = torch.cat(entries) if entries else x.new_zeros(0, d)
+        return out, cu
+
+
+def visible_entries(positions: torch.Tensor, ratio: int) -> torch.Tensor:
+    """[T] number of compressed entries a query may see (their span ended at or before it)."""
+    return torch.div(positions + 1, ratio, rounding_mode="floor")
+
+
+def all_visible_index(positions: torch.Tensor, bounds: list[tuple[int, int]],
+                      cu_entries: torch.Tensor, ratio: int) -> torch.Tensor:
+    """HCA selection: every visible entry of the query's sequence, as rows of the packed
+    entries; [T, max entries], -1 past the visible ones."""
+    counts = (cu_entries[1:] - cu_entries[:-1]).tolist()
+    width = max(counts, default=0)
+    out = torch.full((positions.shape[0], width), -1, dtype=torch.int32, device=positions.device)
+    cols = torch.arange(width, device=positions.device)
+    for s, (start, end) in enumerate(bounds):
+        seen = visible_entries(positions[start:end], ratio)
+        rows = (cu_entries[s] + cols)[None, :].expand(end - start, -1)
+        out[start:end] = torch.where(cols[None, :] < seen[:, None], rows,
+                                     torch.full_like(rows, -1)).to(torch.int32)
+    return out
+
+
+class Indexer(nn.Module):
+    """CSA's lightning indexer: score = sum_h w_h * relu(q_h . k_s) over its own compressed
+    keys; each query keeps the top-k visible entries."""
+
+    def __init__(self, cfg: DSV4Config, ratio: int):
+        super().__init__()
+        self.ratio, self.n_heads, self.head_dim = ratio, cfg.index_n_heads, cfg.index_head_dim
+        self.topk = cfg.index_topk
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+        self.compressor = Compressor(cfg.hidden_size, self.head_dim, ratio, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor,
+                bounds: list[tuple[int, int]], cu_entries: torch.Tensor, freqs: torch.Tensor
+                ) -> torch.Tensor:
+        """-> selected entries [T, min(topk, max entries)] as packed rows, -1 for none."""
+        keys, cu_keys = self.compressor(x, bounds, freqs)
+        q = apply_rope(self.wq_b(q_lora).view(-1, self.n_heads, self.head_dim), positions, freqs)
+        w = self.weights_proj(x).float() * self.n_heads ** -0.5
+        counts = (cu_entries[1:] - cu_entries[:-1]).tolist()
+        width = min(self.topk, max(counts, default=0))
+        out = torch.full((x.shape[0], width), -1, dtype=torch.int32, device=x.device)
+        for s, (start, end) in enumerate(bounds):
+            n = counts[s]
+            if n == 0:
+                continue
+            k = keys[cu_keys[s]:cu_keys[s] + n].float()
+            scores = torch.einsum("thd,nd->thn", q[start:end].float(), k)
+            scores = (F.relu(scores) * self.head_dim ** -0.5 * w[start:end, :, None]).sum(dim=1)
+            seen = visible_entries(positions[start:end], self.ratio)
+            future = torch.arange(n, device=x.device)[None, :] >= seen[:, None]
+            picks = scores.masked_fill(future, float("-inf")).topk(min(self.topk, n), dim=-1).indices
+            picks = torch.where(picks < seen[:, None], picks + cu_entries[s], torch.full_like(picks, -1))
+            out[start:end, :picks.shape[1]] = picks.to(torch.int32)
+        return out

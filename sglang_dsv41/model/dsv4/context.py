@@ -1,0 +1,82 @@
+"""DSV4Context: everything a forward needs besides the weights.
+
+The model never imports torch.distributed. Parallel runtimes (the embedded engine's scheduler
+ranks, the FSDP trainer) subclass DSV4Context and override the hooks: which o-groups of heads
+and which experts this rank computes, the collectives between attention and MoE, and how the
+attention core runs (kernel, cache). The base class is the single-process reference over packed
+variable-length sequences without a cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class DSV4Context:
+    cu_seqlens: torch.Tensor            # int32 [B+1] boundaries of the packed sequences
+    positions: torch.Tensor             # int64 [T] position of each token in its sequence
+    # R3: replay these routings (layer -> (ids [T, k], weights [T, k])) instead of the router's
+    # top-k; record every routed layer's (ids, weights) when record_routing is set.
+    routing_replay: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    record_routing: bool = False
+    routed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    attention_backend: str | None = None
+    # Reproduce SGLang's inference numerics where they differ from plain math (fake FP4 on the
+    # V4.1 indexer), so the trainer computes what the server computed.
+    serving_numerics: bool = False
+    # Per-forward state that V4.1's ratio-1/2 source layers hand to the layers reusing them.
+    shared: dict[Any, Any] = field(default_factory=dict)
+
+    @classmethod
+    def packed(cls, seq_lens: list[int], device: torch.device | str = "cpu",
+               **kw) -> "DSV4Context":
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int32, device=device)
+        cu[1:] = torch.cumsum(lens, 0)
+        positions = (torch.cat([torch.arange(n, device=device) for n in seq_lens]) if seq_lens
+                     else torch.zeros(0, dtype=torch.long, device=device))
+        return cls(cu_seqlens=cu, positions=positions, **kw)
+
+    @property
+    def seq_bounds(self) -> list[tuple[int, int]]:
+        cu = self.cu_seqlens.tolist()
+        return list(zip(cu[:-1], cu[1:]))
+
+    # ---- sharding ---------------------------------------------------------------------------
+    def attn_group_range(self, o_groups: int) -> range:
+        return range(o_groups)
+
+    def expert_range(self, n_experts: int) -> range:
+        return range(n_experts)
+
+    # ---- collectives (identity in one process) ---------------------------------------------
+    def attn_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial
+
+    def mlp_gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def mlp_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial
+
+    # ---- attention core ---------------------------------------------------------------------
+    def attend(self, layer_id: int, q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor,
+               window: int, scale: float, comp_kv: torch.Tensor | None,
+               comp_idx: torch.Tensor | None) -> torch.Tensor:
+        """q [T, H, D], kv [T, D] (this forward's tokens), compressed entries -> [T, H, D]."""
+        from ...attention.dsv4_reference import dsv4_attention_reference
+
+        return dsv4_attention_reference(q, kv, sinks, self.cu_seqlens, window, scale,
+                                        comp_kv, comp_idx)
+
+    # ---- R3 ---------------------------------------------------------------------------------
+    def replayed_routing(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self.routing_replay is None else self.routing_replay.get(layer_id)
+
+    def record(self, layer_id: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        if self.record_routing:
+            self.routed[layer_id] = (ids.detach(), weights.detach())

@@ -1,0 +1,72 @@
+"""Manifold-constrained hyper-connections (mHC): hc_mult residual streams per token.
+
+Each sublayer reads one collapsed input (the streams weighted by "pre"), and writes back
+``post * y + comb^T @ streams`` with comb projected onto doubly-stochastic matrices by Sinkhorn.
+The weights are computed in fp32 from fp32 parameters (transformers keeps attn_hc/ffn_hc/hc_head
+in fp32). Parameters sit on their owners under SGLang's flat names (``hc_attn_fn`` on a layer,
+``hc_head_fn`` on the model), so these are functions over (fn, base, scale).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
+
+def hc_params(owner: nn.Module, prefix: str, hc_mult: int, hidden: int, n_out: int) -> None:
+    """Register ``{prefix}_fn [n_out, hc*D]``, ``{prefix}_base [n_out]``, ``{prefix}_scale``."""
+    n_scale = 3 if n_out == (2 + hc_mult) * hc_mult else 1
+    owner.register_parameter(f"{prefix}_fn", nn.Parameter(
+        torch.zeros(n_out, hc_mult * hidden, dtype=torch.float32)))
+    owner.register_parameter(f"{prefix}_base", nn.Parameter(torch.zeros(n_out, dtype=torch.float32)))
+    owner.register_parameter(f"{prefix}_scale", nn.Parameter(torch.ones(n_scale, dtype=torch.float32)))
+
+
+def hc_mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """streams [T, hc, D] -> fn @ rms_norm(flattened streams), fp32 [T, n_out]."""
+    return F.linear(unweighted_rms_norm(streams.flatten(1).float(), norm_eps), fn.float())
+
+
+def hc_weights(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
+               sinkhorn_iters: int, hc_eps: float):
+    """mix [T, (2+hc)*hc] -> pre [T, hc], post [T, hc], comb [T, hc, hc] (fp32)."""
+    pre_w, post_w, comb_w = mix.split([hc, hc, hc * hc], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
+    s_pre, s_post, s_comb = scale.float().unbind(0)
+    pre = torch.sigmoid(pre_w * s_pre + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * s_post + post_b)
+    comb = torch.softmax(comb_w.unflatten(-1, (hc, hc)) * s_comb + comb_b.view(hc, hc), dim=-1)
+    return pre, post, sinkhorn(comb + hc_eps, sinkhorn_iters, hc_eps)
+
+
+def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+def hc_expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
+              comb: torch.Tensor) -> torch.Tensor:
+    """post * y + comb^T @ streams: comb[j, k] mixes input stream j into output stream k."""
+    dtype = streams.dtype
+    return (post.to(dtype).unsqueeze(-1) * y.unsqueeze(1)
+            + torch.matmul(comb.to(dtype).transpose(-1, -2), streams))
+
+
+def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+            hc_eps: float, norm_eps: float) -> torch.Tensor:
+    """V4's final collapse of the streams before the shared norm (``hc_head_*``)."""
+    mix = hc_mix(streams, fn, norm_eps)
+    pre = torch.sigmoid(mix * scale.float() + base.float()) + hc_eps
+    return hc_collapse(streams, pre)

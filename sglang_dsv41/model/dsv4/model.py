@@ -1,0 +1,108 @@
+"""The DeepSeek V4 / V4.1 text model: embed -> hc_mult streams -> layers -> hc head -> norm -> head.
+
+Each layer: Engram (on its layers) adds to the streams; then two mHC sublayers, attention and MoE,
+each reading a collapsed input and writing back into the streams. Packed variable-length input
+(ctx.cu_seqlens); no torch.distributed (runtimes override DSV4Context's hooks).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import Attention
+from .config import DSV4Config
+from .context import DSV4Context
+from .mhc import hc_collapse, hc_expand, hc_head, hc_mix, hc_params, hc_weights
+from .moe import MoE
+from .norm import RMSNorm
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DSV4Config, layer_id: int):
+        super().__init__()
+        self.cfg, self.layer_id = cfg, layer_id
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer_id)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn = MoE(cfg, layer_id)
+        n_mix = (2 + cfg.hc_mult) * cfg.hc_mult
+        hc_params(self, "hc_attn", cfg.hc_mult, cfg.hidden_size, n_mix)
+        hc_params(self, "hc_ffn", cfg.hc_mult, cfg.hidden_size, n_mix)
+        self.engram: nn.Module | None = None
+        if layer_id in cfg.engram_layer_ids:
+            from .engram import Engram
+
+            self.engram = Engram(cfg, layer_id)
+
+    def sublayer(self, streams: torch.Tensor, which: str, run) -> torch.Tensor:
+        cfg = self.cfg
+        fn, base, scale = (getattr(self, f"hc_{which}_{p}") for p in ("fn", "base", "scale"))
+        pre, post, comb = hc_weights(hc_mix(streams, fn, cfg.rms_norm_eps), base, scale,
+                                     cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+        y = run(hc_collapse(streams, pre))
+        return hc_expand(streams, y, post, comb)
+
+    def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, ctx: DSV4Context,
+                hash_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if self.engram is not None:
+            streams = self.engram(streams, hash_ids[:, self.engram.layer_hash_index])
+        streams = self.sublayer(streams, "attn", lambda x: self.attn(self.attn_norm(x), ctx))
+        return self.sublayer(streams, "ffn",
+                             lambda x: self.ffn(self.ffn_norm(x), input_ids, ctx))
+
+
+class DSV4ForCausalLM(nn.Module):
+    def __init__(self, cfg: DSV4Config):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        hc_params(self, "hc_head", cfg.hc_mult, cfg.hidden_size, cfg.hc_mult)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.engram_hasher = None
+        if cfg.engram_layer_ids:
+            from .engram import EngramHasher
+
+            self.engram_hasher = EngramHasher(cfg)
+
+    def hidden(self, input_ids: torch.Tensor, ctx: DSV4Context) -> torch.Tensor:
+        """input_ids [T] -> final hidden states [T, hidden] (before the head)."""
+        cfg = self.cfg
+        ctx.shared.clear()
+        hash_ids = (self.engram_hasher(input_ids, ctx.cu_seqlens)
+                    if self.engram_hasher is not None else None)
+        streams = self.embed(input_ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            streams = layer(streams, input_ids, ctx, hash_ids)
+        x = hc_head(streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg.hc_eps,
+                    cfg.rms_norm_eps)
+        return self.norm(x)
+
+    def forward(self, input_ids: torch.Tensor, ctx: DSV4Context) -> torch.Tensor:
+        """-> logits [T, vocab] in the head's dtype (keep the head fp32 for RL)."""
+        x = self.hidden(input_ids, ctx)
+        return self.head(x.to(self.head.weight.dtype))
+
+
+@torch.no_grad()
+def init_weights(model: DSV4ForCausalLM, seed: int = 0, std: float | None = None) -> None:
+    """Random weights for tests and dummy checkpoints (normal(0, std) for matrices, the
+    config's initializer_range by default; norms 1; sinks, ape, biases and mHC bases 0;
+    mHC scales 1; tid2eid a fixed pseudo-random expert set per token)."""
+    cfg = model.cfg
+    std = cfg.initializer_range if std is None else std
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf.endswith("_scale") or (leaf == "weight" and p.dim() == 1):
+            p.fill_(1.0)
+        elif p.dim() == 1 or leaf == "ape" or leaf.endswith("_base"):
+            p.zero_()
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+    for name, b in model.named_buffers():
+        if name.endswith("tid2eid"):
+            scores = torch.rand(cfg.vocab_size, cfg.n_routed_experts, generator=gen)
+            b.copy_(scores.topk(cfg.num_experts_per_tok, dim=-1).indices.to(b.dtype))

@@ -1,0 +1,101 @@
+"""DeepSeek V4 MoE: sqrtsoftplus top-k routing with an fp32 correction bias, hash-routed layers
+(``tid2eid``), SwiGLU experts with a clamp, one shared expert; R3 record/replay.
+
+Names are SGLang's flat ones: ``ffn.gate.{weight,bias,tid2eid}``, ``ffn.experts.E.w{1,2,3}``,
+``ffn.shared_experts.w{1,2,3}`` (w1 gate, w3 up, w2 down). The bias picks the experts only; the
+weights come from the unbiased scores, renormalised and scaled by routed_scaling_factor
+(transformers' DeepseekV4TopKRouter / DeepseekV4HashRouter).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import DSV4Config
+from .context import DSV4Context
+
+
+def route_scores(logits: torch.Tensor, scoring_func: str, log1p: bool = False) -> torch.Tensor:
+    """Router scores from logits; ``log1p`` is V4.1's sqrtsoftplus written through log1p."""
+    if scoring_func == "sqrtsoftplus":
+        if log1p:
+            from .v41 import sqrtsoftplus_log1p
+
+            return sqrtsoftplus_log1p(logits)
+        return F.softplus(logits).sqrt()
+    if scoring_func == "sigmoid":
+        return torch.sigmoid(logits)
+    return torch.softmax(logits, dim=-1)
+
+
+class Gate(nn.Module):
+    def __init__(self, cfg: DSV4Config, layer_id: int):
+        super().__init__()
+        self.top_k, self.scoring = cfg.num_experts_per_tok, cfg.scoring_func
+        self.log1p = cfg.is_v41
+        self.norm_topk, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.is_hash = cfg.is_hash_layer(layer_id)
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        if self.is_hash:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, self.top_k,
+                                                        dtype=torch.int32))
+        else:
+            self.register_buffer("bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> expert ids [T, k] int64, weights [T, k] fp32."""
+        scores = route_scores(F.linear(x, self.weight).float(), self.scoring, self.log1p)
+        if self.is_hash:
+            ids = self.tid2eid[input_ids].long()
+        else:
+            ids = torch.topk(scores + self.bias.float(), self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * self.scaling
+
+
+class Expert(nn.Module):
+    """SwiGLU with DeepSeek V4's clamp: gate <= limit, |up| <= limit."""
+
+    def __init__(self, hidden: int, inter: int, limit: float):
+        super().__init__()
+        self.limit = limit
+        self.w1 = nn.Linear(hidden, inter, bias=False)
+        self.w2 = nn.Linear(inter, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, inter, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.w1(x).clamp(max=self.limit)
+        up = self.w3(x).clamp(min=-self.limit, max=self.limit)
+        return self.w2(F.silu(gate) * up)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: DSV4Config, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.gate = Gate(cfg, layer_id)
+        self.experts = nn.ModuleList(
+            Expert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit)
+            for _ in range(cfg.n_routed_experts))
+        self.shared_experts = Expert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
+                                     cfg.swiglu_limit)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, ctx: DSV4Context) -> torch.Tensor:
+        replay = ctx.replayed_routing(self.layer_id)
+        if replay is None:
+            ids, weights = self.gate(x, input_ids)
+        else:
+            ids, weights = replay[0].long(), replay[1].float()
+        ctx.record(self.layer_id, ids, weights)
+        out = torch.zeros_like(x)
+        for e in ctx.expert_range(len(self.experts)):
+            token, slot = torch.where(ids == e)
+            if token.numel():
+                y = self.experts[e](x[token]) * weights[token, slot, None].to(x.dtype)
+                out.index_add_(0, token, y.to(out.dtype))
+        return ctx.mlp_reduce(out) + self.shared_experts(x)

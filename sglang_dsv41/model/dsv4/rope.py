@@ -1,0 +1,59 @@
+"""DeepSeek V4 RoPE: interleaved pairs on the trailing rope slice of each head, from positions.
+
+Frequencies follow SGLang's ``precompute_freqs_cis`` (kernels/ops/attention/dsv4/rope.py): plain
+RoPE with ``rope_theta`` on sliding-only layers; on layers with a compressor, ``compress_rope_theta``
+with YaRN's frequency blend and no attention scaling (transformers forces attention_factor 1.0 for
+the same reason). Computed from position ids, so no table bounds the sequence length.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import DSV4Config
+
+
+def inv_freq(dim: int, base: float, original_seq_len: int = 0, factor: float = 1.0,
+             beta_fast: float = 32, beta_slow: float = 1) -> torch.Tensor:
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if original_seq_len > 0:
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(correction_dim(beta_fast)), 0)
+        high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        smooth = 1 - ramp
+        freqs = freqs / factor * (1 - smooth) + freqs * smooth
+    return freqs
+
+
+def layer_inv_freq(cfg: DSV4Config, compressed: bool) -> torch.Tensor:
+    """Frequencies of a layer: compressed layers (ratio > 0) use the YaRN "compress" RoPE."""
+    if not compressed:
+        return inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta)
+    s = cfg.rope_scaling or {}
+    return inv_freq(cfg.qk_rope_head_dim, cfg.compress_rope_theta,
+                    int(s.get("original_max_position_embeddings", 0)), float(s.get("factor", 1.0)),
+                    float(s.get("beta_fast", 32)), float(s.get("beta_slow", 1)))
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
+               inverse: bool = False) -> torch.Tensor:
+    """Rotate the last 2*len(freqs) channels of x [T, ..., D] by positions [T] (interleaved
+    pairs (2i, 2i+1)); inverse rotates by -position (the output de-rotation)."""
+    rope_dim = 2 * freqs.shape[0]
+    angles = positions.to(torch.float32)[:, None] * freqs.to(positions.device)[None, :]
+    if inverse:
+        angles = -angles
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rope_dim // 2,)
+    cos, sin = angles.cos().view(shape), angles.sin().view(shape)
+    head, tail = x[..., :-rope_dim], x[..., -rope_dim:]
+    pairs = tail.float().unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+    return torch.cat([head, rotated.to(x.dtype)], dim=-1)
