@@ -1,77 +1,284 @@
-"""Pydantic models of the HTTP API (SGLang's native field names) and their conversion into engine
-messages. Every model forbids unknown fields, so a typo is a 400 rather than a silent default.
+"""FastAPI body models of the HTTP API: SGLang 0.5.23's /generate schema field for field
+(``sglang/api/v1/api_types.py``) and the admin bodies.
 
-Range checks that need the served model (vocab, context length, dp_size) live in
-``RequestLimits.to_generate_req``; they raise ``ValueError`` with the reason, which the HTTP
-layer turns into a 400.
+As SGLang: unknown top-level keys of a request are ignored, unknown ``sampling_params`` keys are
+refused, a null field means its default. Every value is range-checked here (SGLang's
+``SamplingParams.verify`` rules plus finiteness), so a request either becomes engine messages or
+a 400 that names the field; the scheduler only checks what needs its state (KV capacity).
+Checks that need the served model (vocab, context length, dp_size) are in ``RequestLimits``.
 """
 
 from __future__ import annotations
 
+import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .messages import GenerateReq, SamplingParams
 
+# SGLang's defaults (sampling_params.py): top_k "off" is 1 << 30; temperatures below the eps
+# mean greedy. Limits SGLang does not have but an engine needs to stay alive are marked.
+TOP_K_ALL = 1 << 30
+SAMPLING_EPS = 1e-6
+MAX_STOP_COUNT = 64          # SGLang's MAX_STOP_COUNT
+MAX_STOP_LEN = 256           # ours: stop strings are matched on every step
+MAX_N = 64                   # ours: parallel samples per prompt
+MAX_BATCH = 256              # ours: prompts per batched request
+MAX_LOGIT_BIAS = 100.0       # OpenAI's range for a logit bias
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+
+def _valid_text(s: str, what: str) -> str:
+    """Lone surrogates pass json.loads but cannot be encoded: refuse them here (else a 500)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode (lone surrogate at {e.start})") from e
+    return s
 
 
-class SamplingParamsIn(_Strict):
-    max_new_tokens: int = 128
+def _as_list(v: Any) -> list:
+    return [] if v is None else (list(v) if isinstance(v, list) else [v])
+
+
+class _Schema(BaseModel):
+    # Null means "the default" for every field, as in SGLang's generated decoders.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items()
+                    if not (v is None and k in cls.model_fields
+                            and cls.model_fields[k].default is not None)}
+        return data
+
+
+class SamplingParamsIn(_Schema):
+    """``sampling_params`` of /generate: every field of SGLang 0.5.23's SamplingParams."""
+    max_new_tokens: int = Field(128, ge=0)
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None
+    stop_regex: Union[str, list[str], None] = None
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = -1
+    top_k: int = TOP_K_ALL
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    min_new_tokens: int = Field(0, ge=0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
     ignore_eos: bool = False
-    seed: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    stream_interval: int | None = Field(None, ge=1)
+    logit_bias: dict[str, float] = Field(default_factory=dict)
+    sampling_seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    custom_params: Any = None
+    beam_width: int | None = Field(None, ge=1)
+    watermark: dict[str, Any] | None = None
+    choice: list[str] = Field(default_factory=list)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # ours, older name of sampling_seed
 
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, v: int) -> int:
-        if v == 0 or v < -1:
-            raise ValueError("top_k must be -1 (disabled) or >= 1")
-        return v
-
-    @field_validator("max_new_tokens")
-    @classmethod
-    def _max_new(cls, v: int) -> int:
+        if v == -1:
+            return TOP_K_ALL
         if v < 1:
-            raise ValueError("max_new_tokens must be >= 1")
+            raise ValueError("top_k must be -1 (disable) or at least 1")
         return v
 
-    @field_validator("stop")
+    @field_validator("stop", "stop_regex")
     @classmethod
-    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
-        words = [v] if isinstance(v, str) else (v or [])
-        if any(not w for w in words):
-            raise ValueError("stop strings must be non-empty")
+    def _stops(cls, v: Any) -> Any:
+        words = _as_list(v)
+        if len(words) > MAX_STOP_COUNT:
+            raise ValueError(f"at most {MAX_STOP_COUNT} stop strings are allowed")
+        for w in words:
+            if not w or len(w) > MAX_STOP_LEN:
+                raise ValueError(f"stop strings must have 1 to {MAX_STOP_LEN} characters")
+            _valid_text(w, "a stop string")
+        return v
+
+    @field_validator("stop_regex")
+    @classmethod
+    def _compiles(cls, v: Any) -> Any:
+        for pattern in _as_list(v):
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"stop_regex {pattern!r} does not compile: {e}") from e
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float]) -> dict[str, float]:
+        for key, bias in v.items():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, "
+                                 f"{MAX_LOGIT_BIAS:g}], got {bias}")
+        return v
+
+    @model_validator(mode="after")
+    def _supported(self) -> "SamplingParamsIn":
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens "
+                             f"({self.max_new_tokens})], got {self.min_new_tokens}")
+        # An empty grammar is "unset" in SGLang too; a real one we cannot honour is refused.
+        grammars = [k for k in ("json_schema", "regex", "ebnf", "structural_tag")
+                    if getattr(self, k)]
+        if grammars:
+            raise ValueError(f"constrained decoding ({', '.join(grammars)}) is not supported by "
+                             "the embedded backend")
+        if self.beam_width not in (None, 1):
+            raise ValueError("beam search (beam_width > 1) is not supported")
+        if self.watermark and self.watermark.get("enabled"):
+            raise ValueError("watermarking is not supported")
+        if self.choice:
+            raise ValueError("sampling_params.choice is not supported; use sglang.lang select")
+        if self.seed is not None and self.sampling_seed is not None and \
+                self.seed != self.sampling_seed:
+            raise ValueError("seed and sampling_seed disagree")
+        return self
+
+    @property
+    def effective_seed(self) -> int | None:
+        return self.sampling_seed if self.sampling_seed is not None else self.seed
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+
+class SessionParams(_Schema):
+    id: str = Field(min_length=1, max_length=256)
+    rid: str | None = None
+    offset: int | None = None
+    replace: bool | None = None
+    drop_previous_output: bool | None = None
+
+
+_Ids = list[int]
+_Bool = Union[bool, list[bool]]
+_Int = Union[int, list[int]]
+
+
+class GenerateRequest(_Schema):
+    """The /generate body. Fields that would change the result but mean nothing for a text-only
+    model on this backend (images, LoRA, hidden states, custom logit processors) are refused
+    when set; routing hints for other deployments (bootstrap_*, priority, ...) are ignored."""
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    rid: Union[str, list[str], None] = None
+    text: Union[str, list[str], None] = None
+    input_ids: Union[_Ids, list[_Ids], None] = None
+    stream: bool = False
+    sampling_params: Union[SamplingParamsIn, list[SamplingParamsIn]] = Field(
+        default_factory=SamplingParamsIn)
+    return_logprob: _Bool = False
+    logprob_start_len: _Int = -1
+    top_logprobs_num: _Int = 0
+    token_ids_logprob: Union[_Ids, list[_Ids], None] = None
+    return_text_in_logprobs: bool = False
+    return_hidden_states: _Bool = False
+    routed_dp_rank: int | None = None
+    data_parallel_rank: int | None = None  # SGLang's older name; sglang-router --dp-aware sets it
+    routing_key: str | None = Field(None, max_length=1024)
+    session_params: SessionParams | None = None
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = Field(0, ge=0)
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    lora_path: Any = None
+    custom_logit_processor: Any = None
+    extra_key: Any = None
+
+    @field_validator("text")
+    @classmethod
+    def _text(cls, v: Any) -> Any:
+        for t in _as_list(v):
+            _valid_text(t, "text")
+        return v
+
+    @field_validator("rid")
+    @classmethod
+    def _rid(cls, v: Any) -> Any:
+        for r in _as_list(v):
+            if not 0 < len(r) <= 256:
+                raise ValueError("rid must have 1 to 256 characters")
+            _valid_text(r, "rid")
+        return v
+
+    @model_validator(mode="after")
+    def _supported(self) -> "GenerateRequest":
+        refused = [k for k in ("image_data", "video_data", "audio_data", "lora_path",
+                               "custom_logit_processor") if getattr(self, k) not in (None, [])]
+        if refused:
+            raise ValueError(f"{', '.join(refused)}: not supported by this text-only backend")
+        if any(_as_list(self.return_hidden_states)):
+            raise ValueError("return_hidden_states is not supported")
+        if self.text is not None and self.input_ids is not None:
+            raise ValueError("give either text or input_ids, not both")
+        if self.text is None and self.input_ids is None:
+            raise ValueError("one of text or input_ids is required")
+        return self
+
+    @property
+    def is_batch(self) -> bool:
+        if self.text is not None:
+            return isinstance(self.text, list)
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)
+
+    def prompts(self) -> list[Any]:
+        """One entry per prompt: a str (text) or a list of ids."""
+        if self.text is not None:
+            return list(self.text) if isinstance(self.text, list) else [self.text]
+        return list(self.input_ids) if self.is_batch else [self.input_ids]
+
+    def per_prompt(self, name: str, i: int, n: int) -> Any:
+        """Field ``name`` for prompt i of n: a scalar applies to all, a list must have n."""
+        v = getattr(self, name)
+        if name in ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
+                    "rid") and isinstance(v, list) or \
+                name == "token_ids_logprob" and v and isinstance(v[0], list):
+            if len(v) != n:
+                raise ValueError(f"{name} has {len(v)} entries for {n} prompts")
+            return v[i]
         return v
 
 
-class GenerateRequest(_Strict):
-    text: str | None = None
-    input_ids: list[int] | None = None
-    sampling_params: SamplingParamsIn = Field(default_factory=SamplingParamsIn)
-    rid: str | None = None
-    return_logprob: bool = False
-    return_routed_experts: bool = False
-    routed_dp_rank: int | None = None
-    data_parallel_rank: int | None = None  # deprecated alias of routed_dp_rank
-    stream: bool = False
+class AbortRequest(_Schema):
+    rid: str = ""
+    abort_all: bool = False
 
 
-class AbortRequest(_Strict):
-    rid: str
+class OpenSessionRequest(_Schema):
+    capacity_of_str_len: int = Field(1 << 16, ge=1)
+    session_id: str | None = Field(None, min_length=1, max_length=256)
 
 
-class UpdateWeightsFromTensorRequest(_Strict):
+class CloseSessionRequest(_Schema):
+    session_id: str = Field(min_length=1, max_length=256)
+
+
+class PauseGenerationRequest(_Schema):
+    mode: str = Field("abort", pattern="^(abort|retract|in_place)$")
+
+
+class UpdateWeightsFromTensorRequest(_Schema):
     serialized_named_tensors: str  # base64 of safetensors bytes
     flush_cache: bool = True
     weight_version: str | None = None
@@ -79,14 +286,14 @@ class UpdateWeightsFromTensorRequest(_Strict):
     allow_engram_update: bool = False  # force overwriting frozen Engram tables (else refused)
 
 
-class UpdateWeightsFromDiskRequest(_Strict):
+class UpdateWeightsFromDiskRequest(_Schema):
     model_path: str
     flush_cache: bool = True  # accepted as SGLang does; a disk update always flushes
     weight_version: str | None = None
     abort_all_requests: bool = False
 
 
-class InitWeightsUpdateGroupRequest(_Strict):
+class InitWeightsUpdateGroupRequest(_Schema):
     master_address: str
     master_port: int = Field(gt=0, lt=65536)
     rank_offset: int = Field(ge=0)
@@ -95,7 +302,7 @@ class InitWeightsUpdateGroupRequest(_Strict):
     backend: str = "gloo"
 
 
-class UpdateWeightsFromDistributedRequest(_Strict):
+class UpdateWeightsFromDistributedRequest(_Schema):
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
@@ -105,13 +312,11 @@ class UpdateWeightsFromDistributedRequest(_Strict):
     abort_all_requests: bool = False
     allow_engram_update: bool = False  # force overwriting frozen Engram tables (else refused)
 
-    @field_validator("shapes")
-    @classmethod
-    def _same_lengths(cls, v: list[list[int]], info: Any) -> list[list[int]]:
-        names, dtypes = info.data.get("names"), info.data.get("dtypes")
-        if names is not None and dtypes is not None and not len(names) == len(dtypes) == len(v):
+    @model_validator(mode="after")
+    def _same_lengths(self) -> "UpdateWeightsFromDistributedRequest":
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
             raise ValueError("names, dtypes and shapes must have the same length")
-        return v
+        return self
 
 
 @dataclass(frozen=True)
@@ -124,8 +329,8 @@ class RequestLimits:
     dp_size: int
 
     def pick_dp_rank(self, body: GenerateRequest, header: str | None) -> int | None:
-        """routed_dp_rank, its deprecated alias and the X-Data-Parallel-Rank header must agree;
-        a rank outside [0, dp_size) is an error, never a silent round robin."""
+        """routed_dp_rank, its older name data_parallel_rank and the X-Data-Parallel-Rank header
+        must agree; a rank outside [0, dp_size) is an error, never a silent round robin."""
         given: dict[str, int] = {}
         if body.routed_dp_rank is not None:
             given["routed_dp_rank"] = body.routed_dp_rank
@@ -146,14 +351,7 @@ class RequestLimits:
                              f"valid ranks are [0, {self.dp_size})")
         return rank
 
-    def to_generate_req(self, body: GenerateRequest, input_ids: list[int] | None,
-                        dp_header: str | None = None) -> GenerateReq:
-        """``input_ids`` is the tokenized ``text`` (None when the request gave input_ids)."""
-        if body.text is not None and body.input_ids is not None:
-            raise ValueError("give either text or input_ids, not both")
-        if body.text is None and body.input_ids is None:
-            raise ValueError("one of text or input_ids is required")
-        ids = body.input_ids if body.input_ids is not None else input_ids
+    def check_prompt(self, ids: list[int], sp: SamplingParamsIn) -> None:
         if not ids:
             raise ValueError("the prompt is empty")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -162,7 +360,6 @@ class RequestLimits:
         if len(ids) >= self.context_length:
             raise ValueError(f"the prompt has {len(ids)} tokens; the context length is "
                              f"{self.context_length} (at least one token must be generated)")
-        sp = body.sampling_params
         if sp.max_new_tokens > self.max_new_tokens_limit:
             raise ValueError(f"max_new_tokens={sp.max_new_tokens} exceeds "
                              f"--max-new-tokens-limit {self.max_new_tokens_limit}")
@@ -173,12 +370,51 @@ class RequestLimits:
         bad_stop = [t for t in sp.stop_token_ids or [] if not 0 <= t < self.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids {bad_stop[:8]} outside the vocabulary")
-        stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
-        sampling = SamplingParams(
-            max_new_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
-            top_k=sp.top_k, min_p=sp.min_p, stop=stop, stop_token_ids=list(sp.stop_token_ids or []),
-            ignore_eos=sp.ignore_eos, seed=sp.seed)
-        return GenerateReq(
-            rid=body.rid or uuid.uuid4().hex, input_ids=list(ids), sampling=sampling,
-            return_logprob=body.return_logprob, return_routed_experts=body.return_routed_experts,
-            routed_dp_rank=self.pick_dp_rank(body, dp_header), stream=body.stream)
+        bad_bias = [k for k in sp.logit_bias if not 0 <= int(k) < self.vocab_size]
+        if bad_bias:
+            raise ValueError(f"logit_bias keys {bad_bias[:8]} outside [0, {self.vocab_size})")
+
+    def to_engine_sampling(self, sp: SamplingParamsIn, sample_index: int = 0) -> SamplingParams:
+        """The engine's SamplingParams. max_new_tokens 0 (prefill only, as sglang.lang's
+        cache_prefix and select send it) runs one step whose token the HTTP layer drops."""
+        seed = sp.effective_seed
+        greedy = sp.is_greedy
+        return SamplingParams(
+            max_new_tokens=max(1, sp.max_new_tokens), temperature=0.0 if greedy else sp.temperature,
+            top_p=sp.top_p, top_k=-1 if sp.top_k >= TOP_K_ALL else sp.top_k, min_p=sp.min_p,
+            stop=_as_list(sp.stop), stop_token_ids=list(sp.stop_token_ids or []),
+            ignore_eos=sp.ignore_eos,
+            seed=None if seed is None else seed + sample_index,
+            min_new_tokens=sp.min_new_tokens, frequency_penalty=sp.frequency_penalty,
+            presence_penalty=sp.presence_penalty, repetition_penalty=sp.repetition_penalty,
+            stop_regex=_as_list(sp.stop_regex),
+            logit_bias={int(k): float(v) for k, v in sp.logit_bias.items()})
+
+    def to_generate_reqs(self, body: GenerateRequest, encode, dp_header: str | None = None
+                         ) -> list[tuple[GenerateReq, SamplingParamsIn]]:
+        """One GenerateReq per (prompt, sample), prompt-major; ``encode`` tokenizes text."""
+        prompts = body.prompts()
+        if not prompts or len(prompts) > MAX_BATCH:
+            raise ValueError(f"a batch must have 1 to {MAX_BATCH} prompts, got {len(prompts)}")
+        if body.stream and body.is_batch:
+            raise ValueError("stream is not supported with a batch of prompts")
+        dp_rank = self.pick_dp_rank(body, dp_header)
+        out = []
+        for i, prompt in enumerate(prompts):
+            sp = body.per_prompt("sampling_params", i, len(prompts))
+            ids = encode(prompt) if isinstance(prompt, str) else list(prompt)
+            self.check_prompt(ids, sp)
+            rid = body.per_prompt("rid", i, len(prompts))
+            if body.stream and sp.n > 1:
+                raise ValueError("stream is not supported with n > 1")
+            for j in range(sp.n):
+                req_id = rid or uuid.uuid4().hex
+                out.append((GenerateReq(
+                    rid=req_id if sp.n == 1 else f"{req_id}-{j}", input_ids=ids,
+                    sampling=self.to_engine_sampling(sp, j),
+                    return_logprob=bool(body.per_prompt("return_logprob", i, len(prompts))),
+                    return_routed_experts=body.return_routed_experts, routed_dp_rank=dp_rank,
+                    stream=body.stream), sp))
+        if len(out) > MAX_BATCH:
+            raise ValueError(f"{len(out)} samples in one request; the limit is {MAX_BATCH}")
+        return out

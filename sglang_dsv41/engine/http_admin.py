@@ -1,17 +1,23 @@
-"""Admin and weight-update routes: each becomes one ControlReq run on every scheduler rank
-(all-or-nothing), answered as SGLang does: {"success", "message", ...}; a refused update is a
-400 naming the tensor or rank, a dead engine a 503. The loopback/API-key guard is in http_server.
+"""Admin and weight-update routes (an APIRouter): each becomes one ControlReq run on every
+scheduler rank (all-or-nothing), answered as SGLang does: {"success", "message", ...}; a refused
+update is a 400 naming the tensor or rank, a dead engine a 503.
+
+Admin routes are POST-only and, besides the API key or loopback rule, refuse what a browser on
+another site can send without a CORS preflight: a foreign Origin, a cross-site fetch, a body
+that is not JSON (text/plain and form posts are "simple" requests).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import time
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 
-from .api_models import (AbortRequest, InitWeightsUpdateGroupRequest,
+from .api_models import (AbortRequest, InitWeightsUpdateGroupRequest, PauseGenerationRequest,
                          UpdateWeightsFromDiskRequest, UpdateWeightsFromDistributedRequest,
                          UpdateWeightsFromTensorRequest)
 from .dp_controller import ControlError, EngineUnavailable
@@ -21,6 +27,44 @@ if TYPE_CHECKING:
 
 # A weight update may move gigabytes through the queues; checksums hash whole Engram tables.
 CONTROL_TIMEOUT_S = 600.0
+MAX_WEIGHT_BODY_BYTES = 16 << 30    # base64 safetensors of one push
+ADMIN_PATHS = frozenset({
+    "/update_weights_from_tensor", "/update_weights_from_disk", "/init_weights_update_group",
+    "/update_weights_from_distributed", "/flush_cache",
+    "/abort_request", "/pause_generation", "/continue_generation", "/engram_checksum",
+    "/get_weights_by_name"})
+_READ_ONLY_ADMIN = frozenset({"/engram_checksum", "/get_weights_by_name"})
+
+
+class ApiError(Exception):
+    """Raised by a route; the app's one handler answers it as an error body."""
+
+    def __init__(self, status: int, message: str, err_type: str = "BadRequest"):
+        super().__init__(message)
+        self.status, self.message, self.err_type = status, message, err_type
+
+
+def refuse_cross_site(request: Request, non_loopback_without_key: bool) -> str | None:
+    """Why an admin request is refused, or None."""
+    path = request.url.path
+    if non_loopback_without_key:
+        return (f"{path} is only open to loopback callers unless the server runs with "
+                "--api-key")
+    origin = request.headers.get("origin")
+    if origin is not None and urlsplit(origin).netloc != request.headers.get("host"):
+        return f"{path} refuses cross-site requests (Origin {origin!r})"
+    if request.headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none"):
+        return f"{path} refuses cross-site requests (Sec-Fetch-Site)"
+    if path in _READ_ONLY_ADMIN:
+        return None
+    if request.method != "POST":
+        return f"{path} only accepts POST"
+    has_body = request.headers.get("content-length", "0") != "0" or \
+        "transfer-encoding" in request.headers
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if (has_body or ctype) and ctype != "application/json":
+        return f"{path} needs Content-Type: application/json, got {ctype or 'none'!r}"
+    return None
 
 
 def decode_named_tensors(serialized: str) -> list[tuple[str, Any]]:
@@ -40,16 +84,16 @@ def decode_named_tensors(serialized: str) -> list[tuple[str, Any]]:
     return list(tensors.items())
 
 
-def add_admin_routes(app: FastAPI, state: "ServerState") -> None:
-    from .http_server import error_response, read_json_model
+def admin_router(state: "ServerState") -> APIRouter:
+    router = APIRouter()
 
     async def call(op: str, args: dict[str, Any], new_version: str | None = None):
         try:
             replies = await state.controller.control_async(op, args, CONTROL_TIMEOUT_S)
         except EngineUnavailable as e:
-            return error_response(503, f"engine unavailable: {e}", "ServiceUnavailable")
+            raise ApiError(503, f"engine unavailable: {e}", "ServiceUnavailable") from e
         except ControlError as e:
-            return error_response(400, f"{op} failed: {e}")
+            raise ApiError(400, f"{op} failed: {e}") from e
         result = replies[0].result if replies else None
         if isinstance(result, dict) and result.get("weight_version") is not None:
             state.weight_version = str(result["weight_version"])
@@ -58,34 +102,37 @@ def add_admin_routes(app: FastAPI, state: "ServerState") -> None:
         return {"success": True, "message": f"{op} done on {len(replies)} ranks",
                 "weight_version": state.weight_version, "result": result}
 
-    async def parse(request: Request, model: type):
-        try:
-            return await read_json_model(request, model), None
-        except ValueError as e:
-            return None, error_response(400, str(e))
-
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @router.post("/flush_cache")
     async def flush_cache():
         return await call("flush_cache", {})
 
-    @app.post("/abort_request")
-    async def abort_request(request: Request):
-        body, err = await parse(request, AbortRequest)
-        if err is not None:
-            return err
+    @router.post("/abort_request")
+    async def abort_request(body: AbortRequest):
+        if body.abort_all:
+            return {"success": True, "message": f"aborted {state.controller.abort_all()}"}
         found = state.controller.abort(body.rid)
         return {"success": found, "message": "abort sent" if found else
                 f"no running request with id {body.rid!r}"}
 
-    @app.post("/update_weights_from_tensor")
-    async def update_weights_from_tensor(request: Request):
-        body, err = await parse(request, UpdateWeightsFromTensorRequest)
-        if err is not None:
-            return err
+    @router.post("/pause_generation")
+    async def pause_generation(body: PauseGenerationRequest | None = None):
+        # New requests wait until /continue_generation; "abort" also ends the running ones
+        # (the embedded engine has no retract-and-resume, so the other modes let them finish).
+        state.running.clear()
+        aborted = state.controller.abort_all() if (body is None or body.mode == "abort") else 0
+        return {"success": True, "message": f"paused; aborted {aborted} running requests"}
+
+    @router.post("/continue_generation")
+    async def continue_generation():
+        state.running.set()
+        return {"success": True, "message": "generation continues"}
+
+    @router.post("/update_weights_from_tensor", max_body_size=MAX_WEIGHT_BODY_BYTES)
+    async def update_weights_from_tensor(body: UpdateWeightsFromTensorRequest):
         try:
             named = decode_named_tensors(body.serialized_named_tensors)
         except ValueError as e:
-            return error_response(400, str(e))
+            raise ApiError(400, str(e)) from e
         if body.abort_all_requests:
             state.controller.abort_all()
         return await call("update_weights_from_tensor",
@@ -94,11 +141,8 @@ def add_admin_routes(app: FastAPI, state: "ServerState") -> None:
                            **({"allow_engram_update": True} if body.allow_engram_update else {})},
                           body.weight_version)
 
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: Request):
-        body, err = await parse(request, UpdateWeightsFromDiskRequest)
-        if err is not None:
-            return err
+    @router.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest):
         if body.abort_all_requests:
             state.controller.abort_all()
         # A disk update always flushes the prefix cache (the whole model changed).
@@ -106,27 +150,29 @@ def add_admin_routes(app: FastAPI, state: "ServerState") -> None:
                                                        "weight_version": body.weight_version},
                           body.weight_version)
 
-    @app.post("/init_weights_update_group")
-    async def init_weights_update_group(request: Request):
-        body, err = await parse(request, InitWeightsUpdateGroupRequest)
-        if err is not None:
-            return err
-        return await call("init_weights_update_group", body.model_dump())
+    @router.post("/init_weights_update_group")
+    async def init_weights_update_group(body: InitWeightsUpdateGroupRequest):
+        # Every rank blocks in the group's rendezvous until the trainer joins (or the setup
+        # timeout of weight_sync_group fires): /health reports it meanwhile.
+        state.pending_setup["init_weights_update_group"] = time.monotonic()
+        try:
+            return await call("init_weights_update_group", body.model_dump())
+        finally:
+            state.pending_setup.pop("init_weights_update_group", None)
 
-    @app.post("/update_weights_from_distributed")
-    async def update_weights_from_distributed(request: Request):
-        body, err = await parse(request, UpdateWeightsFromDistributedRequest)
-        if err is not None:
-            return err
+    @router.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(body: UpdateWeightsFromDistributedRequest):
         if body.abort_all_requests:
             state.controller.abort_all()
         args = body.model_dump(exclude={"abort_all_requests"})
         return await call("update_weights_from_distributed", args, body.weight_version)
 
-    @app.get("/engram_checksum")
+    @router.get("/engram_checksum")
     async def engram_checksum():
         return await call("engram_checksum", {})
 
-    @app.get("/get_weights_by_name")
+    @router.get("/get_weights_by_name")
     async def get_weights_by_name(name: str):
         return await call("get_weights_by_name", {"name": name})
+
+    return router

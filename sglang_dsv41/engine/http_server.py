@@ -1,7 +1,10 @@
 """The embedded engine's FastAPI app: SGLang's native API in front of a DPController.
 
-Every error is ``{"error": {"message": ...}}`` with a 4xx (bad request, auth) or 503 (engine
-down) status, and the server keeps serving. Admin and weight-update routes are in http_admin.
+Bodies are FastAPI typed bodies (api_models); every refusal goes through one error handler as
+``{"error": {"message", "type", "code"}}`` with a 4xx (bad request, auth, size) or 503 (engine
+down), and the server keeps serving. Generate, info and session routes are here; admin and
+weight-update routes are an APIRouter in http_admin; the guard (API key, loopback-only and
+same-site admin calls) is the middleware below.
 """
 
 from __future__ import annotations
@@ -15,23 +18,22 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .api_models import GenerateRequest, RequestLimits
+from .api_models import (CloseSessionRequest, GenerateRequest, OpenSessionRequest, RequestLimits,
+                         SamplingParamsIn)
 from .dp_controller import DPController, EngineFailure, EngineUnavailable
+from .http_admin import ADMIN_PATHS, ApiError, admin_router, refuse_cross_site
 from .messages import GenerateReq, SamplingParams
 from .metrics import ServerMetrics
-from .output import OutputAssembler
+from .output import OutputAssembler, OutputOptions
+from .sessions import SessionStore
 
 logger = logging.getLogger(__name__)
-
-# Only a loopback caller (or one holding the API key) may change weights or drop state.
-ADMIN_PATHS = frozenset({
-    "/update_weights_from_tensor", "/update_weights_from_disk", "/init_weights_update_group",
-    "/update_weights_from_distributed", "/flush_cache", "/abort_request"})
+DEFAULT_MAX_BODY_BYTES = 32 << 20   # /generate and friends; weight pushes have their own limit
 
 
 @dataclass
@@ -45,7 +47,12 @@ class ServerState:
     model_config: Any                     # DSV41Config
     ready_info: dict[int, dict] = field(default_factory=dict)  # rank -> ReadyMsg.info
     weight_version: str = "default"
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     metrics: ServerMetrics | None = None  # set by create_app
+    sessions: SessionStore = field(default_factory=SessionStore)
+    running: asyncio.Event | None = None  # cleared by /pause_generation; set by create_app
+    pending_setup: dict[str, float] = field(default_factory=dict)  # op -> start (fails /health)
+    draining: bool = False                # SIGTERM: finish in-flight requests, refuse new ones
 
 
 def error_response(status: int, message: str, err_type: str = "BadRequest") -> JSONResponse:
@@ -62,104 +69,217 @@ def _is_loopback(host: str | None) -> bool:
         return False
 
 
-async def read_json_model(request: Request, model: type) -> Any:
-    """Parse the body into ``model``; raises ValueError with a readable message."""
-    raw = await request.body()
-    try:
-        data = json.loads(raw or b"{}")
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"malformed JSON body: {e}") from e
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        parts = [f"{'.'.join(str(x) for x in err['loc']) or 'body'}: {err['msg']}"
-                 for err in e.errors()]
-        raise ValueError("invalid request: " + "; ".join(parts)) from e
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
+        msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}")
+    return "invalid request: " + "; ".join(parts)
 
 
 def create_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="sglang-dsv41 embedded engine")
+    app = FastAPI(title="sglang-dsv41 embedded engine", max_body_size=state.max_body_bytes)
     app.state.server = state
-    state.metrics = ServerMetrics(state.controller)
+    state.running = asyncio.Event()
+    state.running.set()
     api_key = state.server_args.api_key
+
+    routers = [generate_router(state), info_router(state), admin_router(state)]
+    # Metric labels come from this route table only: an unknown path cannot add a series.
+    route_table = [(route.path_regex, route.path) for r in routers for route in r.routes]
+
+    def route_label(path: str) -> str:
+        return next((label for regex, label in route_table if regex.match(path)), "unmatched")
+
+    state.metrics = ServerMetrics(state.controller)
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
         path = request.url.path
+        label = route_label(path)
         if api_key is not None:
             auth = request.headers.get("authorization", "")
             if not hmac.compare_digest(auth.encode(), f"Bearer {api_key}".encode()):
-                state.metrics.requests.labels(path, "401").inc()
+                state.metrics.count(label, 401)
                 return error_response(401, "missing or wrong API key (Authorization: Bearer KEY)",
                                       "Unauthorized")
-        elif path in ADMIN_PATHS and not _is_loopback(request.client and request.client.host):
-            state.metrics.requests.labels(path, "403").inc()
-            return error_response(403, f"{path} is only open to loopback callers unless the "
-                                  "server runs with --api-key", "Forbidden")
+        if path in ADMIN_PATHS:
+            refusal = refuse_cross_site(request, api_key is None and not _is_loopback(
+                request.client and request.client.host))
+            if refusal is not None:
+                state.metrics.count(label, 403)
+                return error_response(403, refusal, "Forbidden")
         response = await call_next(request)
-        route = request.scope.get("route")
-        state.metrics.requests.labels(getattr(route, "path", "unknown"),
-                                      str(response.status_code)).inc()
+        state.metrics.count(label, response.status_code)
         return response
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError):
+        return error_response(exc.status, exc.message, exc.err_type)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError):
+        return error_response(400, _validation_message(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException):
         return error_response(exc.status_code, str(exc.detail), "HTTPError")
 
-    @app.post("/generate")
-    async def generate(request: Request):
+    for router in routers:
+        app.include_router(router)
+    return app
+
+
+def generate_router(state: ServerState) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/generate")
+    async def generate(body: GenerateRequest, request: Request):
+        if state.draining:
+            raise ApiError(503, "the server is shutting down", "ServiceUnavailable")
+        if body.return_routed_experts and not state.server_args.enable_return_routed_experts:
+            raise ApiError(400, "return_routed_experts needs the server flag "
+                           "--enable-return-routed-experts")
         try:
-            body = await read_json_model(request, GenerateRequest)
-            if body.return_routed_experts and not state.server_args.enable_return_routed_experts:
-                raise ValueError("return_routed_experts needs the server flag "
-                                 "--enable-return-routed-experts")
-            text_ids = state.tokenizer.encode(body.text) if body.text is not None else None
-            req = state.limits.to_generate_req(
-                body, text_ids, request.headers.get("x-data-parallel-rank"))
+            if body.session_params is not None:
+                body = state.sessions.extend_request(body, state.tokenizer.encode)
+            pairs = state.limits.to_generate_reqs(body, state.tokenizer.encode,
+                                                  request.headers.get("x-data-parallel-rank"))
         except ValueError as e:
-            return error_response(400, str(e))
-        try:
-            dp_rank, chunks = state.controller.submit(req, asyncio.get_running_loop())
-        except EngineUnavailable as e:
-            return error_response(503, f"engine unavailable: {e}", "ServiceUnavailable")
-        except ValueError as e:
-            return error_response(400, str(e))
-        out = OutputAssembler(req, dp_rank, state.tokenizer, state.weight_version,
-                              state.model_config)
-        if req.stream:
+            raise ApiError(400, str(e)) from e
+        await state.running.wait()
+        options = [_options(body, sp) for _, sp in pairs]
+        if body.stream:
+            req, _ = pairs[0]
+            out, chunks = _submit(state, req, options[0])
             return StreamingResponse(_stream(state, req, chunks, out),
                                      media_type="text/event-stream")
+        runs = [_submit(state, req, opt) for (req, _), opt in zip(pairs, options)]
+        results = asyncio.gather(*(_collect(state, req, chunks, out)
+                                   for (req, _), (out, chunks) in zip(pairs, runs)))
+        gone = asyncio.ensure_future(_client_gone(request))
         try:
-            while not out.finished:
-                item = await chunks.get()
-                if isinstance(item, EngineFailure):
-                    return error_response(503, f"engine failed: {item.reason}",
-                                          "ServiceUnavailable")
-                if item.error:
-                    return error_response(400, f"request refused by the scheduler: {item.error}")
-                if out.add(item):  # a stop string matched: the scheduler need not go on
-                    state.controller.release(req.rid)
-        except asyncio.CancelledError:
-            state.controller.release(req.rid)
-            raise
-        state.metrics.generated_tokens.labels(str(dp_rank)).inc(len(out.output_ids))
-        return JSONResponse(out.response())
+            done, _ = await asyncio.wait({results, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if results not in done:  # the client went away: stop generating for it
+            for req, _ in pairs:
+                state.controller.release(req.rid)
+            results.cancel()
+            return Response(status_code=499)
+        outputs = results.result()
+        if body.session_params is not None:
+            state.sessions.record(body.session_params.id, pairs[0][0], outputs[0])
+        return outputs if body.is_batch or len(outputs) > 1 else outputs[0]
 
-    @app.get("/health")
-    async def health():
-        if not state.controller.healthy:
-            return error_response(503, state.controller.failure_reason(), "Unhealthy")
+    @router.post("/open_session")
+    async def open_session(body: OpenSessionRequest):
+        try:
+            return state.sessions.open(body.session_id)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from e
+
+    @router.post("/close_session")
+    async def close_session(body: CloseSessionRequest):
+        if not state.sessions.close(body.session_id):
+            raise ApiError(400, f"session {body.session_id!r} is not open")
         return Response(status_code=200)
 
-    @app.get("/health_generate")
+    return router
+
+
+def _options(body: GenerateRequest, sp: SamplingParamsIn) -> OutputOptions:
+    return OutputOptions(skip_special_tokens=sp.skip_special_tokens,
+                         no_stop_trim=sp.no_stop_trim,
+                         text_in_logprobs=body.return_text_in_logprobs,
+                         prefill_only=sp.max_new_tokens == 0)
+
+
+def _submit(state: ServerState, req: GenerateReq, options: OutputOptions):
+    try:
+        dp_rank, chunks = state.controller.submit(req, asyncio.get_running_loop())
+    except EngineUnavailable as e:
+        raise ApiError(503, f"engine unavailable: {e}", "ServiceUnavailable") from e
+    except ValueError as e:
+        raise ApiError(400, str(e)) from e
+    return OutputAssembler(req, dp_rank, state.tokenizer, state.weight_version,
+                           state.model_config, options), chunks
+
+
+async def _collect(state: ServerState, req: GenerateReq, chunks: asyncio.Queue,
+                   out: OutputAssembler) -> dict:
+    try:
+        while not out.finished:
+            item = await chunks.get()
+            if isinstance(item, EngineFailure):
+                raise ApiError(503, f"engine failed: {item.reason}", "ServiceUnavailable")
+            if item.error:
+                raise ApiError(400, f"request refused by the scheduler: {item.error}")
+            out.add(item)
+    except BaseException:
+        state.controller.release(req.rid)
+        raise
+    state.metrics.generated_tokens.labels(str(out.dp_rank)).inc(len(out.output_ids))
+    return out.response()
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body is read: the next message is that)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _stream(state: ServerState, req: GenerateReq, chunks: asyncio.Queue,
+                  out: OutputAssembler):
+    """SSE: one event per chunk with the cumulative text and ids, then ``data: [DONE]``."""
+    finished = False
+    try:
+        while not out.finished:
+            item = await chunks.get()
+            if isinstance(item, EngineFailure):
+                finished = True
+                yield _sse({"error": {"message": f"engine failed: {item.reason}", "code": 503}})
+                break
+            if item.error:
+                finished = True
+                yield _sse({"error": {"message": f"request refused: {item.error}", "code": 400}})
+                break
+            out.add(item)
+            finished = out.finished
+            yield _sse(out.response())
+        yield b"data: [DONE]\n\n"
+    finally:
+        if not finished:  # the client went away mid-stream
+            state.controller.release(req.rid)
+
+
+def _sse(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def info_router(state: ServerState) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health():
+        reason = health_failure(state)
+        if reason:
+            return error_response(503, reason, "Unhealthy")
+        return Response(status_code=200)
+
+    @router.get("/health_generate")
     async def health_generate():
         ok, reason = await run_health_check(state)
         if not ok:
             return error_response(503, reason, "Unhealthy")
         return Response(status_code=200)
 
-    @app.get("/get_model_info")
-    async def get_model_info():
+    @router.get("/model_info")
+    @router.get("/get_model_info")
+    async def model_info():
         cfg = state.model_config
         return {"model_path": state.model_path, "tokenizer_path": state.model_path,
                 "weight_version": state.weight_version, "is_generation": True,
@@ -167,8 +287,9 @@ def create_app(state: ServerState) -> FastAPI:
                 "num_experts_per_tok": cfg.num_experts_per_tok,
                 "context_length": state.limits.context_length}
 
-    @app.get("/get_server_info")
-    async def get_server_info():
+    @router.get("/server_info")
+    @router.get("/get_server_info")
+    async def server_info():
         a = state.server_args
         infos = list(state.ready_info.values())
         return {
@@ -187,27 +308,37 @@ def create_app(state: ServerState) -> FastAPI:
             "ready_info": {str(r): i for r, i in sorted(state.ready_info.items())},
             "rank_stats": {str(d): vars(s) for d, s in sorted(state.controller.stats.items())},
             "in_flight": state.controller.num_in_flight(),
+            "paused": not state.running.is_set(),
         }
 
-    @app.get("/get_weight_version")
+    @router.get("/get_weight_version")
     async def get_weight_version():
         return {"weight_version": state.weight_version}
 
-    @app.get("/metrics")
+    @router.get("/metrics")
     async def metrics():
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    from .http_admin import add_admin_routes  # after the app exists: it registers routes on it
+    return router
 
-    add_admin_routes(app, state)
-    return app
+
+def health_failure(state: ServerState) -> str:
+    """Why /health fails, or "" when it passes."""
+    if not state.controller.healthy:
+        return state.controller.failure_reason()
+    if state.draining:
+        return "the server is shutting down"
+    now = time.monotonic()
+    return "; ".join(f"{op} pending for {now - t0:.1f}s (the ranks are blocked in it)"
+                     for op, t0 in state.pending_setup.items())
 
 
 async def run_health_check(state: ServerState) -> tuple[bool, str]:
     """As SGLang: one 1-token request with input_ids [0] and no DP rank, under a timeout."""
     c = state.controller
-    if not c.healthy:
-        return False, c.failure_reason()
+    reason = health_failure(state)
+    if reason:
+        return False, reason
     timeout = state.server_args.health_check_timeout
     req = GenerateReq(rid=f"HEALTH_CHECK_{time.time()}", input_ids=[0],
                       sampling=SamplingParams(max_new_tokens=1))
@@ -231,32 +362,3 @@ async def run_health_check(state: ServerState) -> tuple[bool, str]:
         await asyncio.sleep(0.5)
         extra = f" ({c.failure_reason()})" if not c.healthy else ""
         return False, f"health check got no answer from dp_rank {dp_rank} in {timeout}s{extra}"
-
-
-async def _stream(state: ServerState, req: GenerateReq, chunks: asyncio.Queue,
-                  out: OutputAssembler):
-    """SSE: one event per chunk with the cumulative text and ids, then ``data: [DONE]``."""
-    finished = False
-    try:
-        while not out.finished:
-            item = await chunks.get()
-            if isinstance(item, EngineFailure):
-                finished = True
-                yield _sse({"error": {"message": f"engine failed: {item.reason}", "code": 503}})
-                break
-            if item.error:
-                finished = True
-                yield _sse({"error": {"message": f"request refused: {item.error}", "code": 400}})
-                break
-            if out.add(item):
-                state.controller.release(req.rid)
-            finished = out.finished
-            yield _sse(out.response())
-        yield b"data: [DONE]\n\n"
-    finally:
-        if not finished:  # the client went away mid-stream
-            state.controller.release(req.rid)
-
-
-def _sse(payload: dict) -> bytes:
-    return b"data: " + json.dumps(payload).encode() + b"\n\n"

@@ -227,7 +227,8 @@ class LeaderScheduler:
             req.num_computed += n
             if req.num_pending:
                 continue
-            token, logprob = sample_token(logits[row], req.sampling, req.generator)
+            token, logprob = sample_token(logits[row], req.sampling, req.generator,
+                                          req.output_ids)
             row += 1
             req.in_prefill = False
             req.output_ids.append(token)

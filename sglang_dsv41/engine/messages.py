@@ -21,6 +21,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None    # per-request RNG seed (reproducible sampling)
+    min_new_tokens: int = 0    # EOS, stop ids and stop strings are ignored before this many
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_regex: list[str] = field(default_factory=list)
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass

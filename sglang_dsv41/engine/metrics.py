@@ -1,7 +1,8 @@
 """Prometheus metrics of one server (a registry per app, so tests can run several apps).
 
 Per-DP-rank gauges come from the leaders' latest RankStats at scrape time; request counters are
-kept by the HTTP layer."""
+kept by the HTTP layer, labelled by route template (never the raw path) and status code, so
+no request can add a series beyond routes x status codes."""
 
 from __future__ import annotations
 
@@ -66,6 +67,10 @@ class ServerMetrics:
                                 ["endpoint", "status"], registry=self.registry)
         self.generated_tokens = Counter(f"{PREFIX}_generation_tokens",
                                         "Tokens generated", ["dp_rank"], registry=self.registry)
+
+    def count(self, endpoint: str, status: int) -> None:
+        """``endpoint`` is a route path from the app's route table (or "unmatched")."""
+        self.requests.labels(endpoint, str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

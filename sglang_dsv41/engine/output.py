@@ -1,14 +1,14 @@
 """Turns a request's GenerateOut chunks into SGLang's /generate response body.
 
-Stop strings are matched here too, on the whole detokenized text: the leader's StopChecker
-(sampling.py) decides when generation stops, but it decodes only a tail of the output ids, so a
-stop string spanning ids that decode to nothing (specials, reserved ids) can slip past it. The
-text is cut before the stop string and the ids after the token that completed it.
+Stop conditions are decided in one place, the leader's StopChecker (sampling.py); here the text
+is only trimmed at the stop string it reported (unless no_stop_trim), as SGLang does. The
+output ids keep the tokens that completed the stop.
 """
 
 from __future__ import annotations
 
 import base64
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,12 +24,22 @@ def encode_array(x: Any, dtype: str) -> tuple[str, list[int]]:
     return base64.b64encode(arr.tobytes()).decode("ascii"), list(arr.shape)
 
 
+@dataclass(frozen=True)
+class OutputOptions:
+    """What the request asked of its output (SamplingParams and request fields)."""
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    text_in_logprobs: bool = False
+    prefill_only: bool = False     # max_new_tokens 0: report the prompt, drop the one token
+
+
 class OutputAssembler:
     def __init__(self, req: GenerateReq, dp_rank: int, tokenizer: Any, weight_version: str,
-                 model_config: Any = None):
+                 model_config: Any = None, options: OutputOptions = OutputOptions()):
         self.req, self.dp_rank, self.tokenizer = req, dp_rank, tokenizer
         self.weight_version = weight_version
         self.model_config = model_config
+        self.options = options
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
         self.text = ""
@@ -37,37 +47,25 @@ class OutputAssembler:
         self.finish_reason: dict[str, Any] | None = None
         self.last: GenerateOut | None = None
 
-    def add(self, chunk: GenerateOut) -> bool:
-        """Append a chunk; True when a stop string the scheduler has not acted on ended the
-        request here (the engine should then be told to stop generating)."""
+    def add(self, chunk: GenerateOut) -> None:
         self.last = chunk
         self.output_ids.extend(chunk.token_ids)
         if chunk.logprobs is not None:
             self.logprobs.extend(chunk.logprobs)
-        self.text = self.tokenizer.decode(self.output_ids)
         if chunk.finished:
             self.finished, self.finish_reason = True, chunk.finish_reason
-        matched = self._match_stop()
-        if matched is None:
-            return False
-        stopped_early = not self.finished
-        self.finished = True
-        self.finish_reason = {"type": "stop", "matched": matched}
-        return stopped_early
+            if self.options.prefill_only:
+                self.output_ids, self.logprobs = [], []
+                self.finish_reason = {"type": "length", "length": 0}
+        self.text = self._decode(self.output_ids)
+        matched = (self.finish_reason or {}).get("matched")
+        if self.finished and isinstance(matched, str) and not self.options.no_stop_trim:
+            cut = self.text.rfind(matched)
+            if cut >= 0:
+                self.text = self.text[:cut]
 
-    def _match_stop(self) -> str | None:
-        hits = [(self.text.find(s), s) for s in self.req.sampling.stop if s in self.text]
-        if not hits:
-            return None
-        cut, stop = min(hits)
-        # Keep the ids up to (and including) the first token whose text completes the stop.
-        for k in range(1, len(self.output_ids) + 1):
-            if stop in self.tokenizer.decode(self.output_ids[:k]):
-                del self.output_ids[k:]
-                del self.logprobs[k:]
-                break
-        self.text = self.text[:cut]
-        return stop
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.options.skip_special_tokens)
 
     def response(self) -> dict[str, Any]:
         last = self.last
@@ -81,8 +79,10 @@ class OutputAssembler:
             "weight_version": self.weight_version,
         }
         if self.req.return_logprob:
+            text_of = (lambda t: self._decode([t])) if self.options.text_in_logprobs else \
+                (lambda t: None)
             meta["output_token_logprobs"] = [
-                [lp, tid, None] for lp, tid in zip(self.logprobs, self.output_ids)]
+                [lp, tid, text_of(tid)] for lp, tid in zip(self.logprobs, self.output_ids)]
         if self.req.return_routed_experts and last is not None and self.finished:
             self._add_routed_experts(meta)
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}

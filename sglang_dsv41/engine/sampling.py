@@ -8,14 +8,20 @@ returns them by default, so a trainer can compare them to its own forward direct
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from .messages import SamplingParams
 
+STOP_REGEX_WINDOW = 256  # characters of output a stop_regex is matched against
+
 
 def validate_sampling(p: SamplingParams, vocab_size: int) -> None:
+    """The scheduler's last line of defence for messages that did not come through HTTP (the
+    HTTP layer refuses these with a 400 first): nothing here may reach a rank as a crash."""
     def need(cond: bool, msg: str) -> None:
         if not cond:
             raise ValueError(msg)
@@ -27,24 +33,58 @@ def validate_sampling(p: SamplingParams, vocab_size: int) -> None:
     need(0 < p.top_p <= 1, f"top_p must be in (0, 1], got {p.top_p}")
     need(p.top_k == -1 or p.top_k >= 1, f"top_k must be -1 (off) or >= 1, got {p.top_k}")
     need(0 <= p.min_p <= 1, f"min_p must be in [0, 1], got {p.min_p}")
+    need(-2 <= p.frequency_penalty <= 2 and -2 <= p.presence_penalty <= 2,
+         "frequency/presence penalties must be in [-2, 2]")
+    need(0 < p.repetition_penalty <= 2, "repetition_penalty must be in (0, 2]")
     need(all(isinstance(s, str) and s for s in p.stop), "stop strings must be non-empty strings")
     need(all(isinstance(t, int) and 0 <= t < vocab_size for t in p.stop_token_ids),
          f"stop_token_ids must be token ids in [0, {vocab_size})")
+    need(all(0 <= t < vocab_size and math.isfinite(b) for t, b in p.logit_bias.items()),
+         f"logit_bias must map token ids in [0, {vocab_size}) to finite values")
 
 
 def make_generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(seed) % (2**63))
 
 
-def sample_token(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None
-                 ) -> tuple[int, float]:
-    """logits fp32 [V] -> (token id, its logprob at temperature 1)."""
+def apply_penalties(logits: torch.Tensor, p: SamplingParams, output_ids: Sequence[int]
+                    ) -> torch.Tensor:
+    """SGLang's penalizers over the output so far (frequency, presence, repetition) and the
+    request's logit_bias; returns new logits, never modifies the input."""
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+        logits = logits.index_add(0, ids, torch.tensor(list(p.logit_bias.values()),
+                                                       dtype=logits.dtype))
+    if not output_ids or (p.frequency_penalty == 0 and p.presence_penalty == 0
+                          and p.repetition_penalty == 1):
+        return logits
+    counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long),
+                            minlength=logits.numel())[:logits.numel()].to(logits.dtype)
+    seen = counts > 0
+    logits = logits - p.frequency_penalty * counts - p.presence_penalty * seen.to(logits.dtype)
+    if p.repetition_penalty != 1:
+        scaled = torch.where(logits > 0, logits / p.repetition_penalty,
+                             logits * p.repetition_penalty)
+        logits = torch.where(seen, scaled, logits)
+    return logits
+
+
+def sample_token(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None,
+                 output_ids: Sequence[int] = ()) -> tuple[int, float]:
+    """logits fp32 [V] -> (token id, its logprob at temperature 1, before penalties).
+
+    Never raises on extreme but valid settings: a temperature that overflows the scaled logits
+    or a filter that leaves no finite mass falls back to the greedy token of the adjusted
+    logits (the limit of the requested distribution), instead of killing the rank."""
     logits = logits.float().cpu()
     logprobs = torch.log_softmax(logits, dim=-1)
+    adjusted = apply_penalties(logits, p, output_ids)
+    greedy = int(torch.argmax(adjusted))
     if p.temperature == 0 or p.top_k == 1:
-        token = int(torch.argmax(logits))
-        return token, float(logprobs[token])
-    scaled = logits / p.temperature
+        return greedy, float(logprobs[greedy])
+    scaled = adjusted / p.temperature
+    if not torch.isfinite(scaled.max()):
+        return greedy, float(logprobs[greedy])
     if p.top_k > 0 and p.top_k < scaled.numel():
         kth = torch.topk(scaled, p.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -56,32 +96,57 @@ def sample_token(logits: torch.Tensor, p: SamplingParams, generator: torch.Gener
         probs = probs.scatter(0, order[drop], 0.0)
     if p.min_p > 0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-    token = int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+    total = probs.sum()
+    if not (torch.isfinite(total) and total > 0):
+        return greedy, float(logprobs[greedy])
+    token = int(torch.multinomial(probs / total, 1, generator=generator))
     return token, float(logprobs[token])
 
 
 class StopChecker:
-    """Decides whether a request is finished after its newest token."""
+    """The one place stop conditions are decided (after each new token, on the leader):
+    stop token ids, EOS, stop strings and stop regexes on the decoded output, the length limit;
+    nothing but the length limit before min_new_tokens. A matched string is reported in
+    finish_reason["matched"]; the HTTP layer only trims the text at it."""
 
     def __init__(self, eos_token_id: int | None, decode_fn):
         self.eos_token_id, self.decode_fn = eos_token_id, decode_fn
 
     def check(self, output_ids: list[int], p: SamplingParams, max_new_tokens: int
               ) -> dict[str, Any] | None:
-        last = output_ids[-1]
-        if last in p.stop_token_ids:
-            return {"type": "stop", "matched": last}
-        if not p.ignore_eos and last == self.eos_token_id:
-            return {"type": "stop", "matched": last}
-        if p.stop:
-            longest = max(len(s) for s in p.stop)
-            # A stop string can span several byte tokens; look at a tail long enough for it.
-            tail = self.decode_fn(output_ids[-(4 * longest + 4):])
-            for s in p.stop:
-                if s in tail:
-                    return {"type": "stop", "matched": s}
+        if len(output_ids) >= max(p.min_new_tokens, 1):
+            last = output_ids[-1]
+            if last in p.stop_token_ids:
+                return {"type": "stop", "matched": last}
+            if not p.ignore_eos and last == self.eos_token_id:
+                return {"type": "stop", "matched": last}
+            if p.stop or p.stop_regex:
+                matched = self._match_text(output_ids, p)
+                if matched is not None:
+                    return {"type": "stop", "matched": matched}
         if len(output_ids) >= max_new_tokens:
             return {"type": "length", "length": len(output_ids)}
+        return None
+
+    def _match_text(self, output_ids: list[int], p: SamplingParams) -> str | None:
+        # Decode a tail long enough to hold any stop (doubling past ids that decode to nothing,
+        # such as specials); only a match the newest token completed counts.
+        longest = max([len(s) for s in p.stop] + [STOP_REGEX_WINDOW if p.stop_regex else 0])
+        width = 4 * longest + 8
+        while True:
+            tail = output_ids[-width:]
+            text = self.decode_fn(tail)
+            if len(text) >= 2 * longest or width >= len(output_ids):
+                break
+            width *= 2
+        before = self.decode_fn(tail[:-1])
+        for s in p.stop:
+            if s in text and s not in before:
+                return s
+        for pattern in p.stop_regex:
+            m = re.search(pattern, text)
+            if m is not None and re.search(pattern, before) is None:
+                return m.group(0)
         return None
 
 
