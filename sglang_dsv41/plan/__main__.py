@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from .memory import ENGRAM_DTYPES, ENGRAM_LAYOUTS, OPTIMIZER_MODES, PINNED_CAP_ENV_KEY
+from .memory import ENGRAM_LAYOUTS, HOST_PAGE_BYTES, OPTIMIZER_MODES, PINNED_CAP_ENV_KEY
 from .planner import PlanInput, make_plan
 from .report import format_plan, plan_json
 from .rules import attn_tp_from_sglang
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sglang_dsv41.plan", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", "--model-path", dest="model", default=d.model,
-                   help="preset (tiny, small-1b, v41-flash) or checkpoint dir / config.json "
+                   help="preset (tiny, small, v41-flash) or checkpoint dir / config.json "
                         "(default: %(default)s)")
     p.add_argument("--nnodes", type=int, default=d.nnodes)
     p.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node)
@@ -60,8 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--r3", action=argparse.BooleanOptionalAction, default=d.r3,
                    help="router replay (--enable-return-routed-experts) on/off")
     p.add_argument("--engram-layout", choices=("auto",) + ENGRAM_LAYOUTS,
-                   default=d.engram_layout, help="auto: private when nnodes > 1, else shared")
-    p.add_argument("--engram-dtype", choices=ENGRAM_DTYPES, default=d.engram_dtype)
+                   default=d.engram_layout,
+                   help="auto: private (SGLang per_rank) when nnodes > 1, else shared; shared "
+                        "across nodes is refused")
+    p.add_argument("--hugepage", choices=sorted(HOST_PAGE_BYTES), default=d.hugepage,
+                   help="SGLANG_HUGEPAGE_SIZE of SGLang's mmap host buffers (R3)")
     p.add_argument("--optimizer", choices=OPTIMIZER_MODES, default=d.optimizer,
                    help="colocated CPU-offloaded Adam: full 18N, chunked 12N bytes")
     p.add_argument("--pinned-cap", action=argparse.BooleanOptionalAction, default=d.pinned_cap,
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_bytes_per_token=args.kv_bytes_per_token, kv_dtype_bytes=args.kv_dtype_bytes,
             page_size=args.page_size, host_gib_per_node=args.host_gib_per_node,
             base_gib_per_rank=args.base_gib_per_rank, r3=args.r3,
-            engram_layout=args.engram_layout, engram_dtype=args.engram_dtype,
+            engram_layout=args.engram_layout, hugepage=args.hugepage,
             optimizer=args.optimizer, pinned_cap=args.pinned_cap,
             pinned_cap_mb=args.pinned_cap_mb)
         res = make_plan(inp)

@@ -1,25 +1,33 @@
 """Host-memory formulas of a deployment: R3 buffers, KV sizing, Engram tables, CPU optimizer state
 and the pinned-memory allocator's rounding.
 
-Every function returns bytes (int) and takes plain numbers or a DSV41Config, so the embedded
+Every function returns bytes (int) and takes plain numbers or a DSV4Config, so the embedded
 engine (sizing its R3 buffer), ServerArgs and the trainer bridge can import them directly.
+The R3 and Engram figures are SGLang 0.5.23's own allocations (file:line cited per function);
+the pinned power-of-two rounding applies only to the trainer's torch pinned buffers.
 """
 
 from __future__ import annotations
 
-from ..model.config import DSV41Config
+from ..model.dsv4.config import DSV4Config
+from ..policies.engram_layout import LAYOUTS as ENGRAM_LAYOUTS
+from .shapes import ENGRAM_SCALE_BLOCK, engram_columns
 
 GIB = 1 << 30
 MIB = 1 << 20
 R3_EXPERT_ID_BYTES = 4  # SGLang stores routed expert ids as int32
-ENGRAM_DTYPES = ("fp8", "bf16")
-ENGRAM_FP8_BLOCK = 128  # one fp32 scale per block of this many fp8 values
-ENGRAM_LAYOUTS = ("shared", "private")
-OPTIMIZER_MODES = ("none", "full", "chunked")
-# Host bytes per parameter of a CPU-offloaded Adam: fp32 master 4 + fp32 grad 4 + two fp32 moments
-# 8 + bf16 pinned copy 2 = 18; offloading the state in chunks keeps the peak at 12.
-OPTIMIZER_BYTES_PER_PARAM = {"none": 0, "full": 18, "chunked": 12}
-OPTIMIZER_PINNED_BYTES_PER_PARAM = 2  # the bf16 copy that the H2D transfer reads
+# SGLang's alloc_mmap rounds to the mmap page (mem_cache/storage/mmap/mmap_allocator.py:191);
+# 4 KiB unless SGLANG_HUGEPAGE_SIZE asks for 2MB / 1GB pages.
+HOST_PAGE_BYTES = {"": 4096, "2MB": 2 << 20, "1GB": 1 << 30}
+# --optimizer-offload of the trainer bridge (trainer_bridge/optimizer_offload.py has the layout).
+OPTIMIZER_MODES = ("none", "fsdp", "chunked")
+# Host bytes per trained parameter. fsdp (FSDP2 CPUOffloadPolicy): fp32 master 4 + fp32 grad 4 +
+# two fp32 moments 8 = 16. chunked: the moments only (8); the fp32 masters and grads stay the
+# FSDP2 shards on the GPU and a chunk of the moments streams through one pinned buffer. There is
+# no bf16 host copy in either: FSDP2 casts to bf16 on the device at all-gather.
+OPTIMIZER_BYTES_PER_PARAM = {"none": 0, "fsdp": 16, "chunked": 8}
+# fsdp pins the master and grad shards (8 B per parameter, one allocation per tensor).
+OPTIMIZER_PINNED_BYTES_PER_PARAM = 8
 # torch's CachingHostAllocator skips power-of-two rounding for requests above this many MiB when
 # PYTORCH_ALLOC_CONF=pinned_max_round_threshold_mb:<N> is set (c10/core/AllocatorConfig.h).
 PINNED_CAP_ENV_KEY = "pinned_max_round_threshold_mb"
@@ -52,33 +60,57 @@ def pinned_alloc_bytes(nbytes: int, capped: bool = False,
     return next_pow2(nbytes)
 
 
-def r3_bytes_per_token(cfg: DSV41Config) -> int:
-    """Routed-expert ids kept per KV token: every layer's top-k as int32 (40 x 6 x 4 = 960 B).
+def mmap_bytes(nbytes: int, hugepage: str = "") -> int:
+    """alloc_mmap's mapping size: ceil(nbytes / page) x page (mmap_allocator.py:175-191)."""
+    _need(hugepage in HOST_PAGE_BYTES, f"hugepage must be one of {sorted(HOST_PAGE_BYTES)}")
+    page = HOST_PAGE_BYTES[hugepage]
+    return -(-nbytes // page) * page
 
-    SGLang's buffer spans all num_hidden_layers, dense layers included, so we count them too.
-    """
+
+def r3_bytes_per_token(cfg: DSV4Config) -> int:
+    """Routed-expert ids kept per token: int32 [num_hidden_layers, num_experts_per_tok]
+    (state_capturer/routed_experts.py:72-73; 40 x 6 x 4 = 960 B on V4.1-Flash). Every layer
+    counts, hash-routed ones included."""
     return cfg.num_hidden_layers * cfg.num_experts_per_tok * R3_EXPERT_ID_BYTES
 
 
-def r3_buffer_bytes(cfg: DSV41Config, max_total_tokens: int, page_size: int) -> int:
-    """One scheduler process's R3 host buffer: int32[max_total_tokens + page_size, layers, top_k]
-    (SGLang's routed-experts capturer), in bytes."""
+def r3_buffer_bytes(cfg: DSV4Config, max_total_tokens: int, page_size: int) -> int:
+    """The exact request of one scheduler process's R3 host cache: int32[max_total_tokens +
+    page_size, layers, top_k] (kv_index_translator.py:268 capture_token_capacity, state_capturer
+    base.py:64-72 BaseHostCache)."""
     _need(max_total_tokens >= 0, f"max_total_tokens must be >= 0, got {max_total_tokens}")
     _need(page_size >= 1, f"page_size must be >= 1, got {page_size}")
     return (max_total_tokens + page_size) * r3_bytes_per_token(cfg)
 
 
-def kv_bytes_per_token(cfg: DSV41Config, dtype_bytes: int = 2, attn_tp_size: int = 1) -> int:
-    """KV-cache bytes one token takes on one GPU: every layer stores K and V for its KV heads.
+def r3_host_bytes(cfg: DSV4Config, max_total_tokens: int, page_size: int,
+                  hugepage: str = "") -> int:
+    """Host bytes that request really takes: alloc_with_host_register -> alloc_mmap (MAP_SHARED
+    | MAP_POPULATE, page-rounded) + cudaHostRegister (pool_host/common.py:330-350). No
+    power-of-two rounding: it never goes through torch's caching host allocator."""
+    return mmap_bytes(r3_buffer_bytes(cfg, max_total_tokens, page_size), hugepage)
 
-    KV heads are split over the attention-TP ranks and replicated when there are fewer heads
-    than ranks (SGLang's get_num_kv_heads). This is the plain GQA size: the real V4.1 caches a
-    compressed MLA latent and is far smaller per token, so pass the measured figure instead
-    (``--kv-bytes-per-token``) when planning a real deployment.
-    """
+
+def r3_largest_tokens(budget_bytes: int, bytes_per_token: int, page_size: int,
+                      hugepage: str = "", max_tokens: int | None = None) -> int:
+    """The largest page-aligned max_total_tokens (<= max_tokens if given) whose R3 host mapping
+    (r3_host_bytes) fits in budget_bytes; -1 when not even 0 tokens fit."""
+    _need(bytes_per_token >= 1 and page_size >= 1, "bytes_per_token and page_size must be >= 1")
+    page = HOST_PAGE_BYTES[hugepage]
+    whole_pages = max(budget_bytes, 0) // page * page  # the mapping is a whole number of pages
+    tokens = (whole_pages // bytes_per_token - page_size) // page_size * page_size
+    if max_tokens is not None:
+        tokens = min(tokens, max_tokens // page_size * page_size)
+    return tokens if tokens >= 0 else -1
+
+
+def kv_bytes_per_token(cfg: DSV4Config, dtype_bytes: int = 2, attn_tp_size: int = 1) -> int:
+    """A plain upper bound of KV bytes per token on one GPU: one K=V latent of head_dim per
+    layer (V4 attention has one KV head, replicated over attention TP). The real V4.1 cache
+    holds compressed fp4/fp8 entries on its kv-source layers only (890 B/token global on
+    V4.1-Flash plus the 128-token windows): pass the measured figure (--kv-bytes-per-token)."""
     _need(dtype_bytes >= 1 and attn_tp_size >= 1, "dtype_bytes and attn_tp_size must be >= 1")
-    heads_per_rank = max(1, cfg.num_key_value_heads // attn_tp_size)
-    return cfg.num_hidden_layers * 2 * heads_per_rank * cfg.head_dim * dtype_bytes
+    return cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
 
 
 def kv_tokens_for_budget(kv_bytes: int, bytes_per_token: int, page_size: int) -> int:
@@ -87,41 +119,61 @@ def kv_tokens_for_budget(kv_bytes: int, bytes_per_token: int, page_size: int) ->
     return (max(kv_bytes, 0) // bytes_per_token) // page_size * page_size
 
 
-def engram_table_bytes(cfg: DSV41Config, dtype: str = "fp8") -> int:
-    """Bytes of all Engram tables (one per Engram layer); fp8 adds one fp32 scale per 128 values."""
-    _need(dtype in ENGRAM_DTYPES, f"engram dtype must be one of {ENGRAM_DTYPES}, got {dtype!r}")
-    values = cfg.engram_num_rows * cfg.engram_dim
-    if dtype == "fp8":
-        per_table = values + -(-values // ENGRAM_FP8_BLOCK) * 4
-    else:
-        per_table = values * 2
-    return per_table * len(cfg.engram_layers)
+def engram_row_bytes(cfg: DSV4Config) -> int:
+    """fp8 row + its e8m0 scales: head_dim + head_dim/32 (engram.py:1043-1046; 264 B at 256)."""
+    return cfg.engram_head_dim + cfg.engram_head_dim // ENGRAM_SCALE_BLOCK
 
 
-def engram_host_bytes(cfg: DSV41Config, layout: str, nnodes: int, gpus_per_node: int,
-                      dtype: str = "fp8") -> int:
-    """Engram host bytes on one node.
+def engram_table_bytes(cfg: DSV4Config) -> int:
+    """Bytes of all Engram tables (weights + scales), as stored and as SGLang holds them."""
+    return sum(cfg.engram_num_embeddings) * engram_row_bytes(cfg)
 
-    shared: one full copy per node, attached by every local rank. private: every rank of the
-    whole deployment owns a row shard, so a node holds its local ranks' share of the tables.
+
+def engram_shard_rows(num_embeddings: int, n_columns: int, tp_rank: int, tp_size: int
+                      ) -> tuple[int, int]:
+    """SGLang's shard_range (engram.py:960-982): whole hash columns per rank when the column
+    count divides evenly by tp_size, else the equal-row split. ``n_columns`` is
+    (max_ngram_size - 1) x n_heads; the column bounds only matter in the even case, where the
+    row range is taken from the layer's primes (see engram_host_bytes)."""
+    return (num_embeddings * tp_rank // tp_size, num_embeddings * (tp_rank + 1) // tp_size)
+
+
+def engram_host_bytes(cfg: DSV4Config, layout: str, tp_size: int, local_ranks: range,
+                      column_bounds: list[tuple[int, ...]] | None = None) -> int:
+    """Engram host bytes on one node with SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE=1.
+
+    shared: one memfd per table holding every row, mapped by all ranks of the node
+    (engram.py:1043 n = num_embeddings). private (SGLang per_rank): each rank maps its own row
+    shard (n = shard_range rows), so the node holds the sum over its ``local_ranks`` (global TP
+    ranks). ``column_bounds`` (per table, SGLang's EngramLayout.column_bounds) gives the
+    whole-column split when the column count divides by tp_size; without it the equal split.
     """
-    _need(layout in ENGRAM_LAYOUTS,
-          f"engram layout must be one of {ENGRAM_LAYOUTS}, got {layout!r}")
-    _need(nnodes >= 1 and gpus_per_node >= 1, "nnodes and gpus_per_node must be >= 1")
-    total = engram_table_bytes(cfg, dtype)
+    _need(layout in ENGRAM_LAYOUTS, f"engram layout must be one of {ENGRAM_LAYOUTS}, got {layout!r}")
+    _need(tp_size >= 1, f"tp_size must be >= 1, got {tp_size}")
+    row = engram_row_bytes(cfg)
     if layout == "shared":
-        return total
-    world = nnodes * gpus_per_node
-    rows_per_rank = -(-cfg.engram_num_rows // world)  # the last rank's shard may be shorter
-    per_rank = total * rows_per_rank // cfg.engram_num_rows if cfg.engram_num_rows else 0
-    return min(total, per_rank * gpus_per_node)
+        return engram_table_bytes(cfg)
+    cols = engram_columns(cfg)
+    rows = 0
+    for t, n in enumerate(cfg.engram_num_embeddings):
+        for r in local_ranks:
+            if column_bounds is not None and cols % tp_size == 0:
+                per = cols // tp_size
+                lo, hi = column_bounds[t][r * per], column_bounds[t][(r + 1) * per]
+            else:
+                lo, hi = engram_shard_rows(n, cols, r, tp_size)
+            rows += hi - lo
+    return rows * row
 
 
-def optimizer_host_bytes(n_params: int, mode: str) -> int:
-    """Host bytes of a CPU-offloaded Adam over n_params: 18N (full) or 12N (chunked) or 0."""
+def optimizer_host_bytes(n_params: int, mode: str, chunk_bytes: int = 0, ranks: int = 1) -> int:
+    """Host bytes of the optimizer over n_params trained parameters held by ``ranks`` processes:
+    16N (fsdp), 8N plus one pinned chunk of ``chunk_bytes`` per rank (chunked), or 0 (none)."""
     _need(mode in OPTIMIZER_MODES, f"optimizer mode must be one of {OPTIMIZER_MODES}, got {mode!r}")
-    _need(n_params >= 0, f"n_params must be >= 0, got {n_params}")
-    return OPTIMIZER_BYTES_PER_PARAM[mode] * n_params
+    _need(n_params >= 0 and chunk_bytes >= 0 and ranks >= 1,
+          f"need n_params >= 0, chunk_bytes >= 0, ranks >= 1; got {n_params}, {chunk_bytes}, {ranks}")
+    chunks = chunk_bytes * ranks if mode == "chunked" else 0
+    return OPTIMIZER_BYTES_PER_PARAM[mode] * n_params + chunks
 
 
 def largest_tokens_within(budget_bytes: int, bytes_per_token: int, page_size: int,

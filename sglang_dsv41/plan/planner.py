@@ -11,13 +11,16 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from ..model.config import DSV41Config, load_config
-from .memory import (DEFAULT_PINNED_CAP_MB, ENGRAM_DTYPES, ENGRAM_LAYOUTS, GIB, OPTIMIZER_MODES,
-                     OPTIMIZER_PINNED_BYTES_PER_PARAM, PINNED_CAP_ENV_KEY, engram_host_bytes,
-                     kv_bytes_per_token, kv_tokens_for_budget, largest_tokens_within,
+from ..model.dsv4.config import DSV4Config
+from ..model.dsv4.presets import load_config
+from ..policies.engram_layout import EngramLayoutError, choose_engram_layout
+from .memory import (DEFAULT_PINNED_CAP_MB, ENGRAM_LAYOUTS, GIB, HOST_PAGE_BYTES,
+                     OPTIMIZER_MODES, OPTIMIZER_PINNED_BYTES_PER_PARAM, PINNED_CAP_ENV_KEY,
+                     engram_host_bytes, kv_bytes_per_token, kv_tokens_for_budget,
                      optimizer_host_bytes, pinned_alloc_bytes, r3_buffer_bytes,
-                     r3_bytes_per_token)
+                     r3_bytes_per_token, r3_host_bytes, r3_largest_tokens)
 from .rules import ParallelLayout, PlanError, validate_parallel_layout
+from .shapes import count_parameters
 
 LAYOUT_CONVENTION = ("tp is attention TP per DP replica (tp <= o_groups), "
                      "tp x dp x pp = nnodes x gpus_per_node")
@@ -40,8 +43,8 @@ class PlanInput:
     host_gib_per_node: float = 2048.0
     base_gib_per_rank: float = 4.0  # runtime, CUDA context, tokenizer, ... per rank process
     r3: bool = True
-    engram_layout: str = "auto"  # auto: private across nodes, shared on one node
-    engram_dtype: str = "fp8"
+    engram_layout: str = "auto"  # auto: private (SGLang per_rank) across nodes, else shared
+    hugepage: str = ""  # SGLANG_HUGEPAGE_SIZE for SGLang's mmap host buffers: "", 2MB, 1GB
     optimizer: str = "none"
     pinned_cap: bool = False
     pinned_cap_mb: int = DEFAULT_PINNED_CAP_MB
@@ -61,15 +64,18 @@ class PlanInput:
         need(self.base_gib_per_rank >= 0, "--base-gib-per-rank must be >= 0")
         need(self.engram_layout in ("auto",) + ENGRAM_LAYOUTS,
              f"--engram-layout must be one of auto, {', '.join(ENGRAM_LAYOUTS)}")
-        need(self.engram_dtype in ENGRAM_DTYPES, f"--engram-dtype must be one of {ENGRAM_DTYPES}")
+        need(self.hugepage in HOST_PAGE_BYTES,
+             f"--hugepage must be one of {sorted(HOST_PAGE_BYTES)}")
         need(self.optimizer in OPTIMIZER_MODES, f"--optimizer must be one of {OPTIMIZER_MODES}")
         need(self.pinned_cap_mb >= 0, "--pinned-cap-mb must be >= 0")
 
     @property
     def resolved_engram_layout(self) -> str:
-        if self.engram_layout != "auto":
-            return self.engram_layout
-        return "private" if self.nnodes > 1 else "shared"
+        """One rule (policies/engram_layout.py); shared across nodes is refused there."""
+        try:
+            return choose_engram_layout(self.engram_layout, spans_nodes=self.nnodes > 1)
+        except EngramLayoutError as e:
+            raise PlanError(str(e)) from e
 
 
 @dataclass(frozen=True)
@@ -102,7 +108,7 @@ class PlanResult:
     kv_bytes_per_token_source: str
     r3_bytes_per_token: int
     r3_buffer_bytes_per_rank: int  # exact request of one scheduler process
-    r3_pinned_bytes_per_rank: int  # what the pinned allocator really takes for it
+    r3_pinned_bytes_per_rank: int  # its mmap + cudaHostRegister mapping (page-rounded only)
     requested_max_total_tokens: int  # what the KV budget per GPU holds
     host_limit_max_total_tokens: int | None  # None: host memory sets no limit (R3 off)
     largest_safe_max_total_tokens: int | None  # None: nothing fits
@@ -118,20 +124,15 @@ class PlanResult:
                            sglang_flags=self.layout.sglang_flags(),
                            convention=LAYOUT_CONVENTION)
         d["budget"].update(total=self.budget.total, headroom=self.budget.headroom)
-        d["r3_host_bytes_per_node"] = self.budget.r3_buffers + self.r3_rounding_per_node
+        d["r3_host_bytes_per_node"] = self.budget.r3_buffers
         return d
-
-    @property
-    def r3_rounding_per_node(self) -> int:
-        return (self.r3_pinned_bytes_per_rank - self.r3_buffer_bytes_per_rank) * \
-            self.layout.gpus_per_node
 
 
 def _gib(n: int) -> str:
     return f"{n / GIB:,.1f} GiB"
 
 
-def make_plan(inp: PlanInput, cfg: DSV41Config | None = None) -> PlanResult:
+def make_plan(inp: PlanInput, cfg: DSV4Config | None = None) -> PlanResult:
     """Raises PlanError for an illegal layout or input; a plan that does not fit is returned with
     fits=False and the reason (the caller decides how to refuse)."""
     if cfg is None:
@@ -155,9 +156,14 @@ def make_plan(inp: PlanInput, cfg: DSV41Config | None = None) -> PlanResult:
                         f"{kv_bpt} B/token, fewer than {MIN_PAGES} pages of {page}")
 
     engram_layout = inp.resolved_engram_layout
-    engram = (engram_host_bytes(cfg, engram_layout, inp.nnodes, local, inp.engram_dtype)
-              if cfg.engram_layers else 0)
-    n_params = cfg.num_parameters()  # Engram excluded: frozen, never in the optimizer
+    # SGLang shards Engram rows over its tp group (= every rank of a pipeline stage); the
+    # busiest node holds the most rows.
+    tp_size = layout.sglang_tp_size
+    engram = max((engram_host_bytes(cfg, engram_layout, tp_size,
+                                    range(n * local, min((n + 1) * local, tp_size)))
+                  for n in range(max(1, -(-tp_size // local)))), default=0) \
+        if cfg.engram_layer_ids else 0
+    n_params = count_parameters(cfg)  # Engram tables excluded: frozen, never in the optimizer
     optimizer = -(-optimizer_host_bytes(n_params, inp.optimizer) // inp.nnodes)
     # The bf16 copy is modelled as one flat pinned buffer per rank (its FSDP shard).
     opt_pinned = 0
@@ -170,19 +176,16 @@ def make_plan(inp: PlanInput, cfg: DSV41Config | None = None) -> PlanResult:
 
     r3_bpt = r3_bytes_per_token(cfg)
     r3_exact = r3_buffer_bytes(cfg, requested, page) if inp.r3 else 0
-    r3_pinned = pinned_alloc_bytes(r3_exact, inp.pinned_cap, inp.pinned_cap_mb)
-    budget = NodeBudget(r3_buffers=r3_exact * local, engram=engram, optimizer=optimizer,
-                        pinned_rounding=(r3_pinned - r3_exact) * local + opt_rounding,
-                        base=base, available=available)
+    r3_mapped = r3_host_bytes(cfg, requested, page, inp.hugepage) if inp.r3 else 0
+    budget = NodeBudget(r3_buffers=r3_mapped * local, engram=engram, optimizer=optimizer,
+                        pinned_rounding=opt_rounding, base=base, available=available)
 
     fixed = engram + optimizer + opt_rounding + base
     host_limit: int | None = None
     if inp.r3:
         per_rank = (available - fixed) // local
-        host_limit = max(0, largest_tokens_within(per_rank, r3_bpt, page, inp.pinned_cap,
-                                                  inp.pinned_cap_mb))
-        safe = largest_tokens_within(per_rank, r3_bpt, page, inp.pinned_cap, inp.pinned_cap_mb,
-                                     max_tokens=requested)
+        host_limit = max(0, r3_largest_tokens(per_rank, r3_bpt, page, inp.hugepage))
+        safe = r3_largest_tokens(per_rank, r3_bpt, page, inp.hugepage, max_tokens=requested)
     else:
         safe = requested if fixed <= available else -1
     largest_safe = safe if safe >= MIN_PAGES * page else None
@@ -202,13 +205,14 @@ def make_plan(inp: PlanInput, cfg: DSV41Config | None = None) -> PlanResult:
                   f"{largest_safe}")
     hints = []
     if budget.pinned_rounding and not inp.pinned_cap:
-        hints.append(f"the pinned allocator rounds up to powers of two, wasting "
+        hints.append(f"torch's pinned allocator rounds the trainer's buffers up to powers of "
+                     f"two, wasting "
                      f"{_gib(budget.pinned_rounding)} per node: set PYTORCH_ALLOC_CONF="
                      f"{PINNED_CAP_ENV_KEY}:{inp.pinned_cap_mb} (plan with --pinned-cap)")
     return PlanResult(inp=inp, layout=layout, engram_layout=engram_layout, n_params=n_params,
                       kv_bytes_per_token=kv_bpt, kv_bytes_per_token_source=kv_source,
                       r3_bytes_per_token=r3_bpt if inp.r3 else 0,
-                      r3_buffer_bytes_per_rank=r3_exact, r3_pinned_bytes_per_rank=r3_pinned,
+                      r3_buffer_bytes_per_rank=r3_exact, r3_pinned_bytes_per_rank=r3_mapped,
                       requested_max_total_tokens=requested, host_limit_max_total_tokens=host_limit,
                       largest_safe_max_total_tokens=largest_safe, budget=budget, fits=fits,
                       reason=reason, hints=tuple(hints))

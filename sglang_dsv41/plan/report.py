@@ -32,17 +32,19 @@ def format_plan(res: PlanResult) -> str:
     if inp.r3:
         lines.append(
             f"R3: {res.r3_bytes_per_token} B/token; one buffer of "
-            f"{res.r3_buffer_bytes_per_rank:,} B per scheduler process, pinned as "
-            f"{res.r3_pinned_bytes_per_rank:,} B ({cap}), x {local} processes per node")
+            f"{res.r3_buffer_bytes_per_rank:,} B per scheduler process, mapped as "
+            f"{res.r3_pinned_bytes_per_rank:,} B (SGLang mmap + cudaHostRegister), x {local} "
+            "processes per node")
     else:
         lines.append("R3: off")
     lines += [
-        f"Engram: {res.engram_layout} layout, {inp.engram_dtype}; optimizer: {inp.optimizer}",
+        f"Engram: {res.engram_layout} layout (fp8 + e8m0 scales); optimizer: {inp.optimizer} "
+        f"(trainer pinned buffers: {cap})",
         "",
         f"{'host memory per node (all nodes alike)':<40}{'GiB':>12}",
     ]
     rows = [
-        (f"R3 buffers ({local} x exact request)", b.r3_buffers),
+        (f"R3 buffers ({local} x mmap mapping)", b.r3_buffers),
         ("Engram tables", b.engram),
         ("CPU optimizer (node share)", b.optimizer),
         ("pinned rounding overhead", b.pinned_rounding),
@@ -54,8 +56,8 @@ def format_plan(res: PlanResult) -> str:
     lines += [f"  {label:<38}{_gib(value)}" for label, value in rows]
     lines.append("")
     if inp.r3:
-        lines.append(f"R3 host bytes per node: {b.r3_buffers + res.r3_rounding_per_node:,} "
-                     f"({(b.r3_buffers + res.r3_rounding_per_node) / GIB:,.2f} GiB pinned)")
+        lines.append(f"R3 host bytes per node: {b.r3_buffers:,} ({b.r3_buffers / GIB:,.2f} GiB, "
+                     "cudaHostRegister-pinned)")
     limit = res.host_limit_max_total_tokens
     lines.append("host-memory limit on max_total_tokens: "
                  + ("none (R3 off)" if limit is None else f"{limit:,}"))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..model.config import DSV41Config
+from ..model.dsv4.config import DSV4Config
 
 
 class PlanError(ValueError):
@@ -49,7 +49,7 @@ class ParallelLayout:
         return flags
 
 
-def validate_parallel_layout(cfg: DSV41Config, tp: int, dp: int, ep: int | None, pp: int,
+def validate_parallel_layout(cfg: DSV4Config, tp: int, dp: int, ep: int | None, pp: int,
                              r3: bool, nnodes: int, gpus_per_node: int) -> ParallelLayout:
     """Check a layout against the model and the machines; raise PlanError naming the rule broken.
 
@@ -108,7 +108,7 @@ def attn_tp_from_sglang(tp_size: int, dp_size: int) -> int:
     return tp_size // dp_size
 
 
-def validate_sglang_layout(cfg: DSV41Config, tp_size: int, dp_size: int, ep_size: int | None,
+def validate_sglang_layout(cfg: DSV4Config, tp_size: int, dp_size: int, ep_size: int | None,
                            pp_size: int, r3: bool, nnodes: int, gpus_per_node: int,
                            enable_dp_attention: bool = True) -> ParallelLayout:
     """The same rules for SGLang's spelling, where tp_size counts every rank of a stage."""
