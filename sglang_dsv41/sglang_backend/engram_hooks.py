@@ -1,0 +1,142 @@
+"""Engram plugins: a dummy load that still loads the frozen Engram tables and ``tid2eid``, and
+weight updates that would overwrite an Engram table refused.
+
+SGLang 0.5.23's ``DummyModelLoader.load_model`` (model_loader/loader.py) never reads the
+checkpoint, so the Engram tables stay uninitialised and ``tid2eid`` keeps HashTopK's
+``(token + k) % E`` placeholder; its ``initialize_dummy_weights`` upcasts every sub-16-bit
+tensor to an fp16 temporary (a whole Engram table per rank), and ``finish_load`` (which
+publishes the shared host table) is never called. The trainer never sends these frozen tensors,
+so an RL server started with ``--load-format dummy`` serves a different model than it trains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import os
+from typing import Iterator
+
+from .env import ENV
+
+logger = logging.getLogger(__name__)
+
+ENGRAM_TABLE_SUFFIXES = (".engram.embed.weight", ".engram.embed.scale")
+TID2EID_SUFFIX = ".topk.tid2eid"
+
+
+def is_engram_table_name(name: str) -> bool:
+    """An Engram table tensor, in checkpoint or SGLang naming (``layers.N.engram.embed.*``)."""
+    return ".engram.embed." in name
+
+
+@contextlib.contextmanager
+def engram_tables_detached(model) -> Iterator[list[str]]:
+    """Take every EngramEmbedding out of ``model`` for the duration, so a walk over
+    ``model.state_dict()`` (SGLang's dummy fill) never sees the tables."""
+    import torch.nn as nn
+    from sglang.srt.layers.engram import EngramEmbedding
+
+    detached = [(name, m) for name, m in model.named_modules() if isinstance(m, EngramEmbedding)]
+    for name, module in detached:
+        parent_name, _, child = name.rpartition(".")
+        model.get_submodule(parent_name)._modules[child] = nn.Module()
+    try:
+        yield [name for name, _ in detached]
+    finally:
+        for name, module in detached:
+            parent_name, _, child = name.rpartition(".")
+            model.get_submodule(parent_name)._modules[child] = module
+
+
+def around_initialize_dummy_weights(original, model, *args, **kwargs):
+    """SGLang's own dummy fill (same seed rule) on everything but the Engram tables."""
+    with engram_tables_detached(model):
+        return original(model, *args, **kwargs)
+
+
+class RowSlice:
+    """A checkpoint tensor read lazily by rows: EngramEmbedding._load_rows indexes the full
+    table with its own row range, and only those rows are read from the file."""
+
+    def __init__(self, name: str, file_slice):
+        self.name, self._slice = name, file_slice
+        self.shape = tuple(file_slice.get_shape())
+
+    def __getitem__(self, rows):
+        if not isinstance(rows, slice) or rows.step not in (None, 1):
+            raise TypeError(f"{self.name}: only contiguous row ranges are read lazily, "
+                            f"got {rows!r}")
+        return self._slice[rows]
+
+
+def checkpoint_files(ckpt_dir: str) -> list[str]:
+    files = sorted(glob.glob(os.path.join(ckpt_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {ckpt_dir!r}: the dummy load needs "
+                                f"the checkpoint's Engram tables and tid2eid "
+                                f"(set --dsv41-engram-checkpoint)")
+    return files
+
+
+def _sglang_name(model, name: str) -> str:
+    remap = getattr(type(model), "remap_weight_name_to_dpsk_hf_format", None)
+    return remap(name) if remap is not None else name
+
+
+def load_frozen_tables(model, ckpt_dir: str) -> list[str]:
+    """Stream the checkpoint's Engram tables (each rank its rows) and tid2eid into ``model``
+    through the parameters' own weight loaders, then run every table's finish_load.
+    Returns the parameter names loaded; raises naming what the checkpoint lacks."""
+    from safetensors import safe_open
+    from sglang.srt.layers.engram import EngramEmbedding
+    from sglang.srt.model_loader.weight_utils import default_weight_loader
+
+    params = dict(model.named_parameters())
+    wanted = {n for n in params if n.endswith(ENGRAM_TABLE_SUFFIXES + (TID2EID_SUFFIX,))}
+    loaded: list[str] = []
+    for path in checkpoint_files(ckpt_dir):
+        with safe_open(path, framework="pt") as f:
+            for ckpt_name in f.keys():
+                name = _sglang_name(model, ckpt_name)
+                if name not in wanted:
+                    continue  # not a frozen table, or a layer this (pipeline) rank lacks
+                param = params[name]
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                if name.endswith(TID2EID_SUFFIX):
+                    loader(param, f.get_tensor(ckpt_name))
+                else:
+                    loader(param, RowSlice(ckpt_name, f.get_slice(ckpt_name)))
+                loaded.append(name)
+    missing = sorted(wanted - set(loaded))
+    if missing:
+        raise ValueError(f"checkpoint {ckpt_dir} lacks {len(missing)} frozen tensor(s) the model "
+                         f"needs, e.g. {missing[:3]}; a dummy load cannot make them up")
+    for name, module in model.named_modules():
+        if isinstance(module, EngramEmbedding):
+            module.finish_load(label=name)
+    return loaded
+
+
+def around_dummy_load_model(original, self, *, model_config, device_config):
+    model = original(self, model_config=model_config, device_config=device_config)
+    import torch
+
+    ckpt_dir = ENV.ENGRAM_CHECKPOINT.get() or model_config.model_path
+    with torch.no_grad():
+        loaded = load_frozen_tables(model, ckpt_dir)
+    logger.info("sglang-dsv41: dummy load read %d frozen tensors (Engram rows of this rank, "
+                "tid2eid) from %s", len(loaded), ckpt_dir)
+    return model
+
+
+async def around_update_weights_from_distributed(original, self, obj, request=None):
+    """The trainer never trains the Engram tables; a push that names one would have to send
+    the whole table (EngramEmbedding._load_rows slices the full table) and is refused with
+    HTTP 400 unless --dsv41-allow-engram-update."""
+    tables = [n for n in (obj.names or []) if is_engram_table_name(n)]
+    if tables and not ENV.ALLOW_ENGRAM_UPDATE.get():
+        return False, (f"refused: the update names {len(tables)} frozen Engram table(s) "
+                       f"({tables[0]}, ...); leave them out of weight updates or start the "
+                       f"server with --dsv41-allow-engram-update")
+    return await original(self, obj, request)

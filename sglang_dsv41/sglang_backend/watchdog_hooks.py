@@ -1,0 +1,155 @@
+"""Stall watchdog: a scheduler rank's batch run and MLP sync run under its StallWatchdog
+(sglang_dsv41.policies.watchdog); a stall report lands in the run directory, and ``/health``
+and ``/health_generate`` answer 503 naming the rank, step and collective.
+
+SGLang 0.5.23 has no way to name a wedged rank: a DP rank stuck in the MLP-sync all-gather
+(managers/scheduler_components/dp_attn.py) leaves every health check waiting
+SGLANG_HEALTH_CHECK_TIMEOUT and then answering a bare 503.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import logging
+import os
+import threading
+from collections import Counter
+
+from ..policies.watchdog import StallReport, StallWatchdog
+from .env import ENV
+
+logger = logging.getLogger(__name__)
+HEALTH_PATHS = ("/health", "/health_generate")
+
+
+# ---- stall reports on disk (scheduler ranks -> HTTP process of the same node) ---------------
+def stall_report_path(run_dir: str, rank: int | str) -> str:
+    return os.path.join(run_dir, f"stall-rank{rank}.json")
+
+
+def write_stall_report(run_dir: str, report: StallReport) -> str:
+    os.makedirs(run_dir, exist_ok=True)
+    path = stall_report_path(run_dir, report.rank)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"rank": report.rank, "step": report.step, "op": report.op,
+                   "waited_s": report.waited_s, "message": report.message()}, f)
+    os.replace(tmp, path)  # a reader never sees half a report
+    return path
+
+
+def clear_stall_report(run_dir: str, rank: int) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(stall_report_path(run_dir, rank))
+
+
+def read_stall_reports(run_dir: str) -> list[dict]:
+    out = []
+    for path in sorted(glob.glob(stall_report_path(run_dir, "*"))):
+        try:
+            with open(path) as f:
+                out.append(json.load(f))
+        except (OSError, ValueError):
+            continue  # replaced or removed while read: the next check sees it
+    return sorted(out, key=lambda r: r.get("rank", 0))
+
+
+# ---- the rank's watchdog ---------------------------------------------------------------------
+class RankGuard:
+    """This process's watchdog, started on its first guarded call (only scheduler processes
+    make one), named by its global rank."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.watchdog: StallWatchdog | None = None
+        self.steps: Counter[str] = Counter()
+        self.run_dir = ""
+
+    def _start(self) -> StallWatchdog:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.run_dir = ENV.RUN_DIR.get()
+
+        def on_stall(report: StallReport) -> None:
+            logger.error("sglang-dsv41 stall: %s", report.message())
+            if self.run_dir:
+                write_stall_report(self.run_dir, report)
+
+        return StallWatchdog(rank, ENV.STALL_TIMEOUT.get(), on_stall)
+
+    @contextlib.contextmanager
+    def guard(self, op: str):
+        with self._lock:
+            if self.watchdog is None:
+                self.watchdog = self._start()
+            self.steps[op] += 1
+            watchdog, step = self.watchdog, self.steps[op]
+        try:
+            with watchdog.guard(op, step):
+                yield
+        finally:
+            report = watchdog.last_report
+            if report is not None and (report.op, report.step) == (op, step):
+                # it finished after all (a slow first forward, a JIT compile): healthy again
+                logger.warning("sglang-dsv41: rank %d finished '%s' step %d after its stall "
+                               "report", report.rank, op, step)
+                watchdog.last_report = None
+                if self.run_dir:
+                    clear_stall_report(self.run_dir, report.rank)
+
+
+GUARD = RankGuard()
+
+
+def around_run_batch(original, self, *args, **kwargs):
+    with GUARD.guard("run_batch"):
+        return original(self, *args, **kwargs)
+
+
+def around_mlp_sync_all_gather(original, self, *args, **kwargs):
+    with GUARD.guard("mlp_sync"):
+        return original(self, *args, **kwargs)
+
+
+# ---- the HTTP side -----------------------------------------------------------------------------
+def stall_response(run_dir: str) -> tuple[int, dict] | None:
+    reports = read_stall_reports(run_dir) if run_dir else []
+    if not reports:
+        return None
+    message = "; ".join(r.get("message", f"rank {r.get('rank')} stalled") for r in reports)
+    return 503, {"error": {"message": f"unhealthy: {message}",
+                           "stalled_ranks": [r.get("rank") for r in reports]}}
+
+
+def install_health_middleware(app, run_dir: str | None = None) -> bool:
+    """A middleware on SGLang's FastAPI app; the routes keep SGLang's handlers. False when the
+    app is already serving (Starlette refuses new middleware then)."""
+    from fastapi.responses import JSONResponse
+
+    if getattr(app.state, "dsv41_health_middleware", False):
+        return True
+
+    async def stall_aware_health(request, call_next):
+        if request.url.path in HEALTH_PATHS:
+            verdict = stall_response(run_dir if run_dir is not None else ENV.RUN_DIR.get())
+            if verdict is not None:
+                return JSONResponse(verdict[1], status_code=verdict[0])
+        return await call_next(request)
+
+    try:
+        app.middleware("http")(stall_aware_health)
+    except RuntimeError as e:  # "Cannot add middleware after an application has started"
+        logger.error("sglang-dsv41: stall-aware health checks not installed: %s", e)
+        return False
+    app.state.dsv41_health_middleware = True
+    return True
+
+
+def after_set_global_state(result, *args, **kwargs):
+    """http_server.set_global_state runs once in the HTTP process before uvicorn starts."""
+    from sglang.srt.entrypoints import http_server
+
+    install_health_middleware(http_server.app)
