@@ -69,3 +69,20 @@ def test_scale_encodings_and_errors():
         quantize_fp8_blocks(torch.randn(4, 4, 4))
     with pytest.raises(ValueError, match="scale_fmt"):
         quantize_fp8_blocks(torch.randn(4, 4), scale_fmt="e5m2")
+
+
+def test_fp4_round_trip_and_scale_checks():
+    from sglang_dsv41.loader.fp4 import E2M1_VALUES, dequantize_fp4, quantize_fp4
+
+    g = torch.Generator().manual_seed(0)
+    # Values already on the e2m1 grid times a power of two come back exactly.
+    codes = torch.randint(0, 16, (8, 64), generator=g)
+    base = E2M1_VALUES[codes]
+    base[:, ::32] = 6.0  # each block's amax is 6 x its power-of-two scale
+    w = base * 2.0 ** torch.randint(-3, 3, (8, 2), generator=g).repeat_interleave(32, 1)
+    packed, scale = quantize_fp4(w)
+    assert packed.dtype == torch.int8 and list(packed.shape) == [8, 32]
+    assert scale.dtype == torch.float8_e8m0fnu and list(scale.shape) == [8, 2]
+    assert torch.equal(dequantize_fp4(packed, scale, torch.float32), w)
+    with pytest.raises(ValueError, match="expected \\[8, 2\\]"):
+        dequantize_fp4(packed, scale[:, :1])

@@ -1,159 +1,154 @@
-"""Write a random-weight checkpoint: text-only bf16, or the multimodal FP8 release layout.
+"""Write a random checkpoint of a preset in the real V4.1 release layout or the converted bf16 one.
 
-    python -m sglang_dsv41.tools.make_checkpoint --preset tiny --layout release OUT \
-        [--seed S] [--num-shards N] [--scale-fmt float32|ue8m0] [--config cfg.json]
+    python -m sglang_dsv41.tools.make_checkpoint OUT --preset tiny --layout release|bf16
 
-Weights come from build_model(cfg, bf16, seed). The release layout is described in
-sglang_dsv41/loader/release_layout.py; its text weights dequantize to what the converter writes.
+Tensors come from plan/shapes.py's inventory of the config (SGLang's flat names) until
+sglang_dsv41.model.dsv4.model can build every layer kind; ``release`` adds what the real release
+carries besides the text model: FP8 e4m3 dense weights with e8m0 ``.scale`` blocks of
+quantization_config.weight_block_size, FP4 (or FP8) experts, ``gate.bias_vl``, ``vision.*``,
+``aligner.*``, ``image_*``, ``mtp.*`` and the nested config with DSpark keys, over several shards.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Iterator
 
 import torch
 
-from ..loader.checkpoint import MAX_PRESET_BUILD_PARAMS, model_tensors, save_checkpoint
-from ..loader.fp8 import FP8_BLOCK, SCALE_FORMATS, quantize_fp8_blocks, scale_name
-from ..loader.release_layout import RELEASE_ARCHITECTURE, RELEASE_MODEL_TYPE, TEXT_PREFIX
-from ..model.config import PRESETS, DSV41Config, get_preset
-from ..model.model import build_model
-from ..tokenizer import ByteTokenizer
+from ..loader.atomic_dir import staged_output
+from ..loader.fp4 import quantize_fp4
+from ..loader.fp8 import quantize_fp8_blocks
+from ..loader.release_layout import RELEASE_SCALE_SUFFIX
+from ..loader.shards import INDEX_FILE, StreamingShardWriter, shard_file_name, split_into_shards
+from ..loader.shards import write_index
+from ..model.dsv4.config import DSV4Config
+from ..model.dsv4.presets import get_preset
+from ..plan.shapes import text_tensor_specs
+
+LAYOUTS = ("release", "bf16")
+V41_BLOCK = [32, 32]  # V4.1-Flash's weight_block_size (the converter reads it from the config)
+_FP8_WEIGHTS = (".attn.wq_a.", ".attn.wq_b.", ".attn.wkv.", ".attn.wo_a.", ".attn.wo_b.",
+                ".indexer.wq_b.", ".shared_experts.", ".engram.wkv.")
 
 
-NUM_DRAFT_LAYERS = 3
-VISION = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
-          "num_attention_heads": 4, "patch_size": 14, "image_size": 224, "num_channels": 3}
-# Kept in full precision in the release, as in DeepSeek checkpoints.
-_FP32_SUFFIXES = ("sinks", "e_score_correction_bias")
-_UNQUANTIZED = ("embed_tokens.weight", "lm_head.weight", "norm.weight", "layernorm.weight",
-                "mlp.gate.weight", "engram.table.weight", "engram.gate.weight")
-
-
-def is_quantized_weight(name: str, t: torch.Tensor) -> bool:
-    return t.dim() == 2 and name.endswith(".weight") and not name.endswith(_UNQUANTIZED)
-
-
-def release_config(cfg: DSV41Config, scale_fmt: str) -> dict:
-    text = cfg.to_dict()
-    text["num_nextn_predict_layers"] = NUM_DRAFT_LAYERS  # DeepSeek keeps it in the text config
-    return {
-        "architectures": [RELEASE_ARCHITECTURE],
-        "model_type": RELEASE_MODEL_TYPE,
-        "torch_dtype": "bfloat16",
-        "text_config": text,
-        "vision_config": {"model_type": "deepseek_v41_vision", **VISION},
-        "image_token_index": cfg.vocab_size - 1,
-        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme":
-                                "dynamic", "weight_block_size": list(FP8_BLOCK),
-                                "scale_fmt": scale_fmt},
-        "dspark_config": {"num_draft_layers": NUM_DRAFT_LAYERS, "draft_hidden_size":
-                          cfg.hidden_size, "draft_vocab_size": cfg.vocab_size},
-        "draft_model_type": "dspark",
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-    }
-
-
-def _quantized(name: str, w: torch.Tensor, scale_fmt: str) -> Iterator[tuple[str, torch.Tensor]]:
-    q, s = quantize_fp8_blocks(w, FP8_BLOCK, scale_fmt)
-    yield name, q
-    yield scale_name(name), s
-
-
-def _extra_tensors(cfg: DSV41Config, gen: torch.Generator, scale_fmt: str, prefix: str,
-                   shapes: dict[str, tuple[int, ...]]) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, shape in shapes.items():
-        w = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
-        if len(shape) == 2 and not name.endswith("norm.weight"):
-            yield from _quantized(prefix + name, w, scale_fmt)
+def random_text_tensors(cfg: DSV4Config, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, (shape, dtype) in text_tensor_specs(cfg).items():
+        if name.endswith(".tid2eid"):
+            t = torch.randint(0, cfg.n_routed_experts, shape, generator=g, dtype=torch.int32)
+        elif name.endswith(".embed.scale"):
+            t = torch.randint(120, 130, shape, generator=g, dtype=torch.uint8).view(dtype)
+        elif dtype == torch.float8_e4m3fn:
+            t = (torch.randn(shape, generator=g) * 8).to(dtype)
+        elif name.endswith("norm.weight") or name.endswith("_weight"):
+            t = (1 + 0.1 * torch.randn(shape, generator=g)).to(dtype)
         else:
-            yield prefix + name, w
-
-
-def vision_shapes(cfg: DSV41Config) -> dict[str, tuple[int, ...]]:
-    v, p = VISION["hidden_size"], VISION["patch_size"]
-    out: dict[str, tuple[int, ...]] = {"patch_embed.proj.weight": (v, 3 * p * p)}
-    for i in range(VISION["num_hidden_layers"]):
-        b = f"blocks.{i}."
-        out.update({b + "norm1.weight": (v,), b + "attn.qkv.weight": (3 * v, v),
-                    b + "attn.proj.weight": (v, v), b + "norm2.weight": (v,),
-                    b + "mlp.fc1.weight": (VISION["intermediate_size"], v),
-                    b + "mlp.fc2.weight": (v, VISION["intermediate_size"])})
+            t = (0.05 * torch.randn(shape, generator=g)).to(dtype)
+        out[name] = t
     return out
 
 
-def draft_shapes(cfg: DSV41Config) -> dict[str, tuple[int, ...]]:
-    h, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
-    return {"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
-            "self_attn.q_proj.weight": (q, h), "mlp.up_proj.weight": (cfg.intermediate_size, h),
-            "mlp.down_proj.weight": (h, cfg.intermediate_size), "shared_head.norm.weight": (h,)}
-
-
-def release_tensors(cfg: DSV41Config, seed: int, scale_fmt: str
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(seed + 1)
-    yield from _extra_tensors(cfg, gen, scale_fmt, "vision_tower.", vision_shapes(cfg))
-    v = VISION["hidden_size"]
-    yield from _extra_tensors(cfg, gen, scale_fmt, "multi_modal_projector.",
-                              {"linear_1.weight": (cfg.hidden_size, 4 * v),
-                               "linear_2.weight": (cfg.hidden_size, cfg.hidden_size)})
-    model = build_model(cfg, torch.bfloat16, "cpu", seed=seed)
-    for name, t in model_tensors(model).items():
-        full = TEXT_PREFIX + name
-        if is_quantized_weight(name, t):
-            yield from _quantized(full, t.detach(), scale_fmt)
+def release_tensors(cfg: DSV4Config, text: dict[str, torch.Tensor], block: list[int],
+                    expert_dtype: str, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed + 1)
+    h = cfg.hidden_size
+    out: dict[str, torch.Tensor] = {}
+    for name, t in text.items():
+        stem = name[: -len(".weight")]
+        if ".ffn.experts." in name and expert_dtype == "fp4":
+            out[name], out[stem + RELEASE_SCALE_SUFFIX] = quantize_fp4(t)
+        elif ".ffn.experts." in name or any(p in name for p in _FP8_WEIGHTS):
+            out[name], out[stem + RELEASE_SCALE_SUFFIX] = quantize_fp8_blocks(
+                t, tuple(block), scale_fmt="ue8m0")
         else:
-            keep_fp32 = name.endswith(_FP32_SUFFIXES)
-            yield full, t.detach().to(torch.float32 if keep_fp32 else torch.bfloat16)
-    for k in range(NUM_DRAFT_LAYERS):
-        yield from _extra_tensors(cfg, gen, scale_fmt, f"mtp.{k}.", draft_shapes(cfg))
+            out[name] = t
+        if name.endswith(".gate.bias"):
+            out[name[: -len("bias")] + "bias_vl"] = torch.randn(t.shape, generator=g)
+    extra = {"vision.blocks.0.attn.wqkv.weight": [3 * 32, 32], "vision.norm.weight": [32],
+             "aligner.w1.weight": [h, 9 * 32], "image_start": [h], "image_end": [h],
+             "image_newline": [h], "mtp.0.e_proj.weight": [h, h], "mtp.0.norm.weight": [h]}
+    for name, shape in extra.items():
+        out[name] = torch.randn(shape, generator=g).to(torch.bfloat16)
+    return out
 
 
-def make_checkpoint(out_dir: str, cfg: DSV41Config, layout: str = "bf16", seed: int = 0,
-                    num_shards: int | None = None, scale_fmt: str = "float32",
-                    progress: bool = False) -> str:
-    tokenizer = ByteTokenizer.from_config(cfg)
-    if layout == "bf16":
-        model = build_model(cfg, torch.bfloat16, "cpu", seed=seed)
-        config = dict(cfg.to_dict(), torch_dtype="bfloat16")
-        return save_checkpoint(model_tensors(model), out_dir, config, tokenizer=tokenizer,
-                               num_shards=num_shards, dtype=torch.bfloat16, progress=progress)
-    if layout != "release":
-        raise ValueError(f"layout must be release or bf16, got {layout!r}")
-    if scale_fmt not in SCALE_FORMATS:
-        raise ValueError(f"scale_fmt must be one of {SCALE_FORMATS}, got {scale_fmt!r}")
-    return save_checkpoint(release_tensors(cfg, seed, scale_fmt), out_dir,
-                           release_config(cfg, scale_fmt), tokenizer=tokenizer,
-                           num_shards=num_shards or 4, progress=progress)
+def release_config(cfg: DSV4Config, block: list[int], expert_dtype: str) -> dict:
+    text = cfg.to_dict()
+    text["model_type"] = "deepseek_v41_text"
+    text["compress_ratios"] = cfg.compress_ratios + [0]  # plus the DSpark draft layer's ratio
+    text.pop("architectures", None)
+    return {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41",
+            "text_config": text, "num_nextn_predict_layers": 1,
+            "dspark_block_size": 2, "dspark_target_layer_ids": [cfg.num_hidden_layers - 1],
+            "image_token_id": cfg.vocab_size - 1,
+            "vision_config": {"model_type": "deepseek_v41_vision", "num_hidden_layers": 1,
+                              "hidden_size": 32, "num_attention_heads": 2, "patch_size": 14,
+                              "downsample_ratio": 3},
+            "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                    "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                    "weight_block_size": block, "expert_dtype": expert_dtype}}
+
+
+def write_tensors(out_dir: str, tensors: dict[str, torch.Tensor], config: dict,
+                  num_shards: int) -> None:
+    import json
+    import os
+
+    names = list(tensors)
+    groups = split_into_shards([tensors[n].nbytes for n in names], min(num_shards, len(names)))
+    weight_map = {}
+    for k, group in enumerate(groups):
+        file = shard_file_name(k, len(groups))
+        items = [(names[i], tensors[names[i]]) for i in group]
+        with StreamingShardWriter(os.path.join(out_dir, file),
+                                  [(n, t.dtype, list(t.shape)) for n, t in items]) as w:
+            for n, t in items:
+                w.write(n, t)
+                weight_map[n] = file
+    write_index(out_dir, weight_map, sum(t.nbytes for t in tensors.values()))
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def make_checkpoint(out_dir: str, cfg: DSV4Config, layout: str = "release", seed: int = 0,
+                    num_shards: int = 4, block: list[int] | None = None,
+                    expert_dtype: str = "fp4") -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    text = random_text_tensors(cfg, seed)
+    if layout == "release":
+        block = list(block or V41_BLOCK)
+        tensors = release_tensors(cfg, text, block, expert_dtype, seed)
+        config = release_config(cfg, block, expert_dtype)
+    else:
+        from ..loader.release_layout import text_config_from_release
+
+        tensors = text
+        config = text_config_from_release(release_config(cfg, V41_BLOCK, expert_dtype))
+    with staged_output(out_dir) as tmp:
+        write_tensors(tmp, tensors, config, num_shards)
+    return out_dir
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sglang_dsv41.tools.make_checkpoint",
                                 description=__doc__.splitlines()[0])
-    p.add_argument("out", help="output directory (replaced atomically)")
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    p.add_argument("--config", default=None, help="a DSV41Config config.json (overrides --preset)")
-    p.add_argument("--layout", default="bf16", choices=["release", "bf16"])
+    p.add_argument("out")
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--layout", choices=LAYOUTS, default="release")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-shards", type=int, default=None,
-                   help="exact shard count (default: 4 for release, size-based for bf16)")
-    p.add_argument("--scale-fmt", default="float32", choices=list(SCALE_FORMATS),
-                   help="release FP8 scales: float32 multipliers or ue8m0 (e8m0 exponents)")
-    p.add_argument("--progress", action="store_true")
+    p.add_argument("--num-shards", type=int, default=4)
+    p.add_argument("--expert-dtype", choices=("fp4", "fp8"), default="fp4")
     args = p.parse_args(argv)
     try:
-        cfg = DSV41Config.from_pretrained(args.config) if args.config else get_preset(args.preset)
-        if cfg.num_parameters(include_engram=True) > MAX_PRESET_BUILD_PARAMS:
-            raise ValueError(f"{args.config or args.preset!r} is too large for random weights "
-                                 "on a CPU; it exists for the planner")
-        out = make_checkpoint(args.out, cfg, args.layout, args.seed, args.num_shards,
-                              args.scale_fmt, args.progress)
-    except (ValueError, OSError) as e:
+        make_checkpoint(args.out, get_preset(args.preset), args.layout, args.seed,
+                        args.num_shards, expert_dtype=args.expert_dtype)
+    except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(out)
+    print(f"wrote {args.out} ({args.layout}, {INDEX_FILE})")
     return 0
 
 
