@@ -407,14 +407,22 @@ class RequestLimits:
             rid = body.per_prompt("rid", i, len(prompts))
             if body.stream and sp.n > 1:
                 raise ValueError("stream is not supported with n > 1")
+            want_logprob = bool(body.per_prompt("return_logprob", i, len(prompts)))
+            start = body.per_prompt("logprob_start_len", i, len(prompts))
+            if start >= len(ids):
+                raise ValueError(f"logprob_start_len {start} is past the prompt ({len(ids)} "
+                                 "tokens)")
+            if body.per_prompt("top_logprobs_num", i, len(prompts)) or body.token_ids_logprob:
+                raise ValueError("top_logprobs_num and token_ids_logprob are not supported by "
+                                 "the embedded backend yet")
             for j in range(sp.n):
                 req_id = rid or uuid.uuid4().hex
                 out.append((GenerateReq(
                     rid=req_id if sp.n == 1 else f"{req_id}-{j}", input_ids=ids,
                     sampling=self.to_engine_sampling(sp, j),
-                    return_logprob=bool(body.per_prompt("return_logprob", i, len(prompts))),
-                    return_routed_experts=body.return_routed_experts, routed_dp_rank=dp_rank,
-                    stream=body.stream), sp))
+                    return_logprob=want_logprob, return_routed_experts=body.return_routed_experts,
+                    routed_dp_rank=dp_rank, stream=body.stream,
+                    logprob_start_len=start if want_logprob else -1), sp))
         if len(out) > MAX_BATCH:
             raise ValueError(f"{len(out)} samples in one request; the limit is {MAX_BATCH}")
         return out

@@ -33,6 +33,13 @@ class Req:
     generator: torch.Generator | None = None
     finish_reason: dict[str, Any] | None = None
     num_sent: int = 0            # output tokens already streamed
+    logprob_start_len: int = -1  # >= 0: collect input_logprobs of prompt tokens from there
+    input_logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def first_scored(self) -> int:
+        """The first prompt position whose logprob is returned (position 0 has none)."""
+        return max(self.logprob_start_len, 1)
 
     @property
     def all_ids(self) -> list[int]:
@@ -58,6 +65,9 @@ class ForwardPlan:
     key_slots: torch.Tensor | None = None    # extend: every sequence's key slots, concatenated
     page_table: torch.Tensor | None = None   # decode: int32 [B, max_pages]
     logit_rows: list[int] = field(default_factory=list)   # rows whose next token is sampled
+    # per request: the prompt tokens scored by its rows in logit_rows (prompt logprobs), which
+    # sit just before its sampled row
+    score_targets: list[list[int]] = field(default_factory=list)
     record_routing: bool = False
 
     @property
@@ -76,7 +86,7 @@ def build_plan(mode: str, reqs: list[Req], chunk_lens: list[int], page_size: int
     """The forward of chunk_lens[i] tokens of reqs[i] (their next uncomputed tokens). The page
     tables must already cover them."""
     ids, pos, slots, windows = [], [], [], []
-    seq_lens, key_slots, logit_rows = [], [], []
+    seq_lens, key_slots, logit_rows, score_targets = [], [], [], []
     for req, n in zip(reqs, chunk_lens):
         all_ids, start = req.all_ids, req.num_computed
         ids += all_ids[start:start + n]
@@ -87,6 +97,13 @@ def build_plan(mode: str, reqs: list[Req], chunk_lens: list[int], page_size: int
         seq_lens.append(start + n)
         if mode == "extend":
             key_slots += slots_of(req.pages, 0, start + n, page_size)
+        targets = []
+        if req.logprob_start_len >= 0:
+            first = req.first_scored + len(req.input_logprobs)  # not yet scored (retraction)
+            for i in range(max(start, first - 1), min(start + n, len(req.prompt_ids) - 1)):
+                logit_rows.append(len(ids) - n + (i - start))
+                targets.append(all_ids[i + 1])
+        score_targets.append(targets)
         if start + n == len(all_ids):
             logit_rows.append(len(ids) - 1)
     num_tokens = len(ids)
@@ -100,7 +117,7 @@ def build_plan(mode: str, reqs: list[Req], chunk_lens: list[int], page_size: int
                        torch.tensor(pos, dtype=torch.long), torch.tensor(slots, dtype=torch.long),
                        torch.tensor(windows, dtype=torch.long).reshape(-1, max_order), num_tokens,
                        seq_lens=seq_lens, extend_lens=list(chunk_lens), logit_rows=logit_rows,
-                       record_routing=record_routing)
+                       record_routing=record_routing, score_targets=score_targets)
     if mode == "extend":
         plan.key_slots = torch.tensor(key_slots, dtype=torch.long)
     else:

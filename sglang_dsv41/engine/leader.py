@@ -57,7 +57,8 @@ class LeaderScheduler:
             return
         seed = msg.sampling.seed if msg.sampling.seed is not None else self.seeds.getrandbits(62)
         req = Req(msg.rid, list(msg.input_ids), msg.sampling, msg.return_logprob,
-                  msg.return_routed_experts, msg.stream, generator=make_generator(seed))
+                  msg.return_routed_experts, msg.stream, generator=make_generator(seed),
+                  logprob_start_len=msg.logprob_start_len)
         self.waiting.append(req)
 
     def _validate(self, msg: GenerateReq) -> None:
@@ -119,8 +120,12 @@ class LeaderScheduler:
         return True
 
     def _admit(self, req: Req) -> None:
-        # Keep one token out of the match: its logits give the next token.
-        match = self.cache.match_prefix(req.all_ids[:-1])
+        # Keep one token out of the match: its logits give the next token; with prompt
+        # logprobs, also every position whose logits score a requested prompt token.
+        keep = len(req.all_ids) - 1
+        if req.logprob_start_len >= 0:
+            keep = min(keep, req.first_scored - 1)
+        match = self.cache.match_prefix(req.all_ids[:keep])
         self.cache.lock(match.handle)
         self.allocator.incref(match.pages)
         req.pages, req.num_computed, req.cache_handle = list(match.pages), match.num_tokens, \
@@ -223,7 +228,12 @@ class LeaderScheduler:
             self.r3.write(plan.slots, ctx.routed, rows)
         logits = self.runner.compute_logits(hidden, plan.logit_rows) if plan.logit_rows else None
         row = 0
-        for req, n in zip(reqs, chunks):
+        for req, n, targets in zip(reqs, chunks, plan.score_targets):
+            if targets:  # prompt logprobs: these rows come before the request's sampled row
+                scored = torch.log_softmax(logits[row:row + len(targets)].float(), dim=-1)
+                req.input_logprobs += scored[torch.arange(len(targets)),
+                                             torch.tensor(targets)].tolist()
+                row += len(targets)
             req.num_computed += n
             if req.num_pending:
                 continue
@@ -243,6 +253,8 @@ class LeaderScheduler:
 
     def _finish(self, req: Req) -> None:
         out = self._output(req)
+        if req.logprob_start_len >= 0:
+            out.input_logprobs = list(req.input_logprobs)
         if self.r3 is not None and req.return_routed_experts:
             n = len(req.all_ids) - 1
             ids, weights = self.r3.read(slots_of(req.pages, 0, n, self.ps))

@@ -38,6 +38,7 @@ class GenerateReq:
     return_routed_experts: bool = False
     routed_dp_rank: int | None = None   # None: the DP controller picks (--load-balance-method)
     stream: bool = False
+    logprob_start_len: int = -1         # >= 0: return the prompt's logprobs from this position
 
 
 @dataclass
@@ -57,6 +58,8 @@ class GenerateOut:
     # float32 weights of the same shape, for every token that went through the model.
     routed_experts: Any = None
     routed_weights: Any = None
+    # logprob of prompt tokens max(logprob_start_len, 1).. given their prefix (final chunk)
+    input_logprobs: list[float] | None = None
     error: str | None = None                     # set when the scheduler refused the request
 
 

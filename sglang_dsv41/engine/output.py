@@ -83,6 +83,12 @@ class OutputAssembler:
                 (lambda t: None)
             meta["output_token_logprobs"] = [
                 [lp, tid, text_of(tid)] for lp, tid in zip(self.logprobs, self.output_ids)]
+            if self.req.logprob_start_len >= 0 and last is not None and \
+                    last.input_logprobs is not None:
+                start, prompt = self.req.logprob_start_len, self.req.input_ids
+                lps = [None] * (start == 0) + list(last.input_logprobs)
+                meta["input_token_logprobs"] = [
+                    [lp, tid, text_of(tid)] for lp, tid in zip(lps, prompt[start:])]
         if self.req.return_routed_experts and last is not None and self.finished:
             self._add_routed_experts(meta)
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}

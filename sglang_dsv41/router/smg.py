@@ -1,0 +1,139 @@
+"""The real sglang-router 0.3.2 (the Rust "SGLang Model Gateway", pip ``sglang-router``) in
+front of our servers, unchanged, plus a SessionRouter that sends a trajectory's turns through it.
+
+``python -m sglang_dsv41.router.smg --worker-urls URL ... --dp-aware --policy manual`` starts the
+Rust router with sglang-router's own flags. Its ``launch_router`` module imports SGLang's Python
+package for a debugging load balancer, which cannot import on a machine without SGLang's CUDA
+wheels; this entry builds the Rust router from the same RouterArgs without that import.
+
+With ``--dp-aware`` the router reads ``dp_size`` from each worker's /get_server_info and sends
+every request to one (worker, DP rank) by inserting ``data_parallel_rank`` into the body; with
+``--policy manual`` a request's ``X-SMG-Routing-Key`` header pins it (sticky sessions), new keys
+placed by ``--assignment-mode``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+
+from .base import NoEngineAvailable, Route, RouterError, SessionRouter
+
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+
+
+def parse_args(argv: list[str]) -> Any:
+    from sglang_router.router_args import RouterArgs
+
+    parser = argparse.ArgumentParser(prog="python -m sglang_dsv41.router.smg")
+    RouterArgs.add_cli_args(parser, use_router_prefix=False)
+    return RouterArgs.from_cli_args(parser.parse_args(argv), use_router_prefix=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from sglang_router.router import Router
+
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    args._validate_router_args()
+    Router.from_args(args).start()  # blocks until the router stops
+
+
+class SMGProcess:
+    """The router as a child process (tests, the trainer's local mode); always reaped."""
+
+    def __init__(self, worker_urls: list[str], port: int, extra: list[str] = (),
+                 startup_timeout: float = 60.0, log_path: str | None = None):
+        self.url = f"http://127.0.0.1:{port}"
+        argv = [sys.executable, "-m", "sglang_dsv41.router.smg", "--host", "127.0.0.1",
+                "--port", str(port), "--worker-urls", *worker_urls, *extra]
+        self.log_path = log_path or os.devnull
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"sglang-router exited with {self.proc.returncode}")
+            try:
+                if httpx.get(self.url + "/readiness", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"sglang-router not ready after {startup_timeout}s")
+            time.sleep(0.2)
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> "SMGProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class SMGSessionRouter(SessionRouter):
+    """Turns of a trajectory go through a running sglang-router with the trajectory id as the
+    routing key (``--policy manual``): the router keeps the key on one (worker, DP rank)."""
+
+    def __init__(self, router_url: str, engine_urls: list[str], timeout: float = 300.0):
+        self.router_url, self._engines = router_url.rstrip("/"), list(engine_urls)
+        self._client = httpx.Client(timeout=timeout)
+        self._routes: dict[str, Route] = {}
+        self._paused = False
+
+    def generate(self, session_id: str, payload: dict[str, Any],
+                 expected_tokens: int = 0) -> dict[str, Any]:
+        if self._paused:
+            raise RouterError("paused: the router does not hold turns back; resume first")
+        try:
+            r = self._client.post(self.router_url + "/generate", json=payload,
+                                  headers={ROUTING_KEY_HEADER: session_id})
+        except httpx.HTTPError as e:
+            raise NoEngineAvailable(f"sglang-router at {self.router_url}: {e}") from e
+        if r.status_code != 200:
+            raise RouterError(f"sglang-router answered {r.status_code}: {r.text[:500]}")
+        out = r.json()
+        meta = out["meta_info"]
+        self._routes[session_id] = Route(self.router_url, int(meta.get("dp_rank", 0)))
+        meta["route"] = [self.router_url, meta.get("dp_rank", 0)]
+        return out
+
+    def route_of(self, session_id: str) -> Route | None:
+        return self._routes.get(session_id)
+
+    def end_session(self, session_id: str) -> None:
+        self._routes.pop(session_id, None)
+
+    def pause(self) -> None:
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+
+    def drain(self, timeout: float) -> bool:
+        return True  # generate() is synchronous: nothing of ours is in flight between calls
+
+    def engine_urls(self) -> list[str]:
+        return list(self._engines)
+
+
+if __name__ == "__main__":
+    main()

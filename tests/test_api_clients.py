@@ -1,0 +1,166 @@
+"""Real clients against the embedded server: SGLang 0.5.23's own frontend (``sglang.lang`` gen
+and select), the real sglang-router 0.3.2 (``--dp-aware --policy manual``), and SGLang's
+/generate schema (every SamplingParams field of ``sglang/api/v1/api_types.py``). One server
+(tiny preset, tp=2 dp=2 with DP attention) is shared by the module."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import httpx
+import pytest
+from sglang_cpu import import_sglang
+
+from sglang_dsv41.router.smg import SMGProcess, SMGSessionRouter
+from sglang_dsv41.server_process import ServerProcess, free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+LAYOUT = ["--model-path", "tiny", "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention",
+          "--context-length", "512", "--max-new-tokens-limit", "64"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess(LAYOUT, startup_timeout=150) as s:
+        s.http = httpx.Client(base_url=s.url, timeout=60)
+        yield s
+        s.http.close()
+
+
+def sglang_api_types():
+    """SGLang 0.5.23's generated schema module, loaded without importing the sglang package."""
+    import sglang
+
+    path = os.path.join(os.path.dirname(sglang.__spec__.origin), "api", "v1", "api_types.py")
+    spec = importlib.util.spec_from_file_location("sglang_api_types", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def gen(server, **body) -> dict:
+    r = server.http.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_every_sglang_sampling_param_with_its_default_is_accepted(server):
+    types = sglang_api_types()
+    defaults = types.encode_SamplingParams(types.SamplingParams(max_new_tokens=4))
+    nulls = {f: None for f in types.SamplingParams.__struct_fields__}
+    assert set(defaults) <= set(nulls)
+    for sp in (defaults, nulls | {"max_new_tokens": 4}):
+        out = gen(server, text="hi", sampling_params=sp, routing_key="k", rid=None,
+                  bootstrap_host=None, priority=3, some_future_field={"x": 1})
+        assert out["meta_info"]["completion_tokens"] <= 4
+    for field, value in [("regex", "a+"), ("json_schema", "{}"), ("ebnf", "root ::= 'a'")]:
+        r = server.http.post("/generate", json={"text": "hi", "sampling_params": {field: value}})
+        assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+    r = server.http.post("/generate", json={"text": "hi", "sampling_params": {"typo_field": 1}})
+    assert r.status_code == 400 and "typo_field" in r.text
+
+
+def test_sampling_params_are_honoured(server):
+    base = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    greedy = gen(server, **base)["output_ids"]
+    biased = gen(server, input_ids=[5, 6, 7], sampling_params={
+        "max_new_tokens": 4, "temperature": 0, "logit_bias": {"65": 100.0}})["output_ids"]
+    assert biased == [65] * 4
+    first = greedy[0]
+    stopped = gen(server, input_ids=[5, 6, 7], sampling_params={
+        "max_new_tokens": 6, "temperature": 0, "stop_token_ids": [first], "ignore_eos": True})
+    assert stopped["output_ids"] == [first]
+    held = gen(server, input_ids=[5, 6, 7], sampling_params={
+        "max_new_tokens": 6, "temperature": 0, "stop_token_ids": [first], "min_new_tokens": 3,
+        "ignore_eos": True})
+    assert len(held["output_ids"]) >= 3 and held["output_ids"][:3] == greedy[:3]
+    # Near-flat tiny-model logits: a +3 bias makes token 65 the greedy choice every step, and
+    # presence + frequency penalties (-4 after its first use) make it appear once.
+    sp = {"max_new_tokens": 6, "temperature": 0, "logit_bias": {"65": 3.0}, "ignore_eos": True}
+    assert gen(server, input_ids=[5, 6, 7], sampling_params=sp)["output_ids"] == [65] * 6
+    pen = gen(server, input_ids=[5, 6, 7], sampling_params={
+        **sp, "presence_penalty": 2.0, "frequency_penalty": 2.0})["output_ids"]
+    assert pen[0] == 65 and pen.count(65) == 1, pen
+    biased_text = gen(server, input_ids=[5, 6, 7], sampling_params={
+        "max_new_tokens": 6, "temperature": 0, "logit_bias": {"65": 100.0},
+        "stop_regex": "A{3}", "no_stop_trim": True})
+    assert biased_text["text"] == "AAA" and biased_text["meta_info"]["finish_reason"] == {
+        "type": "stop", "matched": "AAA"}
+    trimmed = gen(server, input_ids=[5, 6, 7], sampling_params={
+        "max_new_tokens": 6, "temperature": 0, "logit_bias": {"65": 100.0}, "stop": "AA"})
+    assert trimmed["text"] == "" and trimmed["output_ids"] == [65, 65]
+    outs = server.http.post("/generate", json={"text": ["ab", "cd"], "sampling_params": {
+        "max_new_tokens": 2, "n": 2, "sampling_seed": 1}}).json()
+    assert isinstance(outs, list) and len(outs) == 4
+    prefill = gen(server, text="abc", sampling_params={"max_new_tokens": 0})
+    assert prefill["output_ids"] == [] and prefill["meta_info"]["prompt_tokens"] == 3
+
+
+def test_prompt_logprobs_match_generation_logprobs(server):
+    prompt = [10, 20, 30, 40]
+    out = gen(server, input_ids=prompt, return_logprob=True,
+              sampling_params={"max_new_tokens": 5, "temperature": 0})
+    gen_lps = [e[0] for e in out["meta_info"]["output_token_logprobs"]]
+    scored = gen(server, input_ids=prompt + out["output_ids"], return_logprob=True,
+                 logprob_start_len=len(prompt), return_text_in_logprobs=True,
+                 sampling_params={"max_new_tokens": 0})
+    entries = scored["meta_info"]["input_token_logprobs"]
+    assert [e[1] for e in entries] == out["output_ids"]
+    assert [e[0] for e in entries] == pytest.approx(gen_lps, abs=1e-4)
+    full = gen(server, input_ids=prompt, return_logprob=True, logprob_start_len=0,
+               sampling_params={"max_new_tokens": 0})["meta_info"]["input_token_logprobs"]
+    assert full[0][0] is None and [e[1] for e in full] == prompt
+
+
+def test_sessions_continue_a_request(server):
+    sid = server.http.post("/open_session", json={"capacity_of_str_len": 1000}).json()
+    first = gen(server, input_ids=[1, 2, 3], rid="turn1", session_params={"id": sid},
+                sampling_params={"max_new_tokens": 3, "temperature": 0})
+    second = gen(server, input_ids=[9], session_params={"id": sid, "rid": "turn1"},
+                 sampling_params={"max_new_tokens": 1, "temperature": 0})
+    assert second["meta_info"]["prompt_tokens"] == 3 + len(first["output_ids"]) + 1
+    assert server.http.post("/close_session", json={"session_id": sid}).status_code == 200
+    r = server.http.post("/generate", json={"input_ids": [9], "session_params": {"id": sid}})
+    assert r.status_code == 400 and "not open" in r.text
+
+
+def test_sglang_lang_frontend_gen_and_select(server):
+    import_sglang("sglang.lang.api")
+    import sglang as sgl
+    from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
+
+    backend = RuntimeEndpoint(server.url)
+
+    @sgl.function
+    def qa(s):
+        s += "Q: pick one\nA:"
+        s += sgl.gen("answer", max_tokens=6, temperature=0)
+        s += sgl.select("choice", choices=["yes", "no", "maybe"])
+
+    state = qa.run(backend=backend)
+    assert state.error() is None, state.error()
+    direct = gen(server, text="Q: pick one\nA:",
+                 sampling_params={"max_new_tokens": 6, "temperature": 0})
+    assert state["answer"] == direct["text"]
+    meta = state.get_meta_info("choice")
+    scores = meta["normalized_prompt_logprobs"]
+    assert state["choice"] == ["yes", "no", "maybe"][scores.index(max(scores))]
+
+
+def test_sglang_router_dp_aware_manual_policy(server):
+    with SMGProcess([server.url], free_port(), ["--dp-aware", "--policy", "manual",
+                                                "--assignment-mode", "min_group"]) as smg:
+        router = SMGSessionRouter(smg.url, [server.url])
+        ranks: dict[str, set[int]] = {}
+        for turn in range(3):
+            for k in range(8):
+                prompt = [(k * 7 + i) % 200 + 1 for i in range(40 + 20 * turn)]
+                out = router.generate(f"traj-{k}", {"input_ids": prompt, "sampling_params": {
+                    "max_new_tokens": 2, "temperature": 0}})
+                ranks.setdefault(f"traj-{k}", set()).add(out["meta_info"]["dp_rank"])
+                if turn:  # the previous turn's whole pages are reused on the same rank
+                    assert out["meta_info"]["cached_tokens"] >= 32, out["meta_info"]
+        assert all(len(r) == 1 for r in ranks.values()), ranks
+        assert {r for rs in ranks.values() for r in rs} == {0, 1}
+        assert httpx.get(smg.url + "/health", timeout=10).status_code == 200
