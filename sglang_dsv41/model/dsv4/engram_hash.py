@@ -31,10 +31,10 @@ _WITNESSES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)  # exact Miller-Rabin 
 
 
 # ---- compressed vocabulary ------------------------------------------------------------------
-class _ByteTokenizerBackend:
-    """The slice of a HF tokenizer that build_compressed_token_map reads (len, decode of one id,
-    id_to_token), over the project's ByteTokenizer. id_to_token is only read for partial UTF-8
-    bytes, as a key, so any distinct name does: SentencePiece's byte names."""
+class ByteTokenizerHFView:
+    """The slice of a HF tokenizer that SGLang's build_compressed_token_map reads (len, decode of
+    one id, id_to_token) over the project's ByteTokenizer, so SGLang's own function can run on
+    it. id_to_token is read only for partial UTF-8 bytes, as a key: SentencePiece's byte names."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -56,7 +56,7 @@ def compressed_token_map(tokenizer) -> tuple[list[int], int]:
     from tokenizers import Regex, normalizers
 
     if not hasattr(tokenizer, "backend_tokenizer"):
-        tokenizer = _ByteTokenizerBackend(tokenizer)
+        tokenizer = ByteTokenizerHFView(tokenizer)
     sentinel = "\ue000"  # keeps a lone-space token from collapsing to "" under Strip()
     normalizer = normalizers.Sequence([
         normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(),
