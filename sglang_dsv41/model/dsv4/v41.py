@@ -93,6 +93,13 @@ def sqrtsoftplus_log1p(logits: torch.Tensor) -> torch.Tensor:
     return torch.where(x > 20.0, x, torch.log1p(torch.exp(x))).sqrt()
 
 
+def renormalize_topk_weights(weights: torch.Tensor) -> torch.Tensor:
+    """The fused gate's renormalisation (no epsilon): divide by the row sum when it is positive,
+    by 1 otherwise, so a row whose sum is NaN (a NaN logit was picked) keeps its raw scores."""
+    total = weights.sum(dim=-1, keepdim=True)
+    return weights / torch.where(total > 0, total, torch.ones_like(total))
+
+
 # ---- mHC with hc_pre_from_prev_sublayer -----------------------------------------------------
 def mhc_combine(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """streams [T, hc, D], pre [T, hc] -> sum_k pre[:, k] * streams[:, k] [T, D]: fp32
