@@ -49,7 +49,7 @@ class Attention(nn.Module):
             if self.ratio == 4:
                 self.indexer = Indexer(cfg, self.ratio)
         elif self.ratio in (1, 2):
-            from .v41 import build_low_ratio_modules
+            from .v41_sparse import build_low_ratio_modules
 
             self.compressor, self.indexer = build_low_ratio_modules(cfg, layer_id)
         self.register_buffer("freqs", layer_inv_freq(cfg, self.ratio > 0), persistent=False)
@@ -59,9 +59,10 @@ class Attention(nn.Module):
         if self.ratio == 0:
             return None, None
         if self.ratio in (1, 2):
-            from .v41 import low_ratio_entries
+            from .v41_sparse import low_ratio_entries
 
-            return low_ratio_entries(self, x, q_lora, ctx)
+            return low_ratio_entries(self.cfg, self.layer_id, self, x, q_lora, ctx.positions,
+                                     ctx.cu_seqlens, ctx.shared, ctx.serving_numerics)
         bounds = ctx.seq_bounds
         entries, cu = self.compressor(x, bounds, self.freqs)
         if self.indexer is None:

@@ -16,6 +16,7 @@ from .context import DSV4Context
 from .mhc import hc_collapse, hc_expand, hc_head, hc_mix, hc_params, hc_weights
 from .moe import MoE
 from .norm import RMSNorm
+from .v41 import hc_input_from_prev, mhc_combine
 
 
 class DecoderLayer(nn.Module):
@@ -35,20 +36,26 @@ class DecoderLayer(nn.Module):
 
             self.engram = Engram(cfg, layer_id)
 
-    def sublayer(self, streams: torch.Tensor, which: str, run) -> torch.Tensor:
+    def sublayer(self, streams: torch.Tensor, prev_pre: torch.Tensor | None, which: str, run):
+        """One mHC sublayer -> (new streams, its pre). V4 collapses the streams with the
+        sublayer's own pre; V4.1 (hc_pre_from_prev_sublayer) with the previous sublayer's, and
+        hands its own pre on (stream 0 feeds the model's first sublayer)."""
         cfg = self.cfg
         fn, base, scale = (getattr(self, f"hc_{which}_{p}") for p in ("fn", "base", "scale"))
         pre, post, comb = hc_weights(hc_mix(streams, fn, cfg.rms_norm_eps), base, scale,
                                      cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
-        y = run(hc_collapse(streams, pre))
-        return hc_expand(streams, y, post, comb)
+        x = (hc_input_from_prev(streams, prev_pre) if cfg.hc_pre_from_prev_sublayer
+             else hc_collapse(streams, pre))
+        return hc_expand(streams, run(x), post, comb), pre
 
     def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, ctx: DSV4Context,
-                hash_ids: torch.Tensor | None = None) -> torch.Tensor:
+                hash_ids: torch.Tensor | None = None, prev_pre: torch.Tensor | None = None):
+        """-> (streams, pre of the last sublayer)."""
         if self.engram is not None:
             streams = self.engram(streams, hash_ids[:, self.engram.layer_hash_index])
-        streams = self.sublayer(streams, "attn", lambda x: self.attn(self.attn_norm(x), ctx))
-        return self.sublayer(streams, "ffn",
+        streams, pre = self.sublayer(streams, prev_pre, "attn",
+                                     lambda x: self.attn(self.attn_norm(x), ctx))
+        return self.sublayer(streams, pre, "ffn",
                              lambda x: self.ffn(self.ffn_norm(x), input_ids, ctx))
 
 
@@ -59,7 +66,8 @@ class DSV4ForCausalLM(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        hc_params(self, "hc_head", cfg.hc_mult, cfg.hidden_size, cfg.hc_mult)
+        if not cfg.hc_pre_from_prev_sublayer:  # V4.1 ends with mhc_combine, no hc_head
+            hc_params(self, "hc_head", cfg.hc_mult, cfg.hidden_size, cfg.hc_mult)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.engram_hasher = None
         if cfg.engram_layer_ids:
@@ -74,8 +82,11 @@ class DSV4ForCausalLM(nn.Module):
         hash_ids = (self.engram_hasher(input_ids, ctx.cu_seqlens)
                     if self.engram_hasher is not None else None)
         streams = self.embed(input_ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        pre = None
         for layer in self.layers:
-            streams = layer(streams, input_ids, ctx, hash_ids)
+            streams, pre = layer(streams, input_ids, ctx, hash_ids, pre)
+        if cfg.hc_pre_from_prev_sublayer:
+            return self.norm(mhc_combine(streams, pre))
         x = hc_head(streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg.hc_eps,
                     cfg.rms_norm_eps)
         return self.norm(x)
@@ -90,18 +101,23 @@ class DSV4ForCausalLM(nn.Module):
 def init_weights(model: DSV4ForCausalLM, seed: int = 0, std: float | None = None) -> None:
     """Random weights for tests and dummy checkpoints (normal(0, std) for matrices, the
     config's initializer_range by default; norms 1; sinks, ape, biases and mHC bases 0;
-    mHC scales 1; tid2eid a fixed pseudo-random expert set per token)."""
+    mHC scales 1; Engram q/k weights 1 as SGLang starts them; Engram tables random fp8 rows
+    with their e8m0 scales; tid2eid a fixed pseudo-random expert set per token)."""
     cfg = model.cfg
     std = cfg.initializer_range if std is None else std
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
-        if leaf.endswith("_scale") or (leaf == "weight" and p.dim() == 1):
+        if leaf.endswith("_scale") or leaf in ("q_weight", "k_weight") or (
+                leaf == "weight" and p.dim() == 1):
             p.fill_(1.0)
         elif p.dim() == 1 or leaf == "ape" or leaf.endswith("_base"):
             p.zero_()
         else:
             p.copy_(torch.randn(p.shape, generator=gen) * std)
+    for layer in model.layers:
+        if layer.engram is not None:
+            layer.engram.embed.reset_table_(gen)
     for name, b in model.named_buffers():
         if name.endswith("tid2eid"):
             scores = torch.rand(cfg.vocab_size, cfg.n_routed_experts, generator=gen)

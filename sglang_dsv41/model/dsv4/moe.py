@@ -34,9 +34,11 @@ class Gate(nn.Module):
     def __init__(self, cfg: DSV4Config, layer_id: int):
         super().__init__()
         self.top_k, self.scoring = cfg.num_experts_per_tok, cfg.scoring_func
-        self.log1p = cfg.is_v41
-        self.norm_topk, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
         self.is_hash = cfg.is_hash_layer(layer_id)
+        # V4.1's fused gate scores through log1p and renormalises without an epsilon; its hash
+        # layers score with plain softplus().sqrt() (SGLang HashTopK).
+        self.v41_gate = cfg.is_v41 and not self.is_hash
+        self.norm_topk, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
         if self.is_hash:
             self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, self.top_k,
@@ -47,13 +49,17 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> expert ids [T, k] int64, weights [T, k] fp32."""
-        scores = route_scores(F.linear(x, self.weight).float(), self.scoring, self.log1p)
+        scores = route_scores(F.linear(x, self.weight).float(), self.scoring, self.v41_gate)
         if self.is_hash:
             ids = self.tid2eid[input_ids].long()
         else:
             ids = torch.topk(scores + self.bias.float(), self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, ids)
-        if self.norm_topk:
+        if self.norm_topk and self.v41_gate:
+            from .v41 import renormalize_topk_weights
+
+            weights = renormalize_topk_weights(weights)
+        elif self.norm_topk:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return ids, weights * self.scaling
 

@@ -21,7 +21,7 @@ _YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
 _TINY_COMMON = dict(
     vocab_size=320, hidden_size=64, num_attention_heads=4, head_dim=32, qk_rope_head_dim=8,
     q_lora_rank=32, o_groups=2, o_lora_rank=16, window_size=16, rope_scaling=_YARN,
-    max_position_embeddings=4096, index_n_heads=2, index_head_dim=16, index_topk=4,
+    max_position_embeddings=4096, index_n_heads=2, index_head_dim=32, index_topk=4,
     n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
     num_hash_layers=2, hc_mult=4, bos_token_id=256, eos_token_id=257, torch_dtype="float32",
 )
@@ -30,7 +30,10 @@ PRESETS: dict[str, DSV4Config] = {
     "tiny": DSV4Config(
         model_type=V41, num_hidden_layers=8,
         compress_ratios=[0, 4, 128, 1, 2, 1, 2, 0],
-        kv_source_layer_ids=[3, 4], index_source_layer_ids=[3, 4],
+        # Layer 5 (ratio 1) reuses layer 3's latents and keys and picks only inside layer 3's
+        # candidate blocks; layer 6 (ratio 2) reuses layer 4 entirely.
+        kv_source_layer_ids=[3, 4], index_source_layer_ids=[3, 4, 5],
+        candidate_source_layer_id=3, candidate_topk_blocks=2, candidate_block_size=4,
         q_head_norm=False, hc_pre_from_prev_sublayer=True,
         engram_layer_ids=[1, 5], engram_max_ngram_size=3, engram_n_heads=2, engram_head_dim=32,
         engram_vocab_size=1000, engram_pad_token_id=258,
