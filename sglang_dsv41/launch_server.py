@@ -17,6 +17,7 @@ import sys
 from .server_args import ServerArgs
 
 logger = logging.getLogger("sglang_dsv41.launch_server")
+DRAIN_GRACE_S = 30.0  # seconds in-flight requests get to finish after SIGTERM
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,10 +144,17 @@ def run_embedded(server_args: ServerArgs) -> int:
     engine = None
     try:
         engine = launch_engine(server_args)
-        app = create_app(build_state(engine))
-        config = uvicorn.Config(app, log_level=server_args.log_level, timeout_graceful_shutdown=5,
-                                access_log=False)
-        asyncio.run(_serve(uvicorn.Server(config), sock, f"http://{host}:{port}"))
+        state = build_state(engine)
+        app = create_app(state)
+        # SIGTERM: uvicorn stops accepting, in-flight requests finish within the grace period.
+        config = uvicorn.Config(app, log_level=server_args.log_level, access_log=False,
+                                timeout_graceful_shutdown=DRAIN_GRACE_S)
+        server = uvicorn.Server(config)
+        engine.on_fatal = lambda reason: setattr(server, "should_exit", True)
+        asyncio.run(_serve(server, sock, f"http://{host}:{port}"))
+        if engine.fatal_reason is not None:
+            logger.error("exiting: %s", engine.fatal_reason)
+            return 1
     except (EngineStartError, ValueError) as e:
         logger.error("cannot start the embedded engine: %s", e)
         return 1

@@ -21,8 +21,9 @@ LAYOUT = ["--model-path", "tiny", "--tp-size", "2", "--dp-size", "2", "--enable-
 
 
 @pytest.fixture(scope="module")
-def server():
-    with ServerProcess(LAYOUT, startup_timeout=150) as s:
+def server(tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("ckpt"))
+    with ServerProcess([*LAYOUT, "--checkpoint-cache-dir", ckpt], startup_timeout=150) as s:
         s.http = httpx.Client(base_url=s.url, timeout=60)
         yield s
         s.http.close()
@@ -30,9 +31,8 @@ def server():
 
 def sglang_api_types():
     """SGLang 0.5.23's generated schema module, loaded without importing the sglang package."""
-    import sglang
-
-    path = os.path.join(os.path.dirname(sglang.__spec__.origin), "api", "v1", "api_types.py")
+    root = os.path.dirname(importlib.util.find_spec("sglang").origin)
+    path = os.path.join(root, "api", "v1", "api_types.py")
     spec = importlib.util.spec_from_file_location("sglang_api_types", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,5 +1,11 @@
 """Launcher: spawns one scheduler process per TP rank, waits for every ReadyMsg, then hands the
-queues to a DPController and watches the children.
+queues to a DPController and watches the children. A rank that dies is fatal: the controller
+fails every waiting request with the reason and ``on_fatal`` stops the HTTP server, whose process
+then exits non-zero (a supervisor restarts it), instead of answering 503 forever.
+
+The ranks' rendezvous store is hosted here, on a socket bound to loopback (the ranks are all on
+this machine), and the ranks join it as clients; their gloo pairs bind to loopback too. Nothing
+of the engine's control plane listens on an outside interface.
 
 Each child's stdout/stderr go to a per-rank log file that a thread echoes to our stderr with a
 ``[rank r]`` prefix: a rank killed by a C++ check (e.g. gloo's reduce-scatter shape check) leaves
@@ -14,23 +20,53 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
+from datetime import timedelta
+from typing import Any, Callable
 
 from ..model.config import PRESETS, DSV41Config
 from ..server_args import ServerArgs
-from ..server_process import free_port
 from .dp_controller import DPController
 from .messages import ReadyMsg
 
 logger = logging.getLogger(__name__)
 
 _ERROR_MARKERS = ("Check failed", "enforce fail", "what()", "Error", "Exception", "Killed")
+LOOPBACK = "127.0.0.1"
+# torch.distributed's tcp:// rendezvous joins an existing store (no rank hosts one) when these
+# are set; GLOO_SOCKET_IFNAME keeps gloo's pair sockets off outside interfaces.
+RANK_ENV = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
+            "GLOO_SOCKET_IFNAME": "lo"}
+
+
+@dataclass
+class RendezvousStore:
+    store: Any                 # torch TCPStore serving on a loopback socket it owns
+    port: int
+
+    def close(self) -> None:
+        self.store = None      # the store's server closes its socket
+
+
+def host_rendezvous_store(port: int | None) -> RendezvousStore:
+    """A TCPStore listening on loopback only (torch's own server binds every interface)."""
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((LOOPBACK, port or 0))
+    sock.listen(128)
+    store = dist.TCPStore(LOOPBACK, sock.getsockname()[1], None, is_master=True,
+                          timeout=timedelta(minutes=30), wait_for_workers=False,
+                          master_listen_fd=sock.fileno())
+    sock.detach()  # the store's server owns the descriptor now and closes it with the store
+    return RendezvousStore(store, store.port)
 
 
 class EngineStartError(RuntimeError):
@@ -96,6 +132,7 @@ def _scheduler_main(log_path: str, server_args: ServerArgs, rank: int, model_dir
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: no orphans
     except (OSError, AttributeError):
         pass
+    os.environ.update(RANK_ENV)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -123,6 +160,9 @@ class Engine:
     controller: DPController
     ready_info: dict[int, dict]
     log_dir: str
+    store: RendezvousStore | None = None  # the ranks' rendezvous store (hosted here)
+    fatal_reason: str | None = None       # set when a rank died
+    on_fatal: Callable[[str], None] | None = None   # e.g. stop the HTTP server
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def start_watchers(self, echo_logs: bool = True) -> None:
@@ -143,9 +183,13 @@ class Engine:
                 dp_rank, attn_rank = self.server_args.rank_to_dp(rank)
                 time.sleep(0.2)  # let the dying rank's last words reach its log
                 tail = log_tail(self.log_path(rank))
-                self.controller.mark_failed(
-                    f"scheduler rank {rank} (dp_rank {dp_rank}, attn_tp_rank {attn_rank}) died "
-                    f"with {describe_exit(p.exitcode)}" + (f": {tail}" if tail else ""))
+                reason = (f"scheduler rank {rank} (dp_rank {dp_rank}, attn_tp_rank {attn_rank}) "
+                          f"died with {describe_exit(p.exitcode)}" + (f": {tail}" if tail else ""))
+                self.controller.mark_failed(reason)
+                if self.fatal_reason is None:
+                    self.fatal_reason = reason
+                    if self.on_fatal is not None:
+                        self.on_fatal(reason)
 
     def _echo_logs(self) -> None:
         offsets = [0] * len(self.processes)
@@ -180,6 +224,8 @@ class Engine:
                 p.kill()
                 p.join(1.0)
         shutil.rmtree(self.log_dir, ignore_errors=True)
+        if self.store is not None:
+            self.store.close()
 
 
 def _kill_all(processes: list[mp.Process]) -> None:
@@ -198,7 +244,8 @@ def launch_engine(server_args: ServerArgs, echo_logs: bool = True) -> Engine:
     a = server_args
     req_queues = [ctx.Queue() for _ in range(a.effective_dp_size)]
     out_queue, ready_queue = ctx.Queue(), ctx.Queue()
-    dist_port = a.dist_init_port or free_port()
+    store = host_rendezvous_store(a.dist_init_port)
+    dist_port = store.port
     log_dir = tempfile.mkdtemp(prefix="sglang_dsv41_ranks_")
     processes = []
     for rank in range(a.tp_size):
@@ -213,12 +260,13 @@ def launch_engine(server_args: ServerArgs, echo_logs: bool = True) -> Engine:
         ready_info = _wait_ready(a, processes, ready_queue, log_dir)
     except BaseException:
         _kill_all(processes)
+        store.close()
         if not echo_logs:
             shutil.rmtree(log_dir, ignore_errors=True)
         raise
     controller = DPController(req_queues, out_queue, list(range(a.tp_size)),
                               a.load_balance_method)
-    engine = Engine(a, model_dir, config, processes, controller, ready_info, log_dir)
+    engine = Engine(a, model_dir, config, processes, controller, ready_info, log_dir, store)
     engine.start_watchers(echo_logs)
     return engine
 
