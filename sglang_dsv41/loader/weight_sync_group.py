@@ -23,6 +23,9 @@ import torch
 import torch.distributed as dist
 
 BUCKET_BYTES = 256 << 20
+# Joining the group (reaching the trainer's store, every member arriving) blocks every scheduler
+# rank: it must fail in seconds, not after the collectives' timeout, while /health says so.
+SETUP_TIMEOUT_S = 30.0
 _DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
@@ -67,14 +70,15 @@ class WeightSyncGroup:
 def init_weight_sync_group(master_address: str, master_port: int, rank: int, world_size: int,
                            group_name: str = "weight_update_group", backend: str = "gloo",
                            timeout_s: float = 120.0) -> WeightSyncGroup:
-    """Collective over the new group: blocks until all ``world_size`` members have joined."""
+    """Collective over the new group: blocks until all ``world_size`` members have joined, at
+    most SETUP_TIMEOUT_S; ``timeout_s`` then bounds each collective."""
     if not 0 <= rank < world_size:
         raise ValueError(f"weight sync rank {rank} outside a group of {world_size}")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"weight sync backend must be gloo or nccl, got {backend!r}")
-    timeout = timedelta(seconds=timeout_s)
+    timeout, setup = timedelta(seconds=timeout_s), timedelta(seconds=SETUP_TIMEOUT_S)
     store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0,
-                          timeout=timeout, wait_for_workers=False)
+                          timeout=setup, wait_for_workers=False)
     prefixed = dist.PrefixStore(group_name, store)
     if backend == "gloo":
         pg, device = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout), torch.device("cpu")
@@ -83,6 +87,7 @@ def init_weight_sync_group(master_address: str, master_port: int, rank: int, wor
         opts._timeout = timeout
         pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
         device = torch.device("cuda", torch.cuda.current_device())
+    store.set_timeout(timeout)
     return WeightSyncGroup(pg, store, rank, world_size, backend, device)
 
 

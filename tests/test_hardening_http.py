@@ -1,0 +1,193 @@
+"""Hardening of the HTTP layer, in process (the FastAPI app over a real DPController whose
+queues engine_server_fakes.QueueDrainer answers): refused sampling, admin calls from another
+site, body size, deep JSON and broken Unicode, client disconnects, health during a weight-sync
+setup, bounded metric labels. Plus the sampler on extreme values and the setup timeout of a
+weight-sync group."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import time
+
+import httpx
+import pytest
+import torch
+from engine_server_fakes import QueueDrainer
+
+from sglang_dsv41.engine.api_models import RequestLimits
+from sglang_dsv41.engine.dp_controller import DPController
+from sglang_dsv41.engine.http_server import ServerState, create_app
+from sglang_dsv41.engine.messages import AbortReq, GenerateReq, SamplingParams
+from sglang_dsv41.engine.sampling import sample_token
+from sglang_dsv41.loader import weight_sync_group
+from sglang_dsv41.model.config import get_preset
+from sglang_dsv41.server_args import ServerArgs
+from sglang_dsv41.server_process import free_port
+from sglang_dsv41.tokenizer import ByteTokenizer
+
+pytestmark = [pytest.mark.timeout(60)]
+
+
+def make_app(api_key=None, max_body_bytes=1 << 20):
+    args = ServerArgs(tp_size=2, dp_size=2, enable_dp_attention=True, api_key=api_key,
+                      max_new_tokens_limit=200)
+    req_queues, out_queue = [queue.Queue(), queue.Queue()], queue.Queue()
+    controller = DPController(req_queues, out_queue, [0, 1])
+    drainer = QueueDrainer(req_queues, out_queue, args.attn_tp_size)
+    cfg = get_preset("tiny")
+    state = ServerState(args, controller, ByteTokenizer.from_config(cfg),
+                        RequestLimits(cfg.vocab_size, 256, 200, 2), "tiny", cfg,
+                        max_body_bytes=max_body_bytes)
+    return create_app(state), state, drainer
+
+
+@pytest.fixture
+def app():
+    app, state, drainer = make_app()
+    yield app, state, drainer
+    state.controller.shutdown()
+
+
+def client(app, **kw):
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app, client=("127.0.0.1", 1)),
+                             base_url="http://127.0.0.1:30000", **kw)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-45, 5e-324])
+def test_sampler_survives_overflowing_temperatures(temperature):
+    logits = torch.randn(320) * 30
+    p = SamplingParams(temperature=temperature, top_p=0.5, min_p=0.9)
+    token, logprob = sample_token(logits, p, torch.Generator().manual_seed(0))
+    assert token == int(torch.argmax(logits)) and logprob <= 0
+
+
+@pytest.mark.asyncio
+async def test_sampling_that_cannot_be_a_distribution_is_refused(app):
+    app, _, _ = app
+    async with client(app) as http:
+        for raw in ['{"text": "a", "sampling_params": {"temperature": NaN}}',
+                    '{"text": "a", "sampling_params": {"top_p": Infinity}}',
+                    '{"text": "a", "sampling_params": {"logit_bias": {"5": 1e308}}}',
+                    '{"text": "a", "sampling_params": {"repetition_penalty": 0}}',
+                    '{"text": "a", "sampling_params": {"logit_bias": {"99999": 1}}}']:
+            r = await http.post("/generate", content=raw,
+                                headers={"content-type": "application/json"})
+            assert r.status_code == 400, (raw, r.text)
+
+
+@pytest.mark.asyncio
+async def test_admin_calls_need_json_post_from_the_same_site(app):
+    app, _, drainer = app
+    async with client(app) as http:
+        refused = [
+            http.post("/flush_cache", content="x", headers={"content-type": "text/plain"}),
+            http.get("/flush_cache"),
+            http.post("/flush_cache", headers={"origin": "http://evil.example"}),
+            http.post("/flush_cache", headers={"sec-fetch-site": "cross-site"}),
+            http.post("/abort_request", data={"rid": "x"}),  # a form post
+            http.post("/update_weights_from_disk", content='{"model_path": "/x"}',
+                      headers={"content-type": "text/plain"})]
+        for call in refused:
+            r = await call
+            assert r.status_code == 403, r.text
+        ok = await http.post("/flush_cache", headers={"origin": "http://127.0.0.1:30000"})
+        assert ok.status_code == 200, ok.text
+        assert [m.op for _, m in drainer.seen if hasattr(m, "op")] == ["flush_cache"] * 2
+
+
+@pytest.mark.asyncio
+async def test_body_size_deep_json_and_broken_unicode_are_4xx():
+    app, state, _ = make_app(max_body_bytes=4096)
+    async with client(app) as http:
+        big = json.dumps({"input_ids": [1] * 5000})
+        r = await http.post("/generate", content=big, headers={"content-type": "application/json"})
+        assert r.status_code == 413, r.text
+        for raw in [b'{"text": ' + b"[" * 1500 + b"]" * 1500 + b"}",
+                    b'{"text": "\\ud800"}', b'{"text": "\xff\xfe"}',
+                    b'{"input_ids": [1], "rid": "\\udfff"}',
+                    b'{"input_ids": [1], "sampling_params": {"stop": "\\ud800"}}']:
+            r = await http.post("/generate", content=raw,
+                                headers={"content-type": "application/json"})
+            assert r.status_code == 400, (raw[:40], r.text)
+    state.controller.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_a_disconnected_client_request_is_aborted(app):
+    app, state, drainer = app
+    drainer.hold = True
+    body = json.dumps({"input_ids": [1, 2], "rid": "gone"}).encode()
+    sent = {"body": False}
+    disconnect = asyncio.Event()
+
+    async def receive():
+        if not sent["body"]:
+            sent["body"] = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        pass
+
+    scope = {"type": "http", "method": "POST", "path": "/generate", "raw_path": b"/generate",
+             "root_path": "", "scheme": "http", "query_string": b"", "http_version": "1.1",
+             "headers": [(b"content-type", b"application/json"), (b"host", b"127.0.0.1")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 30000)}
+    task = asyncio.create_task(app(scope, receive, send))
+    while not drainer.parked:
+        await asyncio.sleep(0.01)
+    disconnect.set()
+    await asyncio.wait_for(task, 5)
+    deadline = time.monotonic() + 5
+    while not any(isinstance(m, AbortReq) and m.rid == "gone" for _, m in drainer.seen):
+        assert time.monotonic() < deadline, drainer.seen
+        await asyncio.sleep(0.01)
+    assert state.controller.num_in_flight() == [0, 0]
+
+
+@pytest.mark.asyncio
+async def test_health_fails_while_a_weight_sync_group_is_being_set_up(app):
+    app, state, _ = app
+    release = asyncio.Event()
+
+    async def blocked(op, args, timeout=None):
+        await release.wait()
+        return []
+
+    state.controller.control_async = blocked
+    async with client(app) as http:
+        call = asyncio.create_task(http.post("/init_weights_update_group", json={
+            "master_address": "10.255.255.1", "master_port": 1234, "rank_offset": 1,
+            "world_size": 3}))
+        await asyncio.sleep(0.2)
+        r = await http.get("/health")
+        assert r.status_code == 503 and "init_weights_update_group" in r.text
+        release.set()
+        assert (await call).status_code == 200
+        assert (await http.get("/health")).status_code == 200
+
+
+@pytest.mark.asyncio
+async def test_unauthenticated_junk_cannot_grow_metrics():
+    app, state, _ = make_app(api_key="k")
+    async with client(app) as http:
+        for i in range(200):
+            await http.get(f"/junk/{i}")
+            await http.post(f"/generate{i}", json={})
+        text = (await http.get("/metrics", headers={"authorization": "Bearer k"})).text
+    series = [ln for ln in text.splitlines() if ln.startswith("sglang_dsv41_requests_total")]
+    assert len(series) <= 3, series
+    assert all("junk" not in s and "generate1" not in s for s in series)
+    state.controller.shutdown()
+
+
+def test_weight_sync_group_setup_times_out(monkeypatch):
+    monkeypatch.setattr(weight_sync_group, "SETUP_TIMEOUT_S", 2.0)
+    port = free_port()  # nothing listens there: the trainer never comes
+    t0 = time.monotonic()
+    with pytest.raises(Exception):
+        weight_sync_group.init_weight_sync_group("127.0.0.1", port, rank=1, world_size=2)
+    assert time.monotonic() - t0 < 10
