@@ -21,7 +21,8 @@ DEVICE = "cpu" if INTERPRET else "cuda"
 
 
 def _tiny_model():
-    install_torchvision_shim()  # the CPU venv's torchvision build; transformers imports it
+    if not torch.cuda.is_available():  # the CPU venv's torchvision is a CUDA build (shim)
+        install_torchvision_shim()
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
     config = DeepseekV4Config(

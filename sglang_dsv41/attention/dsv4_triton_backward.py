@@ -7,7 +7,7 @@ With P the sink-inclusive probabilities (recomputed from the saved LSE), Delta =
 Two query-major kernels walk each token's keys exactly as the forward does:
   * dQ: one program per (token, head block), dQ accumulated in registers; no atomics.
   * dKV: one program per token; per key tile it sums dKV over all head blocks in registers,
-    then adds the tile into fp32 buffers for the window rows and the selected compressed rows
+    then adds the tile (relaxed atomics: ordering is not needed, only the sum) into fp32 buffers for the window rows and the selected compressed rows
     (atomics: a key is seen by many tokens). Summation order of those adds is not fixed.
 dsink is reduced in torch from per-(token, head) terms: deterministic, no atomics.
 """
@@ -107,7 +107,7 @@ def _dsv4_dkv_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, first_ptr, do_ptr, lse_pt
         dkv = _dkv_tile(q_ptr, do_ptr, lse_ptr, delta_ptr, k, valid, t, H, qk_scale, scale,
                         stride_qt, stride_qh, offs_d, dmask, BH, BN, BD, DOT_PREC)
         tl.atomic_add(dkv_ptr + row[:, None].to(tl.int64) * D + offs_d[None, :], dkv,
-                      mask=valid[:, None] & dmask[None, :])
+                      mask=valid[:, None] & dmask[None, :], sem="relaxed")
     for n in range(0, num_sel, BN):
         k, valid, row = _load_keys(kv_ptr, comp_ptr, idx_ptr, idx_ptr, t, n, lo, hi, num_sel,
                                    stride_kv, stride_c, stride_idx, 0, offs_n, offs_d, dmask,
@@ -116,7 +116,7 @@ def _dsv4_dkv_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, first_ptr, do_ptr, lse_pt
             dkv = _dkv_tile(q_ptr, do_ptr, lse_ptr, delta_ptr, k, valid, t, H, qk_scale, scale,
                             stride_qt, stride_qh, offs_d, dmask, BH, BN, BD, DOT_PREC)
             tl.atomic_add(dcomp_ptr + row[:, None].to(tl.int64) * D + offs_d[None, :], dkv,
-                          mask=valid[:, None] & dmask[None, :])
+                          mask=valid[:, None] & dmask[None, :], sem="relaxed")
 
 
 def dsv4_backward(q, kv, sinks, first_rows, window, scale, comp_kv, comp_idx, out, lse, dout,

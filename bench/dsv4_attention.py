@@ -1,0 +1,262 @@
+"""DSV4 sparse sink attention on one GPU at V4-Flash head shapes (64 heads, D 512, window 128):
+our Triton kernels vs transformers' eager DeepseekV4 attention, per layer kind, plus decode.
+
+    python bench/dsv4_attention.py                 # the table (4k, 16k, 64k) and decode
+    python bench/dsv4_attention.py --sweep         # only: tile configs at 4k CSA
+    python bench/dsv4_attention.py --lengths 4096  # fewer lengths
+
+Rows: "core" = the attention the kernel replaces (scores, sinks, softmax, values) on the same
+q/kv/selection; "module" = transformers' DeepseekV4Attention (projections, compressor, indexer,
+RoPE) with attn_implementation eager vs ours. FLOPs count only the pairs the sparse pattern
+attends: forward 4*H*D per (query, key) pair, forward+backward 3.5x that. Eager is marked OOM
+where it runs out of memory. Decode bandwidth = bytes of keys read / time, vs a device copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+
+import torch
+from triton.testing import do_bench
+
+from sglang_dsv41.attention import register_transformers_attention
+from sglang_dsv41.attention.dsv4_triton_decode import dsv4_decode_triton
+from sglang_dsv41.attention.dsv4_triton_backward import dsv4_attention_triton
+from sglang_dsv41.attention.dsv4_triton_forward import DSV4Blocks, default_blocks
+
+H, D, W, DEV, DT = 64, 512, 128, "cuda", torch.bfloat16
+KINDS = {"sliding": None, "CSA": 4, "HCA": 128}
+PEAK = 989.0
+
+
+def selection(kind, total, topk=512):
+    ratio = KINDS[kind]
+    if ratio is None:
+        return 0, None
+    comp = total // ratio
+    ready = (torch.arange(total, device=DEV) + 1) // ratio
+    cols = torch.arange(comp, device=DEV)
+    future = cols[None, :] >= ready[:, None]
+    if kind == "HCA":
+        return comp, torch.where(future, -1, cols[None, :]).int()
+    scores = torch.rand(total, comp, device=DEV).masked_fill_(future, float("-inf"))
+    top = scores.topk(min(topk, comp), dim=-1).indices                      # like the indexer
+    return comp, torch.where(top >= ready[:, None], -1, top).int()
+
+
+def pairs(total, idx):
+    win = torch.clamp(torch.arange(total, device=DEV) + 1, max=W).sum().item()
+    return win + (0 if idx is None else (idx >= 0).sum().item())
+
+
+def measure(fn, reps=20):
+    """-> (ms, peak GiB above the inputs) or (None, 'OOM')."""
+    try:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        return do_bench(fn, warmup=10, rep=reps * 10), peak
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None, "OOM"
+
+
+def core_inputs(kind, total):
+    comp, idx = selection(kind, total)
+    q = (torch.randn(total, H, D, device=DEV) * 0.5).to(DT).requires_grad_()
+    kv = torch.randn(total, D, device=DEV).to(DT).requires_grad_()
+    ckv = torch.randn(max(comp, 1), D, device=DEV).to(DT)[:comp].requires_grad_() if comp \
+        else None
+    sinks = torch.randn(H, device=DEV, requires_grad=True)
+    return q, kv, ckv, idx, sinks
+
+
+def ours_core(q, kv, ckv, idx, sinks, blocks=None, backward=True):
+    total = q.shape[0]
+    cu = torch.tensor([0, total], dtype=torch.int32, device=DEV)
+    dout = torch.randn_like(q)
+
+    def run():
+        out = dsv4_attention_triton(q, kv, sinks, cu, W, D ** -0.5, ckv, idx, blocks)
+        if backward:
+            out.backward(dout)
+    return run
+
+
+def eager_core(q, kv, ckv, idx, sinks, backward=True):
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import eager_attention_forward
+
+    total = q.shape[0]
+    comp = 0 if ckv is None else ckv.shape[0]
+    i = torch.arange(total, device=DEV)
+    mask = torch.full((1, 1, total, total + comp), float("-inf"), device=DEV, dtype=DT)
+    band = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - W)
+    mask[0, 0, :, :total].masked_fill_(band, 0)
+    if comp:
+        keep = torch.zeros(total, comp + 1, device=DEV, dtype=torch.bool)
+        keep.scatter_(1, torch.where(idx >= 0, idx.long(), comp), True)
+        mask[0, 0, :, total:].masked_fill_(keep[:, :comp], 0)
+    module = types.SimpleNamespace(num_key_value_groups=H, sinks=sinks, training=False)
+    qh = q.detach().transpose(0, 1)[None].requires_grad_()
+    dout = torch.randn(1, total, H, D, device=DEV, dtype=DT)
+
+    def run():
+        keys = kv if ckv is None else torch.cat([kv, ckv])
+        out, _ = eager_attention_forward(module, qh, keys[None, None], keys[None, None], mask,
+                                         scaling=D ** -0.5)
+        if backward:
+            out.backward(dout)
+    return run
+
+
+def module_runner(kind, total, impl):
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (DeepseekV4Attention,
+                                                                      DeepseekV4RotaryEmbedding)
+
+    types_ = {"sliding": "sliding_attention", "CSA": "compressed_sparse_attention",
+              "HCA": "heavily_compressed_attention"}
+    config = DeepseekV4Config(num_hidden_layers=1, layer_types=[types_[kind]],
+                              mlp_layer_types=["moe"], num_nextn_predict_layers=0)
+    config._attn_implementation = impl
+    torch.manual_seed(0)
+    attn = DeepseekV4Attention(config, 0).to(DEV, DT)
+    for p in attn.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    rotary = DeepseekV4RotaryEmbedding(config).to(DEV)
+    x = torch.randn(1, total, config.hidden_size, device=DEV, dtype=DT, requires_grad=True)
+    pos = torch.arange(total, device=DEV)[None]
+    emb = {t: rotary(x, pos, layer_type=t) for t in ("main", "compress")}
+    i = torch.arange(total, device=DEV)
+    mask = torch.where((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - W), 0.0,
+                       float("-inf")).to(DT)[None, None]
+
+    def run():
+        out, _ = attn(x, emb, pos, mask)
+        out.float().square().mean().backward()
+    return run
+
+
+def fmt(ms, peak, flops=None):
+    if ms is None:
+        return f"{peak:>9} {'':>7} {'':>8}"
+    tf = f"{flops / ms / 1e9:7.1f}" if flops else f"{'':>7}"
+    return f"{ms:9.2f} {tf} {peak:8.2f}"
+
+
+def table(lengths):
+    name = register_transformers_attention()
+    print(f"H={H} D={D} window={W} bf16; ms | TFLOP/s of the sparse pattern (peak {PEAK}) | "
+          f"peak GiB; ratio = eager ms / ours ms")
+    print(f"{'tokens':>6} {'kind':>7} {'what':>12} | {'ours ms':>9} {'TF/s':>7} {'GiB':>8} | "
+          f"{'eager ms':>9} {'':>7} {'GiB':>8} | ratio")
+    for total in lengths:
+        for kind in KINDS:
+            torch.manual_seed(0)
+            ins = core_inputs(kind, total)
+            fwd_flops = 4 * H * D * pairs(total, ins[3])
+            for what, bwd, flops in (("core fwd", False, fwd_flops),
+                                     ("core fwd+bwd", True, 3.5 * fwd_flops)):
+                ours = measure(ours_core(*ins, backward=bwd))
+                eager = measure(eager_core(*ins, backward=bwd)) if total <= 16384 else \
+                    (None, "not run")
+                ratio = f"{eager[0] / ours[0]:6.1f}x" if eager[0] and ours[0] else "   -"
+                print(f"{total:6d} {kind:>7} {what:>12} | {fmt(*ours, flops)} | "
+                      f"{fmt(*eager)} | {ratio}", flush=True)
+            del ins
+            ours = measure(module_runner(kind, total, name), reps=5)
+            eager = measure(module_runner(kind, total, "eager"), reps=5) if total <= 16384 \
+                else (None, "not run")
+            ratio = f"{eager[0] / ours[0]:6.1f}x" if eager[0] and ours[0] else "   -"
+            print(f"{total:6d} {kind:>7} {'module f+b':>12} | {fmt(*ours)} | {fmt(*eager)} | "
+                  f"{ratio}", flush=True)
+            torch.cuda.empty_cache()
+
+
+def decode(batch=512, seq=8192, page=64, heads=H):
+    """Kernel launcher directly (dsv4_decode validates with host syncs, not timed here)."""
+    big = torch.empty(2**30, dtype=torch.uint8, device=DEV)
+    copy_ms = do_bench(lambda: big.clone())
+    copy_bw = 2 * big.numel() / copy_ms / 1e6
+    del big
+    pages = batch * seq // page
+    cache = torch.randn(pages, page, D, device=DEV).to(DT)
+    table_ = torch.randperm(pages, device=DEV).int().view(batch, seq // page)
+    lens = torch.full((batch,), seq, device=DEV)
+    q = torch.randn(batch, heads, D, device=DEV).to(DT)
+    sinks = torch.randn(heads, device=DEV)
+    print(f"decode: {heads} heads, batch {batch}, {seq} cached tokens each, page {page}; copy "
+          f"{copy_bw:.0f} GB/s")
+    for kind, k in (("sliding", 0), ("HCA", seq // 128), ("CSA", 512)):
+        comp = torch.randn(batch * seq // 4, D, device=DEV).to(DT)
+        idx = torch.randint(0, comp.shape[0], (batch, k), device=DEV).int() if k else None
+        lens32 = lens.int()
+        ms = do_bench(lambda: dsv4_decode_triton(q, cache, table_, lens32, sinks, W, D ** -0.5,
+                                                 comp if k else None, idx))
+        moved = batch * (W + k) * D * 2 + 2 * q.numel() * 2
+        bw = moved / ms / 1e6
+        print(f"  {kind:>7} K={k:4d}: {ms * 1e3:8.1f} us  {bw:6.0f} GB/s  "
+              f"{100 * bw / copy_bw:5.1f}% of copy", flush=True)
+
+
+def profile(total=4096):
+    """Kernel time split of one CSA forward+backward."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    run = ours_core(*core_inputs("CSA", total))
+    run()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8), flush=True)
+
+
+def sweep(total=4096):
+    ins = core_inputs("CSA", total)
+    fwd_flops = 4 * H * D * pairs(total, ins[3])
+    for bh, bn, warps, stages in [(64, 32, 8, 1), (64, 16, 8, 1), (64, 64, 8, 1), (32, 32, 4, 1),
+                                  (64, 32, 8, 2), (32, 64, 8, 2), (16, 64, 4, 2)]:
+        b = DSV4Blocks(bh, bn, warps, stages)
+        try:
+            ms = do_bench(ours_core(*ins, blocks=b, backward=False))
+            print(f"fwd bh={bh} bn={bn} w={warps} s={stages}: {ms:.3f} ms "
+                  f"{fwd_flops / ms / 1e9:.0f} TF/s", flush=True)
+        except Exception as e:  # resource limits of a config: report and go on
+            print(f"fwd bh={bh} bn={bn} w={warps} s={stages}: {type(e).__name__}", flush=True)
+    fwd = default_blocks(H)
+    for dq, dkv in [((64, 16, 8, 1), (32, 16, 8, 1)), ((32, 32, 4, 1), (16, 16, 4, 1)),
+                    ((64, 32, 8, 1), (64, 16, 8, 1)), ((32, 16, 4, 2), (32, 32, 8, 1))]:
+        b = DSV4Blocks(fwd.fwd_bh, fwd.fwd_bn, fwd.fwd_warps, fwd.fwd_stages, *dq, *dkv)
+        try:
+            ms = do_bench(ours_core(*ins, blocks=b))
+            print(f"fwd+bwd dq={dq} dkv={dkv}: {ms:.3f} ms "
+                  f"{3.5 * fwd_flops / ms / 1e9:.0f} TF/s", flush=True)
+        except Exception as e:
+            print(f"fwd+bwd dq={dq} dkv={dkv}: {type(e).__name__}", flush=True)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536])
+    parser.add_argument("--no-decode", action="store_true")
+    parser.add_argument("--only-decode", action="store_true")
+    args = parser.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    if args.profile:
+        profile()
+    if args.sweep:
+        sweep()
+    elif args.only_decode:
+        decode()
+        decode(heads=8)
+    else:
+        table(args.lengths)
+        if not args.no_decode:
+            decode()
+            decode(heads=8)
