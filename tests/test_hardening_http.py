@@ -191,3 +191,19 @@ def test_weight_sync_group_setup_times_out(monkeypatch):
     with pytest.raises(Exception):
         weight_sync_group.init_weight_sync_group("127.0.0.1", port, rank=1, world_size=2)
     assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("entry", ["../outside.safetensors", "/etc/passwd", "link.safetensors",
+                                   "sub/../../outside.safetensors", 7])
+def test_checkpoint_index_entries_stay_inside_the_directory(tmp_path, entry):
+    from sglang_dsv41.loader.shards import checkpoint_files
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (tmp_path / "outside.safetensors").write_bytes(b"x")
+    (ckpt / "link.safetensors").symlink_to(tmp_path / "outside.safetensors")
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-00001.safetensors", "b": entry}}))
+    (ckpt / "model-00001.safetensors").write_bytes(b"x")
+    with pytest.raises(ValueError, match="outside the checkpoint directory"):
+        checkpoint_files(str(ckpt))

@@ -157,7 +157,14 @@ def checkpoint_files(ckpt_dir: str) -> dict[str, list[str] | None]:
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"corrupt checkpoint index {index_path}: no weight_map")
         files: dict[str, list[str] | None] = {}
+        root = os.path.realpath(ckpt_dir)
         for name, file in weight_map.items():
+            # An entry is a shard in this directory: never an absolute path, a parent, or a
+            # symlink leading out of it (an index must not make the loader read other files).
+            if not isinstance(file, str) or not file or os.path.isabs(file) or \
+                    os.path.commonpath([root, os.path.realpath(os.path.join(root, file))]) != root:
+                raise ValueError(f"checkpoint index {index_path}: tensor {name!r} points outside "
+                                 f"the checkpoint directory ({file!r})")
             files.setdefault(file, []).append(name)  # type: ignore[union-attr]
         for file in files:
             if not os.path.isfile(os.path.join(ckpt_dir, file)):
