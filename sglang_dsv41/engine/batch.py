@@ -57,13 +57,15 @@ class ForwardPlan:
     mode: str                       # "extend" (prefill chunks) | "decode" | "idle"
     input_ids: torch.Tensor         # int64 [T_pad]
     positions: torch.Tensor         # int64 [T_pad]
-    slots: torch.Tensor             # int64 [T_pad] where this forward's K/V are written
-    ngram: torch.Tensor             # int64 [T_pad, max_order] Engram token windows
+    slots: torch.Tensor             # int64 [T_pad] where this forward's cache rows are written
     num_tokens: int
-    seq_lens: list[int] = field(default_factory=list)     # keys per sequence after this forward
+    seq_lens: list[int] = field(default_factory=list)     # tokens per sequence after this forward
     extend_lens: list[int] = field(default_factory=list)  # new tokens per sequence
-    key_slots: torch.Tensor | None = None    # extend: every sequence's key slots, concatenated
-    page_table: torch.Tensor | None = None   # decode: int32 [B, max_pages]
+    # every sequence's slots of positions [0, seq_len), concatenated: the window's latents and
+    # the compressors' rows of the whole history are read from these
+    context_slots: torch.Tensor | None = None
+    # int64 [B, engram_max_ngram_size - 1]: the tokens before each sequence's first new one
+    engram_history: torch.Tensor | None = None
     logit_rows: list[int] = field(default_factory=list)   # rows whose next token is sampled
     # per request: the prompt tokens scored by its rows in logit_rows (prompt logprobs), which
     # sit just before its sampled row
@@ -72,31 +74,35 @@ class ForwardPlan:
 
     @property
     def padded_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
+        """Rows this DP group contributes to the forward's collectives (0 when idle)."""
+        return 0 if self.mode == "idle" else int(self.input_ids.shape[0])
 
 
-def idle_plan(max_order: int) -> ForwardPlan:
-    z = torch.zeros(0, dtype=torch.long)
-    return ForwardPlan("idle", z, z, z, torch.zeros(0, max_order, dtype=torch.long), 0)
+def idle_plan() -> ForwardPlan:
+    """A DP group without tokens that joins the world's MoE collectives. It runs one placeholder
+    row (the model's modules need T >= 1) at the dummy slot, trimmed from every output; its
+    group still counts 0 tokens in every collective."""
+    one = torch.zeros(1, dtype=torch.long)
+    return ForwardPlan("idle", one, one, torch.full((1,), DUMMY_SLOT, dtype=torch.long), 0,
+                       context_slots=torch.zeros(0, dtype=torch.long))
 
 
 def build_plan(mode: str, reqs: list[Req], chunk_lens: list[int], page_size: int,
-               attn_tp_size: int, padding: bool, max_order: int, record_routing: bool
+               attn_tp_size: int, padding: bool, history_len: int, record_routing: bool
                ) -> ForwardPlan:
     """The forward of chunk_lens[i] tokens of reqs[i] (their next uncomputed tokens). The page
-    tables must already cover them."""
-    ids, pos, slots, windows = [], [], [], []
-    seq_lens, key_slots, logit_rows, score_targets = [], [], [], []
+    tables must already cover them. history_len: Engram's look-back (max n-gram size - 1)."""
+    ids, pos, slots, context_slots, history = [], [], [], [], []
+    seq_lens, logit_rows, score_targets = [], [], []
     for req, n in zip(reqs, chunk_lens):
         all_ids, start = req.all_ids, req.num_computed
         ids += all_ids[start:start + n]
         pos += range(start, start + n)
         slots += slots_of(req.pages, start, start + n, page_size)
-        windows += [[all_ids[i - j] if i >= j else -1 for j in range(max_order)]
-                    for i in range(start, start + n)]
+        context_slots += slots_of(req.pages, 0, start + n, page_size)
+        before = all_ids[max(0, start - history_len):start]
+        history.append([0] * (history_len - len(before)) + before)
         seq_lens.append(start + n)
-        if mode == "extend":
-            key_slots += slots_of(req.pages, 0, start + n, page_size)
         targets = []
         if req.logprob_start_len >= 0:
             first = req.first_scored + len(req.input_logprobs)  # not yet scored (retraction)
@@ -112,16 +118,11 @@ def build_plan(mode: str, reqs: list[Req], chunk_lens: list[int], page_size: int
     ids += [0] * pad
     pos += [0] * pad
     slots += [DUMMY_SLOT] * pad
-    windows += [[-1] * max_order] * pad
-    plan = ForwardPlan(mode, torch.tensor(ids, dtype=torch.long),
+    return ForwardPlan(mode, torch.tensor(ids, dtype=torch.long),
                        torch.tensor(pos, dtype=torch.long), torch.tensor(slots, dtype=torch.long),
-                       torch.tensor(windows, dtype=torch.long).reshape(-1, max_order), num_tokens,
-                       seq_lens=seq_lens, extend_lens=list(chunk_lens), logit_rows=logit_rows,
-                       record_routing=record_routing, score_targets=score_targets)
-    if mode == "extend":
-        plan.key_slots = torch.tensor(key_slots, dtype=torch.long)
-    else:
-        width = max(len(r.pages) for r in reqs)
-        plan.page_table = torch.tensor([r.pages + [0] * (width - len(r.pages)) for r in reqs],
-                                       dtype=torch.int32)
-    return plan
+                       num_tokens, seq_lens=seq_lens, extend_lens=list(chunk_lens),
+                       context_slots=torch.tensor(context_slots, dtype=torch.long),
+                       engram_history=torch.tensor(history, dtype=torch.long).reshape(len(reqs),
+                                                                             history_len),
+                       logit_rows=logit_rows, record_routing=record_routing,
+                       score_targets=score_targets)

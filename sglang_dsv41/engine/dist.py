@@ -139,6 +139,12 @@ class DistGroups:
             _all_gather_single(out, x.contiguous(), group=self.world)
         return out
 
+    def all_reduce_world(self, x: torch.Tensor, op: str = "mlp_reduce") -> torch.Tensor:
+        x = x.contiguous()
+        with self.watchdog.guard(op, self.step):
+            dist.all_reduce(x, group=self.world)
+        return x
+
     def reduce_scatter_world(self, x: torch.Tensor, op: str = "mlp_reduce") -> torch.Tensor:
         out = x.new_empty(x.shape[0] // self.info.world_size, *x.shape[1:])
         with self.watchdog.guard(op, self.step):

@@ -1,7 +1,7 @@
-"""Paged KV cache: the page allocator (leader), the per-rank KV pool and the R3 host buffer.
+"""Paged cache: the page allocator (leader), the per-rank token-row pool and the R3 host buffer.
 
 Slot s of the pool is token s % page_size of page s // page_size. Page 0 is reserved: padding
-rows of a forward write their K/V to slot 0 (DUMMY_SLOT), so they never touch a live page.
+rows of a forward write their rows to slot 0 (DUMMY_SLOT), so they never touch a live page.
 Pages are shared by reference count: a request holds one reference on each page of its page
 table, the prefix cache holds one on each page it stores; a page is free at count 0.
 """
@@ -78,28 +78,34 @@ def slots_of(pages: list[int], start: int, end: int, page_size: int) -> list[int
     return [pages[i // page_size] * page_size + i % page_size for i in range(start, end)]
 
 
-class KVPool:
-    """K and V of this rank's KV heads for every layer: [num_pages, page_size, heads, head_dim]."""
+class TokenRowPool:
+    """Per-token cache rows, all paged alike: a named tensor [num_pages * page_size, width] per
+    cached quantity. For the DSV4 model (see docs/structures.md, "Cache"):
+      layers.N.kv                          the K=V latent after RoPE (every layer, even sliding
+                                           ones: one uniform paged row keeps prefix reuse and
+                                           eviction identical for all layers)
+      <compressor>.wkv / <compressor>.wgate the compressor's projections of each token (CSA,
+                                           HCA and the CSA indexer's compressor)
+    Because every compressor input is a per-token row, the compressed entries and the indexer
+    keys of any prefix are a pure function of the rows: prefix reuse restores them exactly at
+    any page boundary, and decode equals a whole-sequence recompute."""
 
-    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device):
-        shape = (num_pages, page_size, num_heads, head_dim)
-        self.page_size, self.num_heads, self.head_dim = page_size, num_heads, head_dim
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    def __init__(self, widths: dict[str, int], num_pages: int, page_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.page_size, self.widths = page_size, dict(widths)
+        self.rows = {name: torch.zeros(num_pages * page_size, w, dtype=dtype, device=device)
+                     for name, w in widths.items()}
 
-    def write(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer_id].view(-1, self.num_heads, self.head_dim)[slots] = k.to(self.k[0].dtype)
-        self.v[layer_id].view(-1, self.num_heads, self.head_dim)[slots] = v.to(self.v[0].dtype)
+    def write(self, name: str, slots: torch.Tensor, values: torch.Tensor) -> None:
+        buf = self.rows[name]
+        buf[slots] = values.reshape(values.shape[0], -1).to(buf.dtype)
 
-    def gather(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        flat_k = self.k[layer_id].view(-1, self.num_heads, self.head_dim)
-        flat_v = self.v[layer_id].view(-1, self.num_heads, self.head_dim)
-        return flat_k[slots], flat_v[slots]
+    def gather(self, name: str, slots: torch.Tensor) -> torch.Tensor:
+        return self.rows[name][slots]
 
 
-def kv_bytes_per_token(num_layers: int, num_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    return num_layers * 2 * num_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+def row_bytes_per_token(widths: dict[str, int], dtype: torch.dtype) -> int:
+    return sum(widths.values()) * torch.empty(0, dtype=dtype).element_size()
 
 
 def default_max_total_tokens(bytes_per_token: int, page_size: int, device: torch.device,

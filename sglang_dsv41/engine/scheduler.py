@@ -92,14 +92,13 @@ class SchedulerRank:
 
     # ---- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
-        max_order = self.runner.cfg.max_ngram_order
         while True:
             self.groups.step = self.step
             step_in = self.groups.broadcast_in_group(
                 self._leader_step_input() if self.leader else None)
             self.pending_control += step_in.control
             self.shutdown_seen = step_in.shutdown
-            plan = step_in.plan or idle_plan(max_order)
+            plan = step_in.plan or idle_plan()
             busy = plan.num_tokens > 0 or (self.leader is not None and bool(
                 self.leader.running or self.leader.waiting))
             sync = self.groups.all_gather_ints(

@@ -4,7 +4,7 @@ As sglang.srt.model_loader.weight_utils.initialize_dummy_weights: every floating
 state dict gets uniform(-1e-3, 1e-3) from a generator re-seeded with the same seed for each
 tensor (so every rank holds identical dummy weights); sub-16-bit dtypes are drawn in float16.
 The trainer pushes the real weights later, but never the Engram tables, which must therefore
-come from the checkpoint (engram_store.install_engram_tables).
+come from the checkpoint. tid2eid (int32) is not floating and keeps its loaded value.
 """
 
 from __future__ import annotations
@@ -13,9 +13,14 @@ from typing import Callable
 
 import torch
 
-from ..model.model import is_engram_table
-
 DUMMY_LOW, DUMMY_HIGH = -1e-3, 1e-3
+DUMMY_SEED = 1234  # SGLang's initialize_dummy_weights default: identical on every rank
+
+
+def is_engram_table(name: str) -> bool:
+    """An Engram hash table or its e8m0 scales (SGLang: ``layers.N.engram.embed.{weight,scale}``):
+    frozen, loaded from the checkpoint even under dummy loading, never sent in weight updates."""
+    return ".engram.embed." in name
 
 
 @torch.no_grad()

@@ -1,0 +1,173 @@
+"""EngineForwardContext: DSV4Context for one scheduler rank of the embedded engine.
+
+Sharding under DP attention (T ranks, D DP groups of A = T/D attention-TP ranks), SGLang's layout:
+- attention: a rank computes o_groups/A output groups (its heads) on every token of its DP group;
+  attn_reduce sums the groups' partial outputs with a reduce-scatter by token plus an all-gather
+  inside the attention-TP group, which is why a DP group's token count must be a multiple of A
+  (prefill padding: without it the collective fails exactly as SGLang's does);
+- MoE: the MoE module's input is all-gathered over the world (each rank contributes its 1/A token
+  shard of its DP group, so every DP group's tokens appear once, in order), each rank computes
+  its experts (expert_range) on all of them, mlp_reduce all-reduces the partial sums, and each
+  rank keeps its DP group's rows (model_hooks.py hooks the MoE module for the gather/slice).
+  A rank without tokens still joins those collectives (idle batch).
+- the attention core reads the cache (TokenRowPool): this forward's K=V latents are written at
+  plan.slots, then every query attends to its window read back from the pool through the
+  reference core; the compressors see their cached per-token rows (model_hooks.py).
+Every rank holds the full weights and computes only its shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..attention.dsv4_reference import dsv4_attention_reference
+from ..model.dsv4.context import DSV4Context
+
+if TYPE_CHECKING:
+    from .batch import ForwardPlan
+    from .dist import DistGroups
+    from .kv_cache import TokenRowPool
+
+
+def split_range(n: int, parts: int, index: int) -> range:
+    return range(index * n // parts, (index + 1) * n // parts)
+
+
+def cu_of(lens: list[int], device) -> torch.Tensor:
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32, device=device)
+    if lens:
+        cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32, device=device), 0)
+    return cu
+
+
+@dataclass
+class EngineForwardContext(DSV4Context):
+    plan: "ForwardPlan | None" = None
+    pool: "TokenRowPool | None" = None
+    groups: "DistGroups | None" = None      # None: one process (tests, tp=1 without a world)
+    dp_tokens: list[int] = field(default_factory=list)  # padded tokens of each DP group
+
+    def __post_init__(self) -> None:
+        info = self.groups.info if self.groups is not None else None
+        self._a = info.attn_tp_size if info else 1
+        self._w = info.world_size if info else 1
+        self._rank = info.rank if info else 0
+        self._attn_rank = info.attn_tp_rank if info else 0
+        dp_rank = info.dp_rank if info else 0
+        dp_of = info.dp_of if info else (lambda r: 0)
+        if not self.dp_tokens:
+            self.dp_tokens = [self.plan.padded_tokens]
+        self._local = self.dp_tokens[dp_rank]
+        self._shards = [self.dp_tokens[dp_of(r)] // self._a for r in range(self._w)]
+        self._max_shard = max(self._shards)
+        m, dev = self._max_shard, self.positions.device
+        # Rows of the padded [world * max_shard] layout that hold real shards, in world order.
+        self._gather_rows = torch.cat([torch.arange(r * m, r * m + s) for r, s in
+                                       enumerate(self._shards)]).to(dev)
+        self.dp_offset = sum(self.dp_tokens[:dp_rank])
+        self._layout_window()
+
+    def _layout_window(self) -> None:
+        """Per sequence, the rows the attention core runs on: the window - 1 cached positions
+        before its first new token (keys only), then its new tokens (queries and keys)."""
+        plan, dev = self.plan, self.positions.device
+        self.window_size = None
+        self._cache_rows = self._query_rows = None
+        self._seq_start = [s - n for s, n in zip(plan.seq_lens, plan.extend_lens)]
+        self.context_bounds = []
+        at = 0
+        for s in plan.seq_lens:
+            self.context_bounds.append((at, at + s))
+            at += s
+
+    def _window_rows(self, window: int) -> None:
+        if self.window_size == window:
+            return
+        plan, dev = self.plan, self.positions.device
+        cache_rows, query_rows, lens, at = [], [], [], 0
+        for (c0, c1), start, n in zip(self.context_bounds, self._seq_start, plan.extend_lens):
+            tail = min(window - 1, start)
+            cache_rows.append(torch.arange(c1 - n - tail, c1))
+            query_rows.append(torch.arange(at + tail, at + tail + n))
+            lens.append(tail + n)
+            at += tail + n
+        empty = torch.zeros(0, dtype=torch.long)
+        self._cache_rows = torch.cat(cache_rows or [empty]).to(dev)
+        self._query_rows = torch.cat(query_rows or [empty]).to(dev)
+        self._window_cu = cu_of(lens, dev)
+        self.window_size = window
+
+    # ---- sharding ---------------------------------------------------------------------------
+    def attn_group_range(self, o_groups: int) -> range:
+        return split_range(o_groups, self._a, self._attn_rank)
+
+    def expert_range(self, n_experts: int) -> range:
+        return split_range(n_experts, self._w, self._rank)
+
+    # ---- collectives ------------------------------------------------------------------------
+    def attn_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        # A DP group with no tokens skips it as a whole group: nobody else is in this group.
+        if self._a == 1 or self._local == 0:
+            return partial
+        return self.groups.all_gather_attn(self.groups.reduce_scatter_attn(partial))
+
+    def moe_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """This DP group's rows -> every DP group's rows (world order)."""
+        self._moe_rows = x.shape[0]
+        if self._w == 1:
+            return x
+        s = self._local // self._a
+        shard = x[self._attn_rank * s:(self._attn_rank + 1) * s]
+        padded = shard.new_zeros(self._max_shard, *shard.shape[1:])
+        padded[:shard.shape[0]] = shard
+        return self.groups.all_gather_world(padded).index_select(0, self._gather_rows)
+
+    def mlp_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        if self._w == 1:
+            return partial
+        return self.groups.all_reduce_world(partial)
+
+    def moe_local(self, y: torch.Tensor) -> torch.Tensor:
+        """Every DP group's rows -> this DP group's."""
+        if self._w == 1:
+            return y
+        mine = y[self.dp_offset:self.dp_offset + self._local]
+        if self._moe_rows > mine.shape[0]:   # an idle forward's placeholder row
+            mine = torch.cat([mine, mine.new_zeros(self._moe_rows - mine.shape[0],
+                                                   *mine.shape[1:])])
+        return mine
+
+    # ---- the cache --------------------------------------------------------------------------
+    def cached_rows(self, name: str, new_rows: torch.Tensor) -> torch.Tensor:
+        """Writes this forward's rows of a cached quantity; returns every sequence's rows for
+        positions [0, seq_len), packed by context_bounds."""
+        self.pool.write(name, self.plan.slots.to(new_rows.device), new_rows)
+        return self.pool.gather(name, self.plan.context_slots.to(new_rows.device))
+
+    def attend(self, layer_id: int, q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor,
+               window: int, scale: float, comp_kv: torch.Tensor | None,
+               comp_idx: torch.Tensor | None) -> torch.Tensor:
+        latents = self.cached_rows(f"layers.{layer_id}.kv", kv)
+        out = q.new_zeros(q.shape)
+        n = self.plan.num_tokens
+        if n == 0:
+            return out
+        self._window_rows(window)
+        keys = latents[self._cache_rows]
+        queries = q.new_zeros(keys.shape[0], *q.shape[1:])
+        queries[self._query_rows] = q[:n]
+        selected = None
+        if comp_idx is not None:
+            selected = comp_idx.new_full((keys.shape[0], comp_idx.shape[1]), -1)
+            selected[self._query_rows] = comp_idx[:n]
+        o = dsv4_attention_reference(queries, keys, sinks, self._window_cu, window, scale,
+                                     comp_kv, selected)
+        out[:n] = o[self._query_rows]
+        return out
+
+    # ---- R3 ---------------------------------------------------------------------------------
+    def replayed_routing(self, layer_id: int):
+        return None  # the server routes; the trainer replays

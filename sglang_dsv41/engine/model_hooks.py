@@ -1,0 +1,113 @@
+"""How the engine runs the unmodified DSV4 model over its cache: module hooks.
+
+The model computes every forward from its own tokens (packed sequences, no cache). The engine
+keeps the model's math and changes only what the modules read, with forward hooks that act while
+an EngineForwardContext is active (``ModelHooks.active``):
+
+  Compressor (CSA, HCA, the CSA indexer's)  its ``wkv``/``wgate`` projections of this forward's
+      tokens are written to the pool and replaced by the projections of every position of each
+      sequence, and its ``bounds`` by the whole sequences': the model's own pooling, norm and
+      RoPE then produce the compressed entries of the whole history, and its indexer/visibility
+      code selects among them for the new queries (their positions are absolute).
+  MoE  the input rows (and token ids, for hash routing) are gathered over the world before the
+      module and the output sliced back to this DP group after it (forward_context.py).
+  EngramHasher  receives each sequence's preceding tokens (plan.engram_history), so n-grams
+      reach back across a cached prefix as in SGLang's extend and decode.
+
+The attention core itself goes through EngineForwardContext.attend (the model's hook point).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from ..model.dsv4.compressor import Compressor
+from ..model.dsv4.moe import MoE
+from .forward_context import EngineForwardContext
+
+
+def cached_row_widths(model: nn.Module) -> dict[str, int]:
+    """The pool's rows: one K=V latent per layer, the projections of every compressor."""
+    cfg = model.cfg
+    widths = {f"layers.{i}.kv": cfg.head_dim for i in range(cfg.num_hidden_layers)}
+    for name, mod in model.named_modules():
+        if isinstance(mod, Compressor):
+            widths[f"{name}.wkv"] = mod.wkv.out_features
+            widths[f"{name}.wgate"] = mod.wgate.out_features
+    return widths
+
+
+def check_supported(model: nn.Module) -> None:
+    for i, layer in enumerate(model.layers):
+        attn = layer.attn
+        if attn.ratio in (1, 2):
+            raise ValueError(f"layer {i} has compress ratio {attn.ratio}: the engine's cache does "
+                             "not cover V4.1 ratio-1/2 layers yet (serve a V4 model)")
+
+
+class ModelHooks:
+    def __init__(self, model: nn.Module):
+        check_supported(model)
+        self.ctx: EngineForwardContext | None = None
+        self.handles = []
+        for name, mod in model.named_modules():
+            if isinstance(mod, Compressor):
+                self.handles.append(mod.register_forward_pre_hook(self._compressor_bounds))
+                for proj in ("wkv", "wgate"):
+                    self.handles.append(getattr(mod, proj).register_forward_hook(
+                        self._cached_projection(f"{name}.{proj}")))
+            elif isinstance(mod, MoE):
+                self.handles.append(mod.register_forward_pre_hook(self._moe_gather))
+                self.handles.append(mod.register_forward_hook(self._moe_local))
+        if getattr(model, "engram_hasher", None) is not None:
+            self.handles.append(model.engram_hasher.register_forward_pre_hook(
+                self._engram_history, with_kwargs=True))
+
+    @contextmanager
+    def active(self, ctx: EngineForwardContext):
+        self.ctx = ctx
+        try:
+            yield ctx
+        finally:
+            self.ctx = None
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    # ---- hooks ------------------------------------------------------------------------------
+    def _compressor_bounds(self, module, args):
+        if self.ctx is None:
+            return None
+        x, _bounds, freqs = args
+        return x, self.ctx.context_bounds, freqs
+
+    def _cached_projection(self, name: str):
+        def hook(module, args, output):
+            return None if self.ctx is None else self.ctx.cached_rows(name, output)
+        return hook
+
+    def _moe_gather(self, module, args):
+        if self.ctx is None:
+            return None
+        x, input_ids, ctx = args
+        return ctx.moe_gather(x), ctx.moe_gather(input_ids), ctx
+
+    def _moe_local(self, module, args, output):
+        return None if self.ctx is None else self.ctx.moe_local(output)
+
+    def _engram_history(self, module, args, kwargs):
+        if self.ctx is None:
+            return None
+        input_ids, cu = args
+        history = self.ctx.plan.engram_history
+        if history is None:   # an idle forward
+            history = torch.zeros(0, module.max_ngram_size - 1, dtype=torch.long)
+        history = history.to(input_ids.device)
+        if input_ids.shape[0] > int(cu[-1]):   # padding rows: one more (blocked) sequence
+            cu = torch.cat([cu, cu.new_tensor([input_ids.shape[0]])])
+            history = torch.cat([history, history.new_zeros(1, history.shape[1])])
+        return (input_ids, cu), {"history": history, "positions": self.ctx.positions}
