@@ -67,11 +67,13 @@ class DSV4Context:
     def attend(self, layer_id: int, q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor,
                window: int, scale: float, comp_kv: torch.Tensor | None,
                comp_idx: torch.Tensor | None) -> torch.Tensor:
-        """q [T, H, D], kv [T, D] (this forward's tokens), compressed entries -> [T, H, D]."""
-        from ...attention.dsv4_reference import dsv4_attention_reference
+        """q [T, H, D], kv [T, D] (this forward's tokens), compressed entries -> [T, H, D].
+        The Triton kernel on CUDA, the torch reference on CPU (attention_backend overrides)."""
+        from ...attention.dsv4 import dsv4_attention
 
-        return dsv4_attention_reference(q, kv, sinks, self.cu_seqlens, window, scale,
-                                        comp_kv, comp_idx)
+        return dsv4_attention(q, kv, sinks, self.cu_seqlens, window, scale,
+                              None if comp_kv is None else comp_kv.to(q.dtype), comp_idx,
+                              backend=self.attention_backend)
 
     # ---- R3 ---------------------------------------------------------------------------------
     def replayed_routing(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
