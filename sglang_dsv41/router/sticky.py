@@ -5,7 +5,9 @@ KV tokens cover ``expected_tokens`` are preferred; among them the fewest in-flig
 then the most free KV tokens, then the fewest pinned sessions. Free KV comes from each engine's
 /get_server_info (``rank_stats[dp].kv_total_tokens - kv_used_tokens``), refreshed at most every
 ``refresh_interval`` seconds. A transport error or a failing /health marks an engine dead: its
-sessions are re-pinned elsewhere on their next turn (their prefix is recomputed there).
+sessions are re-pinned elsewhere on their next turn (their prefix is recomputed there). With
+``max_in_flight``, a session whose slot already has that many turns in flight is moved, at its
+turn boundary, to the best live slot when that one has fewer.
 """
 
 from __future__ import annotations
@@ -47,12 +49,13 @@ def dp_size_of(server_info: dict[str, Any]) -> int:
 class StickyRouter(SessionRouter):
     def __init__(self, engine_urls: list[str], *, api_key: str | None = None,
                  timeout: float = 300.0, refresh_interval: float = 1.0, max_attempts: int = 3,
-                 client: httpx.Client | None = None):
+                 client: httpx.Client | None = None, max_in_flight: int | None = None):
         if not engine_urls:
             raise ValueError("StickyRouter needs at least one engine url")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = client or httpx.Client(timeout=timeout, headers=headers)
         self._refresh_interval, self._max_attempts = refresh_interval, max_attempts
+        self._max_in_flight = max_in_flight
         self._cond = threading.Condition()
         self._slots: dict[Route, SlotState] = {}
         self._pins: dict[str, Route] = {}
@@ -151,7 +154,7 @@ class StickyRouter(SessionRouter):
             while self._paused:
                 self._cond.wait()
             route = self._pins.get(session_id)
-            if route is not None and route.url in self._dead:
+            if route is not None and (route.url in self._dead or self._overloaded(route)):
                 self._slots[route].sessions -= 1
                 route = None
             if route is None:
@@ -172,6 +175,12 @@ class StickyRouter(SessionRouter):
             return (short, s.in_flight, -(free if free is not None else 0), s.sessions, s.route)
 
         return min(live, key=key).route
+
+    def _overloaded(self, route: Route) -> bool:
+        if self._max_in_flight is None or self._slots[route].in_flight < self._max_in_flight:
+            return False
+        best = self._place(0)
+        return self._slots[best].in_flight < self._slots[route].in_flight
 
     def _release(self, route: Route) -> None:
         with self._cond:

@@ -1,0 +1,206 @@
+"""The agent gateway: OpenAI-compatible ``/v1/chat/completions`` per trajectory session, in front
+of one or more engines (ours or SGLang), token-in/token-out to their ``/generate``.
+
+A session is named in the path (``/sessions/{sid}/v1/chat/completions``, the base URL an agent's
+OpenAI client gets) or by an ``X-Session-ID`` header. DeepSeek's own request conversion, V4.1
+prompt encoding and response parsing (``deepseek_recipe``: tool calls in DSML, reasoning) turn
+the OpenAI body into a prompt and the generated text back into an OpenAI message. Routing is a
+SessionRouter (router/): the session stays on one (engine, DP rank); a new session is placed by
+load and free KV; a session moves only at a turn boundary, when its engine is dead or its slot
+over the load threshold, with its full token history. ``GET /sessions/{sid}/trajectory`` is the
+record the trainer reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..router.base import NoEngineAvailable, RouterError, SessionRouter
+from .trajectory import Trajectory, Turn, routed_experts_of
+
+MAX_SESSIONS = 100_000   # the oldest finished sessions are forgotten past this
+MAX_BODY_BYTES = 16 << 20
+
+
+class GatewayError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def _error(status: int, message: str, err_type: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": err_type, "code": status}},
+                        status_code=status)
+
+
+class Gateway:
+    def __init__(self, router: SessionRouter, tokenizer: Any, model_name: str,
+                 context_length: int, thinking: bool = False,
+                 return_routed_experts: bool = False):
+        import deepseek_recipe as dr
+
+        self.dr, self.router, self.tokenizer = dr, router, tokenizer
+        self.model_name, self.context_length = model_name, context_length
+        self.encoding = dr.DeepseekV41Encoding()
+        self.options = dr.ConversionOptions(default_thinking_mode=thinking)
+        self.return_routed_experts = return_routed_experts
+        self.sessions: OrderedDict[str, Trajectory] = OrderedDict()
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def session(self, sid: str) -> Trajectory:
+        traj = self.sessions.get(sid)
+        if traj is None:
+            traj = self.sessions[sid] = Trajectory(sid)
+            while len(self.sessions) > MAX_SESSIONS:
+                old, _ = self.sessions.popitem(last=False)
+                self._locks.pop(old, None)
+        return traj
+
+    async def chat(self, sid: str, body: dict[str, Any]) -> tuple[Any, Turn, dict[str, Any]]:
+        """One turn: returns (the converted request, the turn, the /generate output)."""
+        body = {**body, "model": "DeepSeek-V4.1-Flash"}  # the encoding, whatever name is served
+        try:
+            conv = self.dr.ChatCompletionRequest(body).convert(self.options)
+        except self.dr.ConversionError as e:
+            raise GatewayError(getattr(e, "status_code", 400) or 400, str(e)) from e
+        except (ValueError, TypeError) as e:
+            raise GatewayError(400, f"invalid chat request: {e}") from e
+        lock = self._locks.setdefault(sid, asyncio.Lock())
+        async with lock:  # turns of one session run one after the other
+            traj = self.session(sid)
+            text = self.encoding.render_conversation(conv.conversation).prompt
+            ids, retokenized = traj.next_prompt_ids(text, self.tokenizer.encode)
+            if len(ids) >= self.context_length:
+                raise GatewayError(400, f"the conversation has {len(ids)} tokens; the context "
+                                   f"length is {self.context_length}")
+            opts = conv.inference_options
+            sampling = {"max_new_tokens": conv.resolve_max_tokens(len(ids), self.context_length),
+                        "skip_special_tokens": False}
+            for name in ("temperature", "top_p"):
+                if getattr(opts, name) is not None:
+                    sampling[name] = getattr(opts, name)
+            if opts.seed is not None:
+                sampling["sampling_seed"] = opts.seed
+            payload = {"input_ids": ids, "sampling_params": sampling, "return_logprob": True,
+                       "rid": f"{sid}-{len(traj.turns)}-{uuid.uuid4().hex[:8]}"}
+            if self.return_routed_experts:
+                payload["return_routed_experts"] = True
+            try:
+                out = await asyncio.to_thread(self.router.generate, sid, payload, len(ids)
+                                              + sampling["max_new_tokens"])
+            except NoEngineAvailable as e:
+                raise GatewayError(503, str(e)) from e
+            except RouterError as e:
+                raise GatewayError(502, str(e)) from e
+            meta = out["meta_info"]
+            url, dp_rank = meta.get("route", [None, meta.get("dp_rank", 0)])
+            turn = Turn(ids, list(out["output_ids"]),
+                        [e[0] for e in meta.get("output_token_logprobs") or []],
+                        str(url), int(dp_rank), int(meta.get("cached_tokens", 0)),
+                        meta.get("finish_reason"), retokenized,
+                        routed_experts_of(meta) if self.return_routed_experts else None)
+            traj.turns.append(turn)
+            traj.prompt_text = text
+            return conv, turn, out
+
+    def chunks(self, conv: Any, turn: Turn, out: dict[str, Any], cid: str) -> list[Any]:
+        """The generated text through DeepSeek's parser: OpenAI chunks (content, tool calls)."""
+        dr = self.dr
+        parsing = conv.parsing_options
+        gen = dr.ChatCompletionRequest.chunk_generator(conv, cid, self.model_name)
+        proc = dr.StreamProcessor(gen, parsing)
+        reason = (turn.finish_reason or {}).get("type")
+        finish = dr.InferenceFinishReason.Length if reason == "length" else \
+            dr.InferenceFinishReason.Stop
+        text = self.tokenizer.decode(turn.output_ids)
+        return [*proc.push(dr.InferenceChunk.ready(prompt_usage=None)),
+                *proc.push(dr.InferenceChunk.text(text, len(turn.output_ids))),
+                *proc.push(dr.InferenceChunk.finish(finish)), *proc.finish()]
+
+    def response(self, conv: Any, turn: Turn, out: dict[str, Any], cid: str) -> dict[str, Any]:
+        resp = self.dr.ChatCompletionResponse(cid, self.model_name, int(time.time()),
+                                              len(turn.prompt_ids), turn.cached_tokens)
+        for chunk in self.chunks(conv, turn, out, cid):
+            resp.accumulate(chunk)
+        result = json.loads(resp.to_json())
+        result["usage"].update(prompt_tokens=len(turn.prompt_ids),
+                               total_tokens=len(turn.prompt_ids) + len(turn.output_ids))
+        result["sglang_dsv41"] = {"dp_rank": turn.dp_rank, "engine": turn.engine,
+                                  "cached_tokens": turn.cached_tokens}
+        return result
+
+
+def create_gateway_app(gateway: Gateway) -> FastAPI:
+    app = FastAPI(title="sglang-dsv41 agent gateway", max_body_size=MAX_BODY_BYTES)
+
+    @app.exception_handler(GatewayError)
+    async def gateway_error(_: Request, exc: GatewayError):
+        return _error(exc.status, exc.message,
+                      "service_unavailable" if exc.status >= 500 else "invalid_request_error")
+
+    async def completions(sid: str, request: Request):
+        try:
+            body = await request.json()
+        except (ValueError, RecursionError, UnicodeDecodeError) as e:
+            raise GatewayError(400, f"malformed JSON body: {type(e).__name__}") from e
+        if not isinstance(body, dict):
+            raise GatewayError(400, "the body must be a JSON object")
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        conv, turn, out = await gateway.chat(sid, body)
+        if not body.get("stream"):
+            return gateway.response(conv, turn, out, cid)
+        chunks = gateway.chunks(conv, turn, out, cid)
+
+        async def events():
+            for chunk in chunks:
+                yield f"data: {chunk.to_json()}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/sessions/{sid}/v1/chat/completions")
+    async def session_completions(sid: str, request: Request):
+        return await completions(sid, request)
+
+    @app.post("/v1/chat/completions")
+    async def header_completions(request: Request):
+        sid = request.headers.get("x-session-id")
+        if not sid:
+            raise GatewayError(400, "name the session: X-Session-ID header or "
+                               "/sessions/{id}/v1/chat/completions")
+        return await completions(sid, request)
+
+    @app.get("/sessions/{sid}/trajectory")
+    async def trajectory(sid: str):
+        traj = gateway.sessions.get(sid)
+        if traj is None:
+            raise GatewayError(404, f"no session {sid!r}")
+        return traj.record()
+
+    @app.delete("/sessions/{sid}")
+    async def end_session(sid: str):
+        traj = gateway.sessions.pop(sid, None)
+        gateway.router.end_session(sid)
+        if traj is None:
+            raise GatewayError(404, f"no session {sid!r}")
+        return traj.record()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": gateway.model_name, "object": "model",
+                                            "owned_by": "sglang-dsv41"}]}
+
+    @app.get("/health")
+    async def health():
+        if not gateway.router.engine_urls():
+            return _error(503, "no live engine", "service_unavailable")
+        return Response(status_code=200)
+
+    return app
