@@ -21,6 +21,9 @@ def _rank_main(stderr_path, *args) -> None:
     if stderr_path:
         fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(fd, 2)
+    from sglang_cpu import install_torchvision_shim
+
+    install_torchvision_shim()   # a rank loading a transformers checkpoint imports transformers
     run_scheduler_process(*args)
 
 

@@ -52,29 +52,47 @@ def config_from_transformers(raw: dict) -> DSV4Config:
     unknown = sorted(set(raw["layer_types"]) - set(ratios))
     if unknown:
         raise ValueError(f"unknown transformers layer_types {unknown}")
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling")
-    rope = dict(rope) if rope and rope.get("rope_type", rope.get("type")) != "default" else None
-    if rope is not None:
-        rope["type"] = rope.pop("rope_type", rope.get("type"))
-        for key in ("rope_theta", "partial_rotary_factor"):
-            rope.pop(key, None)
+    rope_theta, compress_theta, rope = _rope_from_transformers(raw)
     mlp_types = raw.get("mlp_layer_types") or []
     keys = ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers",
             "num_attention_heads", "head_dim", "q_lora_rank", "num_experts_per_tok",
             "n_routed_experts", "n_shared_experts", "scoring_func", "norm_topk_prob",
-            "routed_scaling_factor", "max_position_embeddings", "rope_theta",
-            "compress_rope_theta", "hc_mult", "hc_sinkhorn_iters", "hc_eps", "swiglu_limit",
-            "o_groups", "o_lora_rank", "index_n_heads", "index_head_dim", "index_topk",
+            "routed_scaling_factor", "max_position_embeddings", "hc_mult", "hc_sinkhorn_iters",
+            "hc_eps", "swiglu_limit", "o_groups", "o_lora_rank", "index_n_heads", "index_head_dim", "index_topk",
             "rms_norm_eps", "bos_token_id", "eos_token_id")
     d = {k: raw[k] for k in keys if raw.get(k) is not None}
     d.update(model_type=V4, compress_ratios=[ratios[t] for t in raw["layer_types"]],
-             window_size=raw["sliding_window"], rope_scaling=rope,
-             qk_rope_head_dim=int(round(raw["head_dim"] * raw["partial_rotary_factor"])),
+             window_size=raw["sliding_window"], rope_scaling=rope, rope_theta=rope_theta,
+             compress_rope_theta=compress_theta,
+             qk_rope_head_dim=int(round(raw["head_dim"] * _partial_rotary(raw))),
              num_hash_layers=sum(t == "hash_moe" for t in mlp_types), q_head_norm=True,
              hc_pre_from_prev_sublayer=False, torch_dtype=str(raw.get("dtype") or "float32"))
     if isinstance(d["eos_token_id"], list):
         d["eos_token_id"] = d["eos_token_id"][0]
     return DSV4Config.from_dict(d)
+
+
+def _partial_rotary(raw: dict) -> float:
+    params = raw.get("rope_parameters") or {}
+    return raw.get("partial_rotary_factor") or params.get("main", params)["partial_rotary_factor"]
+
+
+def _rope_from_transformers(raw: dict) -> tuple[float, float, dict | None]:
+    """(rope_theta, compress_rope_theta, our rope_scaling) from transformers' rope_parameters:
+    {"main": {...}, "compress": {...}} as written by save_pretrained, or one flat dict."""
+    params = raw.get("rope_parameters") or {}
+    main = params.get("main", params)
+    compress = params.get("compress", main)
+    theta = main.get("rope_theta", raw.get("rope_theta", 10000.0))
+    compress_theta = compress.get("rope_theta", raw.get("compress_rope_theta", theta))
+    kind = compress.get("rope_type", compress.get("type", "default"))
+    if kind == "default":
+        return theta, compress_theta, None
+    if kind != "yarn":
+        raise ValueError(f"unsupported rope_type {kind!r} in a transformers DeepseekV4 config")
+    yarn = {k: compress[k] for k in ("factor", "original_max_position_embeddings", "beta_fast",
+                                     "beta_slow") if k in compress}
+    return theta, compress_theta, {"type": "yarn", **yarn}
 
 
 def load_serving_config(model_path: str) -> DSV4Config:
@@ -93,7 +111,7 @@ def has_tokenizer(model_path: str) -> bool:
     return any(os.path.isfile(os.path.join(model_path, f)) for f in TOKENIZER_FILES)
 
 
-def read_checkpoint(model_path: str, layout: str) -> dict[str, torch.Tensor]:
+def read_checkpoint(model_path: str) -> dict[str, torch.Tensor]:
     files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors in {model_path}")
@@ -102,11 +120,18 @@ def read_checkpoint(model_path: str, layout: str) -> dict[str, torch.Tensor]:
         with safe_open(path, "pt") as f:
             for name in f.keys():
                 tensors[name] = f.get_tensor(name)
-    if layout == "transformers":
-        from ..model.dsv4.names import from_transformers
-
-        tensors = from_transformers(tensors)
     return tensors
+
+
+def read_transformers_checkpoint(model_path: str) -> dict[str, torch.Tensor]:
+    """transformers reads its own directory (its save_pretrained renames on the way out, and
+    reverses them on the way in); its state dict then maps to our names."""
+    from transformers import DeepseekV4ForCausalLM
+
+    from ..model.dsv4.names import from_transformers
+
+    hf = DeepseekV4ForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    return from_transformers(hf.state_dict())
 
 
 def keeps_fp32(name: str) -> bool:
@@ -134,7 +159,8 @@ def load_serving_model(model_path: str, dtype: torch.dtype, device,
     if layout == "preset":
         init_weights(model, seed=0)
     else:
-        state = read_checkpoint(model_path, layout)
+        state = (read_transformers_checkpoint(model_path) if layout == "transformers"
+                 else read_checkpoint(model_path))
         if load_format == "dummy":   # keep what dummy weights must not replace
             state = {n: t for n, t in state.items() if n.endswith("tid2eid") or ".engram.embed." in n}
         result = model.load_state_dict(state, strict=load_format != "dummy")
