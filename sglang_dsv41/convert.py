@@ -8,6 +8,9 @@ source order, one source shard open at a time, a few MiB per chunk, into output 
 headers are planned up front, so memory stays near one chunk. Dense FP8 and FP4 experts become
 bf16; Engram tables and tid2eid are copied byte for byte. DST is built in a hidden sibling
 (loader/atomic_dir.py StagedDir) and renamed into place only when complete (and verified).
+``--verify`` re-reads DST tensor by tensor against the streamed source, then (for configs the
+model can build on this machine) runs DSV4ForCausalLM on the source dequantized in float32
+through safetensors' own reader and on DST, and compares the logits.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from .loader.fp4 import dequantize_fp4
 from .loader.fp8 import CHUNK_BYTES, iter_dequantized_rows
 from .loader.release_layout import (RELEASE_SCALE_SUFFIX, ConversionPlan, PlanEntry,
                                     plan_conversion)
+from .loader.conversion_logits import verify_logits
 from .loader.shards import (CONFIG_FILE, RawShardReader, StreamingShardWriter, plan_shards,
                             shard_file_name, tensor_nbytes, write_index)
 
@@ -168,6 +172,11 @@ def convert(src: str, dst: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
             if differ:
                 raise ValueError(f"verification failed: {len(differ)} tensors differ from the "
                                  f"dequantized source, e.g. {differ[:3]}")
+            logits = verify_logits(plan, staged.path)
+            summary["verify"]["logits"] = logits
+            if not logits.get("ok", True):
+                raise ValueError(f"verification failed: logits of DST differ from the "
+                                 f"dequantized source's: {logits}")
     except BaseException:
         staged.discard()
         raise
@@ -205,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("src", help="release checkpoint directory")
     p.add_argument("dst", help="output directory (written atomically, replaced if present)")
     p.add_argument("--verify", action="store_true",
-                   help="re-read DST and compare every tensor with the dequantized source")
+                   help="re-read DST and compare every tensor with the dequantized source, "
+                   "then the model's logits on both")
     p.add_argument("--max-shard-size", default="5GB", help="output shard size (5GB, 500MiB)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -219,8 +229,14 @@ def main(argv: list[str] | None = None) -> int:
           f"({summary['total_size'] / 1e6:.1f} MB); dropped {summary['dropped']} "
           "vision/aligner/image/bias_vl/mtp tensors")
     if "verify" in summary:
-        print(f"verify: ok: {summary['verify']['tensors_checked']} tensors equal the "
-              "dequantized source")
+        v = summary["verify"]
+        print(f"verify: ok: {v['tensors_checked']} tensors equal the dequantized source")
+        if "skipped" in v["logits"]:
+            print(f"verify: logits not compared: {v['logits']['skipped']}")
+        else:
+            print(f"verify: ok: logits on {v['logits']['tokens']} tokens differ by at most "
+                  f"{v['logits']['max_abs_diff']:.3g} (logit scale "
+                  f"{v['logits']['logit_scale']:.3g})")
     return 0
 
 

@@ -1,8 +1,9 @@
 """The text model's tensors (SGLang 0.5.23 DeepSeek-flat names, shapes, bf16-checkpoint dtypes)
 computed from a DSV4Config, without building the model.
 
-The planner counts parameters and Engram bytes from it (v41-flash is never instantiated), and
-make_checkpoint writes it while sglang_dsv41.model.dsv4.model is not there yet. Sources, all
+The planner counts parameters and Engram bytes from it (v41-flash is never instantiated: 550B
+parameters). The model (sglang_dsv41.model.dsv4.model) is the reference; tests/test_plan_shapes.py
+checks that this inventory equals its state_dict for every preset the model can build. Sources, all
 SGLang 0.5.23: attention `models/deepseek_v4.py` MQALayer.__init__ (~1090-1160, 1470-1500),
 V4 compressor `layers/attention/dsv4/compressor.py` (ape [ratio, coff*d] fp32, coff = 2 at
 ratio 4), V4 indexer `layers/attention/dsv4/indexer.py` C4Indexer, V4.1 compressor/indexer
@@ -125,6 +126,17 @@ def text_tensor_specs(cfg: DSV4Config) -> TensorSpecs:
         out["hc_head_scale"] = ([1], F32)
     out["head.weight"] = ([cfg.vocab_size, h], BF16)
     return out
+
+
+def checkpoint_dtype(name: str, held: torch.dtype) -> torch.dtype:
+    """The dtype a checkpoint stores a model tensor in, from the dtype the model holds it in when
+    built with bf16 as the default dtype: as held (fp8 tables, e8m0 scales, int32 tid2eid, the
+    fp32 sinks, ape, mHC and router bias), except RMSNorm weights, which the model keeps in fp32
+    only to compute (DeepSeek's inference model.py: "rmsnorm in the checkpoint is stored in
+    bf16, while the parameter here is stored in fp32")."""
+    if held == F32 and name.endswith("norm.weight"):
+        return BF16
+    return held
 
 
 def is_engram_table(name: str) -> bool:

@@ -1,18 +1,24 @@
-"""Write a random checkpoint of a preset in the real V4.1 release layout or the converted bf16 one.
+"""Write a random checkpoint of a preset: the real V4.1 release layout, the converted bf16 one, or
+transformers' DeepseekV4 layout.
 
-    python -m sglang_dsv41.tools.make_checkpoint OUT --preset tiny --layout release|bf16
+    python -m sglang_dsv41.tools.make_checkpoint OUT --preset tiny --layout release|bf16|hf
 
-Tensors come from plan/shapes.py's inventory of the config (SGLang's flat names) until
-sglang_dsv41.model.dsv4.model can build every layer kind; ``release`` adds what the real release
-carries besides the text model: FP8 e4m3 dense weights with e8m0 ``.scale`` blocks of
-quantization_config.weight_block_size, FP4 (or FP8) experts, ``gate.bias_vl``, ``vision.*``,
-``aligner.*``, ``image_*``, ``mtp.*`` and the nested config with DSpark keys, over several shards.
+The weights are the real model's (sglang_dsv41.model.dsv4.model: DSV4ForCausalLM + init_weights,
+built with bf16 as the default dtype), stored in checkpoint dtypes (plan/shapes.checkpoint_dtype).
+``release`` adds what the real release carries besides the text model: FP8 e4m3 dense weights
+with e8m0 ``.scale`` blocks of quantization_config.weight_block_size (Engram's ``wkv`` included:
+SGLang renames its ``.scale`` to weight_scale_inv), FP4 (or FP8) experts, ``gate.bias_vl``,
+``vision.*``, ``aligner.*``, ``image_*``, ``mtp.*`` and the nested config with DSpark keys, over
+several shards; the Engram table's ``embed.scale`` is the table's own e8m0 scale, kept as is.
+``hf`` (V4 presets only) is written by transformers: DeepseekV4ForCausalLM takes our tensors
+through names.to_transformers and save_pretrained writes them.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import contextmanager
 
 import torch
 
@@ -24,30 +30,34 @@ from ..loader.shards import INDEX_FILE, StreamingShardWriter, shard_file_name, s
 from ..loader.shards import write_index
 from ..model.dsv4.config import DSV4Config
 from ..model.dsv4.presets import get_preset
-from ..plan.shapes import text_tensor_specs
+from ..plan.shapes import checkpoint_dtype
 
-LAYOUTS = ("release", "bf16")
+LAYOUTS = ("release", "bf16", "hf")
 V41_BLOCK = [32, 32]  # V4.1-Flash's weight_block_size (the converter reads it from the config)
+# FP8 block-quantized in the release (SGLang maps their ".scale" to weight_scale_inv); the
+# compressor/indexer-compressor projections, weights_proj, norms and the Engram table are not.
 _FP8_WEIGHTS = (".attn.wq_a.", ".attn.wq_b.", ".attn.wkv.", ".attn.wo_a.", ".attn.wo_b.",
                 ".indexer.wq_b.", ".shared_experts.", ".engram.wkv.")
 
 
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(prev)
+
+
 def random_text_tensors(cfg: DSV4Config, seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, (shape, dtype) in text_tensor_specs(cfg).items():
-        if name.endswith(".tid2eid"):
-            t = torch.randint(0, cfg.n_routed_experts, shape, generator=g, dtype=torch.int32)
-        elif name.endswith(".embed.scale"):
-            t = torch.randint(120, 130, shape, generator=g, dtype=torch.uint8).view(dtype)
-        elif dtype == torch.float8_e4m3fn:
-            t = (torch.randn(shape, generator=g) * 8).to(dtype)
-        elif name.endswith("norm.weight") or name.endswith("_weight"):
-            t = (1 + 0.1 * torch.randn(shape, generator=g)).to(dtype)
-        else:
-            t = (0.05 * torch.randn(shape, generator=g)).to(dtype)
-        out[name] = t
-    return out
+    """The real model's random weights (init_weights with ``seed``) in checkpoint dtypes."""
+    from ..model.dsv4.model import DSV4ForCausalLM, init_weights
+
+    with _default_dtype(torch.bfloat16):  # half the memory; fp32 where the model insists
+        model = DSV4ForCausalLM(cfg)
+    init_weights(model, seed)
+    return {n: t.to(checkpoint_dtype(n, t.dtype)) for n, t in model.state_dict().items()}
 
 
 def release_tensors(cfg: DSV4Config, text: dict[str, torch.Tensor], block: list[int],
@@ -112,12 +122,42 @@ def write_tensors(out_dir: str, tensors: dict[str, torch.Tensor], config: dict,
         json.dump(config, f, indent=2)
 
 
+def write_hf(out_dir: str, cfg: DSV4Config, text: dict[str, torch.Tensor],
+             num_shards: int) -> None:
+    """transformers' own DeepseekV4 checkpoint of ``text``: the model takes our tensors as they
+    are (assign: bf16 matrices, fp32 sinks/mHC/ape/bias) and save_pretrained writes them."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    from ..model.dsv4.names import to_transformers
+
+    hf_cfg = DeepseekV4Config(**to_transformers_config(cfg), dtype="bfloat16")
+    model = DeepseekV4ForCausalLM(hf_cfg)
+    model.load_state_dict(to_transformers(text), strict=True, assign=True)
+    total = sum(t.nbytes for t in text.values())
+    model.save_pretrained(out_dir, max_shard_size=max(1, -(-total // num_shards)))
+
+
+def to_transformers_config(cfg: DSV4Config) -> dict:
+    from ..model.dsv4.names import to_transformers_config as convert
+
+    try:
+        return convert(cfg)
+    except ValueError as e:
+        raise ValueError(f"--layout hf needs a V4 preset (e.g. tiny-v4): {e}") from e
+
+
 def make_checkpoint(out_dir: str, cfg: DSV4Config, layout: str = "release", seed: int = 0,
                     num_shards: int = 4, block: list[int] | None = None,
                     expert_dtype: str = "fp4") -> str:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "hf":
+        to_transformers_config(cfg)  # refuse V4.1 before building anything
     text = random_text_tensors(cfg, seed)
+    if layout == "hf":
+        with staged_output(out_dir) as tmp:
+            write_hf(tmp, cfg, text, num_shards)
+        return out_dir
     if layout == "release":
         block = list(block or V41_BLOCK)
         tensors = release_tensors(cfg, text, block, expert_dtype, seed)

@@ -1,0 +1,86 @@
+"""make_checkpoint's weights are the real model's (DSV4ForCausalLM + init_weights) in checkpoint
+dtypes, and ``--layout hf`` is transformers' own DeepseekV4 checkpoint of them: transformers
+5.23 reloads it and gives our model's logits."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from sglang_dsv41.loader.shards import checkpoint_files
+from sglang_dsv41.model.dsv4 import get_preset
+from sglang_dsv41.model.dsv4.context import DSV4Context
+from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM, init_weights
+from sglang_dsv41.plan.shapes import text_tensor_specs
+from sglang_dsv41.tools.make_checkpoint import make_checkpoint, random_text_tensors
+
+transformers = pytest.importorskip("transformers")
+assert transformers.__version__ == "5.23.0", transformers.__version__
+from transformers import DeepseekV4ForCausalLM  # noqa: E402
+
+SEED = 11
+SEQ = 272  # > 2 x 128: two HCA blocks, and CSA blocks for the indexer to choose from
+
+
+def read_dir(d) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in checkpoint_files(str(d)):
+        with safe_open(os.path.join(d, file), "pt") as f:
+            out.update({n: f.get_tensor(n) for n in f.keys()})
+    return out
+
+
+def test_bf16_layout_holds_the_models_init_weights(tmp_path):
+    cfg = get_preset("tiny")
+    make_checkpoint(str(tmp_path / "bf16"), cfg, "bf16", seed=SEED, num_shards=2)
+    model = DSV4ForCausalLM(cfg)  # fp32, as the tests and the trainer build it
+    init_weights(model, SEED)
+    want = model.state_dict()
+    got = read_dir(tmp_path / "bf16")
+    specs = text_tensor_specs(cfg)  # checkpoint dtypes (tests/test_plan_shapes.py: = the model)
+    assert set(got) == set(want)
+    for n, t in want.items():
+        dtype = specs[n][1]
+        assert got[n].dtype == dtype, n
+        assert torch.equal(got[n].view(torch.uint8), t.to(dtype).view(torch.uint8)), n
+    assert got["layers.0.attn.wq_a.weight"].dtype == torch.bfloat16
+    assert got["layers.0.attn_norm.weight"].dtype == torch.bfloat16
+    assert got["layers.0.hc_attn_fn"].dtype == torch.float32
+    # a different seed gives different weights
+    other = random_text_tensors(cfg, SEED + 1)
+    assert not torch.equal(other["layers.0.attn.wq_a.weight"], got["layers.0.attn.wq_a.weight"])
+
+
+def test_hf_layout_is_written_by_transformers_and_gives_our_logits(tmp_path):
+    cfg = get_preset("tiny-v4")
+    out = tmp_path / "hf"
+    make_checkpoint(str(out), cfg, "hf", seed=SEED, num_shards=3)
+    config = json.load(open(out / "config.json"))
+    assert config["model_type"] == "deepseek_v4" and config["architectures"] == [
+        "DeepseekV4ForCausalLM"]
+    assert len([f for f in os.listdir(out) if f.endswith(".safetensors")]) >= 3
+    stored = read_dir(out)
+    sinks = [t for n, t in stored.items() if "sinks" in n or "attn_sink" in n]
+    assert sinks and all(t.dtype == torch.float32 for t in sinks)
+    assert {t.dtype for n, t in stored.items() if "experts" in n} == {torch.bfloat16}
+
+    twin = DeepseekV4ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ours = DSV4ForCausalLM(cfg).eval()
+    ours.load_state_dict(random_text_tensors(cfg, SEED), strict=True)
+    ids = torch.randint(0, cfg.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = ours(ids[0], DSV4Context.packed([SEQ]))
+        got = twin(input_ids=ids).logits[0]
+    scale = want.abs().max()
+    assert scale > 0.1
+    assert (got - want).abs().max() <= 1e-4 * scale, (got - want).abs().max()
+
+
+def test_hf_layout_refuses_v41_presets(tmp_path):
+    with pytest.raises(ValueError, match="--layout hf needs a V4 preset"):
+        make_checkpoint(str(tmp_path / "hf"), get_preset("tiny"), "hf")
+    assert not (tmp_path / "hf").exists()
