@@ -21,6 +21,7 @@ from torch import nn
 from .compressor import Compressor, Indexer, all_visible_index
 from .config import DSV4Config
 from .context import DSV4Context
+from .kv_numerics import kv_cache_round_trip, served_window_kv
 from .mhc import unweighted_rms_norm
 from .norm import RMSNorm
 from .rope import apply_rope, layer_inv_freq
@@ -81,8 +82,12 @@ class Attention(nn.Module):
         if self.cfg.q_head_norm:
             q = unweighted_rms_norm(q, self.eps)
         q = apply_rope(q, ctx.positions, self.freqs)
-        kv = apply_rope(self.kv_norm(self.wkv(x)), ctx.positions, self.freqs)
+        kv = self.wkv(x)
+        kv = (served_window_kv(kv, self.kv_norm, ctx.positions, self.freqs) if ctx.serving_numerics
+              else apply_rope(self.kv_norm(kv), ctx.positions, self.freqs))
         entries, selected = self.compressed(x, q_lora, ctx)
+        if ctx.serving_numerics and entries is not None:  # read back from SGLang's fp8 cache
+            entries = kv_cache_round_trip(entries, self.cfg.qk_rope_head_dim)
         o = ctx.attend(self.layer_id, q, kv, self.attn_sink[heads], self.window, self.scale,
                        entries, selected)
         o = apply_rope(o, ctx.positions, self.freqs, inverse=True)
