@@ -22,8 +22,8 @@ def check_attention_tp(attn_tp_size: int, o_groups: int) -> None:
             f"attention TP size {attn_tp_size} exceeds o_groups={o_groups}: the grouped output "
             f"projection cannot be split more than o_groups ways (SGLang would compute "
             f"{o_groups} // {attn_tp_size} = 0 local groups). Keep attention TP <= {o_groups} "
-            f"and add DP-attention replicas (e.g. --tp-size {attn_tp_size} --dp-size "
-            f"{-(-attn_tp_size // o_groups)} --enable-dp-attention)")
+            f"and split attention into more DP-attention groups (SGLang 0.5.23: --attn-dp-size "
+            f"{-(-attn_tp_size // o_groups)} or more)")
     if o_groups % attn_tp_size:
         raise DeploymentRefused(f"attention TP size {attn_tp_size} must divide "
                                 f"o_groups={o_groups}")

@@ -4,7 +4,7 @@ Nothing here imports SGLang at import time."""
 
 
 def launch(server_args, argv):
-    from .launch import launch as _launch
+    from .launcher import launch as _launch
 
     return _launch(server_args, argv)
 

@@ -26,9 +26,9 @@ def _num_dp_ranks() -> int:
 
 
 def _bad_request(message: str):
-    from fastapi.responses import ORJSONResponse
+    from starlette.responses import JSONResponse
 
-    return ORJSONResponse(status_code=400, content={"error": {
+    return JSONResponse(status_code=400, content={"error": {
         "message": message, "type": "invalid_request_error", "code": 400}})
 
 

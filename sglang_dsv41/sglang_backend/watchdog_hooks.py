@@ -124,23 +124,32 @@ def stall_response(run_dir: str) -> tuple[int, dict] | None:
                            "stalled_ranks": [r.get("rank") for r in reports]}}
 
 
-def install_health_middleware(app, run_dir: str | None = None) -> bool:
-    """A middleware on SGLang's FastAPI app; the routes keep SGLang's handlers. False when the
-    app is already serving (Starlette refuses new middleware then)."""
-    from fastapi.responses import JSONResponse
+class StallAwareHealth:
+    """Pure ASGI middleware on SGLang's FastAPI app (SGLang replaces ``@app.middleware("http")``
+    with a dispatcher that ignores returned responses, utils/http_middleware_patch.py): a health
+    check answers 503 naming the stalled ranks; everything else goes to SGLang's routes."""
 
+    def __init__(self, app, run_dir: str | None = None):
+        self.app, self.run_dir = app, run_dir
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope.get("path") in HEALTH_PATHS:
+            verdict = stall_response(self.run_dir if self.run_dir is not None
+                                     else ENV.RUN_DIR.get())
+            if verdict is not None:
+                from starlette.responses import JSONResponse
+
+                await JSONResponse(verdict[1], status_code=verdict[0])(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def install_health_middleware(app, run_dir: str | None = None) -> bool:
+    """False when the app is already serving (Starlette refuses new middleware then)."""
     if getattr(app.state, "dsv41_health_middleware", False):
         return True
-
-    async def stall_aware_health(request, call_next):
-        if request.url.path in HEALTH_PATHS:
-            verdict = stall_response(run_dir if run_dir is not None else ENV.RUN_DIR.get())
-            if verdict is not None:
-                return JSONResponse(verdict[1], status_code=verdict[0])
-        return await call_next(request)
-
     try:
-        app.middleware("http")(stall_aware_health)
+        app.add_middleware(StallAwareHealth, run_dir=run_dir)
     except RuntimeError as e:  # "Cannot add middleware after an application has started"
         logger.error("sglang-dsv41: stall-aware health checks not installed: %s", e)
         return False

@@ -1,0 +1,299 @@
+"""Cases that install our plugins into the real SGLang 0.5.23 on CPU, one fresh process each
+(HookRegistry patches cannot be undone). Run as ``python tests/sglang_plugin_cases.py CASE ...``
+by test_sglang_plugins.py; a case prints ``OK <json>`` on success and raises otherwise."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sglang_cpu import import_sglang, install_torchvision_shim  # noqa: E402
+
+install_torchvision_shim()  # before anything imports torchvision (through transformers)
+import torch  # noqa: E402
+
+
+def load_plugins(allow: str | None = None):
+    if allow is not None:
+        os.environ["SGLANG_PLUGINS"] = allow
+    plugins = import_sglang("sglang.srt.plugins")
+    plugins._plugins_loaded = False
+    plugins.load_plugins()
+    from sglang_dsv41.sglang_backend.plugins import INSTALLED
+
+    return list(INSTALLED)
+
+
+def done(**facts) -> None:
+    print("OK " + json.dumps(facts), flush=True)
+
+
+# ---- entry points ------------------------------------------------------------------------------
+def entry_points(installed: list[str]) -> dict:
+    loader = import_sglang("sglang.srt.model_loader.loader")
+    weight_utils = import_sglang("sglang.srt.model_loader.weight_utils")
+    wrapped = {
+        "DummyModelLoader.load_model": hasattr(loader.DummyModelLoader.load_model, "__wrapped__"),
+        # HookRegistry re-binds the loader's `from weight_utils import initialize_dummy_weights`
+        "loader.initialize_dummy_weights": loader.initialize_dummy_weights
+        is weight_utils.initialize_dummy_weights
+        and hasattr(loader.initialize_dummy_weights, "__wrapped__"),
+        "serve_generate_request": hasattr(import_sglang(
+            "sglang.srt.entrypoints.http_server").serve_generate_request, "__wrapped__"),
+    }
+    return dict(installed=installed, wrapped=wrapped)
+
+
+def switches() -> dict:
+    """SGLang's allow-list, then our own switch. HookRegistry.reset leaves the patches: only
+    which plugins register is compared. Runs last."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    HookRegistry.reset()
+    INSTALLED = sys.modules["sglang_dsv41.sglang_backend.plugins"].INSTALLED
+    INSTALLED.clear()
+    allow_list = load_plugins("dsv41_stall_watchdog,dsv41_layout_guards")
+    INSTALLED.clear()
+    os.environ["SGLANG_DSV41_DISABLED_PLUGINS"] = "layout_guards"
+    disabled = load_plugins("dsv41_stall_watchdog,dsv41_layout_guards")
+    return dict(allow_list=allow_list, disabled=disabled)
+
+
+# ---- dummy load ---------------------------------------------------------------------------------
+def dummy_load(ckpt_dir: str) -> dict:
+    import torch.nn as nn
+    from safetensors.torch import load_file
+
+    engram = import_sglang("sglang.srt.layers.engram")
+    loader = import_sglang("sglang.srt.model_loader.loader")
+    v4 = import_sglang("sglang.srt.models.deepseek_v4")
+    rc = import_sglang("sglang.srt.runtime_context")
+    from sglang_dsv41.sglang_backend import engram_hooks
+
+    ckpt = load_file(os.path.join(ckpt_dir, "model-00001.safetensors"))
+    meta = json.load(open(os.path.join(ckpt_dir, "layout.json")))
+    reads: list[tuple] = []
+    getitem = engram_hooks.RowSlice.__getitem__
+    engram_hooks.RowSlice.__getitem__ = lambda s, rows: reads.append(
+        (s.name, rows.start, rows.stop)) or getitem(s, rows)
+
+    class TinyV4(nn.Module):
+        """The tensors of a V4.1 model this plugin touches, under SGLang's parameter names,
+        named from checkpoint names by SGLang's own DeepseekV4 remapping."""
+        remap_weight_name_to_dpsk_hf_format = staticmethod(
+            v4.DeepseekV4ForCausalLM.remap_weight_name_to_dpsk_hf_format)
+
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Module()
+            self.model.layers = nn.ModuleList()
+            for layer in meta["layers"]:
+                block = nn.Module()
+                block.engram = nn.Module()
+                block.engram.embed = engram.EngramEmbedding(
+                    layer["rows"], meta["dim"], layer["id"], tuple(layer["bounds"]))
+                block.engram.wkv = nn.Linear(4, 4, bias=False)
+                block.mlp = nn.Module()
+                block.mlp.topk = nn.Module()
+                block.mlp.topk.tid2eid = nn.Parameter(
+                    torch.zeros(meta["vocab"], meta["topk"], dtype=torch.int32),
+                    requires_grad=False)
+                self.model.layers.append(block)
+
+    results = {}
+    for rank in range(2):
+        with rc.get_parallel().override(tp_size=2, tp_rank=rank):
+            model = TinyV4()
+        finished = []
+        for name, m in model.named_modules():
+            if isinstance(m, engram.EngramEmbedding):
+                m.weight.data.view(torch.uint8).fill_(0x7F)  # sentinel the dummy fill must keep
+                m.finish_load = (lambda label, _f=m.finish_load: finished.append(label) or _f(label))
+        loader.initialize_dummy_weights(model)  # SGLang's fill, through the loader's binding
+        wkv = model.model.layers[0].engram.wkv.weight
+        assert wkv.abs().max() <= 1e-3 and wkv.abs().max() > 0, "the dummy fill did not run"
+        for m in model.modules():
+            if isinstance(m, engram.EngramEmbedding):
+                assert bool((m.weight.data.view(torch.uint8) == 0x7F).all()), \
+                    "the dummy fill touched an Engram table"
+        reads.clear()
+        loaded = engram_hooks.load_frozen_tables(model, ckpt_dir)
+        for i, layer in enumerate(meta["layers"]):
+            emb = model.model.layers[i].engram.embed
+            lo, hi = emb.row_start, emb.row_start + emb.rows
+            for part in ("weight", "scale"):
+                want = ckpt[f"layers.{layer['id']}.engram.embed.{part}"][lo:hi]
+                got = getattr(emb, part).data
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (rank, i, part)
+            assert torch.equal(model.model.layers[i].mlp.topk.tid2eid,
+                               ckpt[f"layers.{layer['id']}.ffn.gate.tid2eid"])
+        results[rank] = {"loaded": sorted(loaded), "reads": sorted(reads),
+                         "finished": sorted(finished),
+                         "rows": [[m.row_start, m.rows] for m in model.modules()
+                                  if isinstance(m, engram.EngramEmbedding)]}
+    # a checkpoint without the tables is refused, naming what is missing
+    with rc.get_parallel().override(tp_size=2, tp_rank=0):
+        model = TinyV4()
+    empty = os.path.join(ckpt_dir, "no_tables")
+    try:
+        engram_hooks.load_frozen_tables(model, empty)
+    except ValueError as e:
+        results["missing"] = str(e)
+    engram_hooks.RowSlice.__getitem__ = getitem
+    return {str(k): v for k, v in results.items()}
+
+
+# ---- watchdog over a 2-rank gloo group ----------------------------------------------------------
+def case_mlp_sync(rank: str, port: str, delay: str) -> None:
+    rank = int(rank)
+    load_plugins("dsv41_stall_watchdog")
+    ps = import_sglang("sglang.srt.distributed.parallel_state")
+    rc = import_sglang("sglang.srt.runtime_context")
+    dp_attn = import_sglang("sglang.srt.managers.scheduler_components.dp_attn")
+    rc.get_parallel().override_permanently(
+        tp_size=2, tp_rank=rank, pp_size=1, attn_dp_size=2, moe_ep_size=1, attn_cp_size=1,
+        moe_dp_size=1, attn_dcp_size=1, shared_experts_tp_size=2)
+    ps.init_distributed_environment(world_size=2, rank=rank, local_rank=rank, backend="gloo",
+                                    distributed_init_method=f"tcp://127.0.0.1:{port}")
+    ps.initialize_model_parallel(backend="gloo")
+    group = rc.get_parallel().tp_group.cpu_group
+    counts = []
+    for step, tokens in enumerate((3 * rank, 0)):  # step 0: rank 0 idle; step 1: all idle
+        if rank == 1 and step == 0:
+            time.sleep(float(delay))  # the wedged rank: rank 0 waits for it in the gather
+        info = dp_attn.MLPSyncBatchInfo(
+            num_dp_ranks=2, tp_size=1, cp_size=1, num_tokens=tokens, num_tokens_for_logprob=0,
+            can_run_decode_cuda_graph=False, can_run_draft_cuda_graph=False,
+            can_run_prefill_cuda_graph=False, is_extend_in_batch=False, local_can_run_tbo=False,
+            local_forward_mode=0)
+        info.all_gather("cpu", group)
+        counts.append(info.global_num_tokens)
+    from sglang_dsv41.sglang_backend.watchdog_hooks import GUARD
+
+    torch.distributed.barrier(group)
+    done(rank=rank, counts=counts, steps=dict(GUARD.steps),
+         report_left=os.path.exists(os.path.join(os.environ["SGLANG_DSV41_RUN_DIR"],
+                                                 f"stall-rank{rank}.json")))
+
+
+# ---- HTTP: /generate pins, /health with a stall report, Engram updates -------------------------
+def http(run_dir: str) -> dict:
+    from fastapi.testclient import TestClient
+
+    os.environ["SGLANG_DSV41_RUN_DIR"] = run_dir  # read by the health middleware per request
+    http = import_sglang("sglang.srt.entrypoints.http_server")
+    mixin = import_sglang("sglang.srt.managers.tokenizer_control_mixin")
+    from sglang_dsv41.policies.watchdog import StallReport
+    from sglang_dsv41.sglang_backend.watchdog_hooks import write_stall_report
+
+    seen, reached = [], []
+
+    class Backend(mixin.TokenizerControlMixin):
+        """What stands behind the HTTP process here: no scheduler runs, so the request that
+        SGLang's route hands on is recorded (SGLang's own range check is left to SGLang)."""
+        elastic_worker_count = 2
+
+        async def generate_request(self, obj, request=None):
+            seen.append(obj.routed_dp_rank)
+            yield {"text": "", "meta_info": {"routed_dp_rank": obj.routed_dp_rank}}
+
+        def auto_create_handle_loop(self):  # the first thing SGLang's update method does
+            reached.append("update_weights_from_distributed")
+            raise LookupError("no scheduler here")
+
+    http.set_global_state(http._GlobalState(tokenizer_manager=Backend(), template_manager=None,
+                                            scheduler_info={}))
+    client = TestClient(http.app, raise_server_exceptions=False)
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 1}}
+    out = {}
+    for label, extra, headers in (
+            ("header", {}, {"X-Data-Parallel-Rank": "1"}), ("none", {}, {}),
+            ("empty_header", {}, {"X-Data-Parallel-Rank": " "}),
+            ("body_agrees", {"routed_dp_rank": 1}, {"X-Data-Parallel-Rank": "1"}),
+            ("conflict", {"routed_dp_rank": 0}, {"X-Data-Parallel-Rank": "1"}),
+            ("out_of_range", {}, {"X-Data-Parallel-Rank": "2"}),
+            ("not_int", {}, {"X-Data-Parallel-Rank": "one"})):
+        r = client.post("/generate", json={**body, **extra}, headers=headers)
+        out[label] = [r.status_code, r.text]
+    out["seen"] = seen
+    write_stall_report(run_dir, StallReport(rank=3, step=7, op="mlp_sync", waited_s=2.5))
+    r = client.get("/health")
+    out["health"] = [r.status_code, r.json()]
+    r = client.get("/health_generate")
+    out["health_generate"] = r.status_code
+    upd = {"names": ["model.layers.0.engram.embed.weight"], "dtypes": ["float8_e4m3fn"],
+           "shapes": [[4, 64]], "group_name": "g"}
+    r = client.post("/update_weights_from_distributed", json=upd)
+    out["engram_update"] = [r.status_code, r.json()]
+    client.post("/update_weights_from_distributed",
+                json={**upd, "names": ["model.layers.0.self_attn.wo_a.weight"]})
+    out["dense_update"] = reached
+    return out
+
+
+# ---- R3 rows of hash layers -------------------------------------------------------------------
+def r3() -> dict:
+    hash_topk = import_sglang("sglang.srt.layers.moe.hash_topk")
+    routed = import_sglang("sglang.srt.state_capturer.routed_experts")
+    base = import_sglang("sglang.srt.state_capturer.base")
+    from sglang_dsv41.sglang_backend import r3_hooks
+
+    # SGLang's capturer with its device buffer only: the host half pins memory through CUDA
+    capturer = routed.RoutedExpertsCapturer.__new__(routed.RoutedExpertsCapturer)
+    capturer.num_layers, capturer.topk_size, capturer.num_fused_shared_experts = 4, 3, 0
+    capturer.device_cache = base.BaseDeviceCache(16, 4, 3, "cpu", name="routed_experts")
+    routed.set_global_experts_capturer(capturer)
+    layer = torch.nn.Module()
+    layer.layer_id, layer.is_draft = 1, False
+    layer.tid2eid = torch.randint(0, 16, (50, 3), dtype=torch.int32)
+    ids = torch.tensor([5, 9, 0, 49, 7])
+    before = capturer.device_cache.buffer[:5, 1].clone()
+    r3_hooks.after_hash_topk_forward(None, layer, torch.zeros(5, 8), torch.zeros(5, 16), ids)
+    rows_equal = torch.equal(capturer.device_cache.buffer[:5, 1], layer.tid2eid[ids])
+    layer.is_draft = True
+    capturer.device_cache.buffer.zero_()
+    r3_hooks.after_hash_topk_forward(None, layer, torch.zeros(5, 8), torch.zeros(5, 16), ids)
+    return dict(installed=hasattr(hash_topk.HashTopK.forward, "__wrapped__"),
+                rows_equal=rows_equal, were_zero=bool((before == 0).all()),
+                draft_untouched=bool((capturer.device_cache.buffer == 0).all()))
+
+
+# ---- launch_server --backend sglang refusals ----------------------------------------------------
+def launch(model_dir: str) -> dict:
+    from sglang_dsv41.launch_server import main
+
+    base = ["--backend", "sglang", "--model-path", model_dir,
+            "--dsv41-run-dir", os.path.join(model_dir, "run")]
+    codes = {}
+    for label, extra in (("tp16", ["--tp-size", "16"]),
+                         ("shared_2_nodes", ["--tp-size", "16", "--attn-dp-size", "2",
+                                             "--nnodes", "2", "--dsv41-engram-layout", "shared"]),
+                         ("pp_r3", ["--pp-size", "2", "--enable-return-routed-experts"])):
+        codes[label] = main(base + extra)
+    return dict(codes=codes, children=len(__import__("psutil").Process().children()))
+
+
+def case_in_process(ckpt_dir: str, run_dir: str, model_dir: str) -> None:
+    """Every single-process case after one load_plugins() of all our plugins (one SGLang
+    import for all of them: each costs seconds of CPU)."""
+    import traceback
+
+    installed = load_plugins()
+    cases = [("entry_points", lambda: entry_points(installed)),
+             ("dummy_load", lambda: dummy_load(ckpt_dir)), ("http", lambda: http(run_dir)),
+             ("r3", r3), ("launch", lambda: launch(model_dir)), ("switches", switches)]
+    facts = {}
+    for name, run in cases:
+        try:
+            facts[name] = run()
+        except Exception:
+            facts[name] = {"error": traceback.format_exc()}
+    done(**facts)
+
+
+if __name__ == "__main__":
+    globals()["case_" + sys.argv[1]](*sys.argv[2:])

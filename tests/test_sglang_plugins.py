@@ -1,0 +1,181 @@
+"""Our SGLang 0.5.23 plugins running inside the real SGLang modules on CPU.
+
+Each case installs the plugins through SGLang's own ``load_plugins()`` (entry-point group
+``sglang.srt.plugins``) in a fresh process: HookRegistry patches cannot be undone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from sglang_dsv41.server_process import free_port
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ALL_PLUGINS = ["engram_dummy_load", "engram_layout", "layout_guards", "generate_dp_rank_header",
+               "stall_watchdog", "hash_r3_rows", "engram_update_guard", "routing_key_dispatch"]
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SGLANG_DSV41_", "SGLANG_PLUGINS"))}
+    env.update(extra)
+    return env
+
+
+def start_case(*args, **env) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, os.path.join(HERE, "sglang_plugin_cases.py"),
+                             *map(str, args)], env=_env(**env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finish_case(proc: subprocess.Popen, timeout: float = 150) -> tuple[dict, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"case timed out:\n{err[-3000:]}")
+    lines = [ln for ln in out.splitlines() if ln.startswith("OK ")]
+    assert proc.returncode == 0 and lines, f"case failed ({proc.returncode}):\n{err[-4000:]}"
+    return json.loads(lines[-1][3:]), err
+
+
+def run_case(*args, timeout: float = 150, **env) -> tuple[dict, str]:
+    return finish_case(start_case(*args, **env), timeout)
+
+
+@pytest.fixture(scope="module")
+def in_process(tmp_path_factory):
+    """Every single-process case in one fresh process (see sglang_plugin_cases.case_in_process);
+    -> (facts per case, the process's stderr, the checkpoint's tensors)."""
+    tmp = tmp_path_factory.mktemp("sglang_plugins")
+    tensors = write_checkpoint(tmp / "ckpt", seed=int.from_bytes(os.urandom(4), "little"))
+    model = tmp / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v41",
+        "text_config": {"o_groups": 8}}))
+    facts, err = run_case("in_process", tmp / "ckpt", tmp / "run", model, timeout=240)
+    return facts, err, tensors
+
+
+def case_facts(in_process, name: str) -> dict:
+    facts = in_process[0][name]
+    assert "error" not in facts, facts.get("error")
+    return facts
+
+
+def test_sglang_loads_every_plugin_through_its_entry_point(in_process):
+    facts = {**case_facts(in_process, "entry_points"), **case_facts(in_process, "switches")}
+    assert sorted(facts["installed"]) == sorted(ALL_PLUGINS)
+    assert facts["wrapped"] == {"DummyModelLoader.load_model": True,
+                                "loader.initialize_dummy_weights": True,
+                                "serve_generate_request": True}
+    assert sorted(facts["allow_list"]) == ["layout_guards", "stall_watchdog"]  # SGLANG_PLUGINS
+    assert facts["disabled"] == ["stall_watchdog"]  # SGLANG_DSV41_DISABLED_PLUGINS
+
+
+LAYERS = [{"id": 0, "rows": 100, "bounds": [0, 30, 60, 100]},   # 3 hash columns: row split
+          {"id": 1, "rows": 90, "bounds": [0, 20, 45, 70, 90]}]  # 4 columns: 2 per rank
+DIM, VOCAB, TOPK = 64, 50, 2
+
+
+def write_checkpoint(path, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in LAYERS:
+        n, prefix = layer["rows"], f"layers.{layer['id']}"
+        tensors[f"{prefix}.engram.embed.weight"] = torch.randint(
+            0, 255, (n, DIM), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+        tensors[f"{prefix}.engram.embed.scale"] = torch.randint(
+            100, 140, (n, DIM // 32), dtype=torch.uint8, generator=g).view(torch.float8_e8m0fnu)
+        tensors[f"{prefix}.ffn.gate.tid2eid"] = torch.randint(
+            0, 16, (VOCAB, TOPK), dtype=torch.int32, generator=g)
+        tensors[f"{prefix}.attn.wkv.weight"] = torch.ones(4, 4)  # not frozen: never read
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "model-00001.safetensors"))
+    json.dump({"layers": LAYERS, "dim": DIM, "vocab": VOCAB, "topk": TOPK},
+              open(os.path.join(path, "layout.json"), "w"))
+    os.makedirs(os.path.join(path, "no_tables"))
+    save_file({"layers.0.attn.wkv.weight": torch.ones(4, 4)},
+              os.path.join(path, "no_tables", "model-00001.safetensors"))
+    return tensors
+
+
+def test_dummy_load_fills_real_engram_modules_with_each_ranks_rows(in_process):
+    # the case compares each module's bytes with its rows of the checkpoint file
+    facts = case_facts(in_process, "dummy_load")
+    rows = {"0": [[0, 50], [0, 45]], "1": [[50, 50], [45, 45]]}  # EngramEmbedding's own split
+    for rank in ("0", "1"):
+        assert facts[rank]["rows"] == rows[rank]
+        # only this rank's rows are read from the file: host peak one shard, not one table
+        assert sorted(facts[rank]["reads"]) == sorted(
+            [[f"layers.{layer['id']}.engram.embed.{part}", lo, lo + n]
+             for layer, (lo, n) in zip(LAYERS, rows[rank]) for part in ("scale", "weight")])
+        assert facts[rank]["finished"] == ["model.layers.0.engram.embed",
+                                           "model.layers.1.engram.embed"]
+        assert len(facts[rank]["loaded"]) == 6  # 2 layers x (weight, scale, tid2eid)
+    assert "lacks 6 frozen tensor(s)" in facts["missing"]
+    assert "model.layers.0.engram.embed" in facts["missing"]
+
+
+def test_watchdog_names_the_waiting_rank_over_a_gloo_group(tmp_path):
+    port, run_dir = free_port(), tmp_path / "run"
+    env = dict(SGLANG_DSV41_STALL_TIMEOUT="0.5", SGLANG_DSV41_RUN_DIR=str(run_dir))
+    procs = [start_case("mlp_sync", r, port, 3.0, **env) for r in (0, 1)]
+    report, deadline = None, 120
+    import time
+    t0 = time.monotonic()
+    while report is None and time.monotonic() - t0 < deadline and procs[0].poll() is None:
+        path = run_dir / "stall-rank0.json"
+        if path.exists():
+            report = json.loads(path.read_text())
+        time.sleep(0.1)
+    results = [finish_case(p)[0] for p in procs]
+    assert report is not None, "rank 0 waited 3 s in the MLP sync without a stall report"
+    assert report["rank"] == 0 and report["op"] == "mlp_sync" and report["step"] == 1
+    assert "rank 0 stuck in collective 'mlp_sync'" in report["message"]
+    for r in results:
+        # SGLang's own gather, through our hook: rank 0 idle in step 0, all idle in step 1
+        assert r["counts"] == [[0, 3], [0, 0]] and r["steps"] == {"mlp_sync": 2}
+        assert r["report_left"] is False  # the gather finished: the rank is healthy again
+    assert not (run_dir / "stall-rank1.json").exists()  # the late rank never waited
+
+
+def test_generate_header_health_and_engram_update_through_sglangs_app(in_process):
+    facts = case_facts(in_process, "http")
+    assert facts["header"][0] == 200 and facts["none"][0] == 200
+    assert facts["empty_header"][0] == 200 and facts["body_agrees"][0] == 200
+    assert facts["seen"] == [1, None, None, 1]
+    assert facts["conflict"][0] == 400 and "conflicting DP ranks" in str(facts["conflict"][1])
+    assert facts["out_of_range"][0] == 400 and "valid ranks are [0, 2)" in str(facts["out_of_range"])
+    assert facts["not_int"][0] == 400 and "must be an integer" in str(facts["not_int"])
+    status, body = facts["health"]
+    assert status == 503 and body["error"]["stalled_ranks"] == [3]
+    assert "rank 3 stuck in collective 'mlp_sync' at step 7" in body["error"]["message"]
+    assert facts["health_generate"] == 503
+    assert facts["engram_update"][0] == 400
+    assert "frozen Engram table" in facts["engram_update"][1]["message"]
+    assert facts["dense_update"] == ["update_weights_from_distributed"]  # not refused
+
+
+def test_r3_rows_of_hash_layers_come_from_tid2eid(in_process):
+    facts = case_facts(in_process, "r3")
+    assert facts == {"installed": True, "rows_equal": True, "were_zero": True,
+                     "draft_untouched": True}
+
+
+def test_launch_refuses_bad_layouts_before_starting_anything(in_process):
+    facts, err = case_facts(in_process, "launch"), in_process[1]
+    assert facts["codes"] == {"tp16": 1, "shared_2_nodes": 1, "pp_r3": 1}
+    assert facts["children"] == 0
+    assert "attention TP size 16 exceeds o_groups=8" in err and "--attn-dp-size 2" in err
+    assert "Engram layout 'shared'" in err and "per_rank" in err
+    assert "pipeline parallelism (pp_size=2) with R3" in err
