@@ -1,0 +1,147 @@
+"""Every plugin target verified in the SGLang 0.5.23 source (``ast``, nothing imported), and the
+shared policies the plugins and the embedded engine both call."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from sglang_dsv41.policies import (DeploymentRefused, DPRankPinError, EngramLayoutError,
+                                   check_attention_tp, check_pp_with_r3, choose_engram_layout,
+                                   resolve_dp_rank_pin)
+from sglang_dsv41.policies.sticky_dispatch import StickyDispatch
+from sglang_dsv41.sglang_backend.plugins import PLUGINS, PluginTargetError
+from sglang_dsv41.sglang_backend.source_check import (module_path, require_verified,
+                                                      verify_source)
+
+SGLANG_ROOT = os.path.dirname(importlib.util.find_spec("sglang").submodule_search_locations[0])
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def copy_targets(dst) -> str:
+    """The files the check reads (every target module, sglang/_version.py, the package's
+    __init__ so find_spec finds the copy), copied from the installed SGLang."""
+    modules = {t.module for p in PLUGINS for t in p.targets} | {"sglang._version", "sglang"}
+    for module in modules:
+        src = module_path(SGLANG_ROOT, module)
+        if not os.path.isfile(src):
+            src = module_path(SGLANG_ROOT, module + ".__init__")
+            dst_file = module_path(str(dst), module + ".__init__")
+        else:
+            dst_file = module_path(str(dst), module)
+        os.makedirs(os.path.dirname(dst_file), exist_ok=True)
+        shutil.copy(src, dst_file)
+    return str(dst)
+
+
+def list_plugins(pythonpath: str | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join([pythonpath, ROOT])
+    return subprocess.run([sys.executable, "-m", "sglang_dsv41.launch_server", "--backend",
+                           "sglang", "--model-path", "unused", "--dsv41-plugins", "list"],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+
+
+def test_plugins_list_against_sglang_0_5_23_source_exits_0_naming_every_plugin():
+    r = list_plugins()
+    assert r.returncode == 0, r.stderr
+    for p in PLUGINS:
+        line = next(ln for ln in r.stdout.splitlines() if ln.startswith(p.name + " "))
+        assert p.entry_point in line and "0.5.23" in line and "verified" in line, line
+        for t in p.targets:
+            assert t.path in r.stdout
+    version, statuses = verify_source(SGLANG_ROOT)
+    assert version == "0.5.23" and {s.state for s in statuses} == {"verified"}
+
+
+def test_a_renamed_target_is_refused_naming_it(tmp_path):
+    root = copy_targets(tmp_path)
+    path = module_path(root, "sglang.srt.managers.scheduler_components.dp_attn")
+    text = open(path).read()
+    assert text.count("    def all_gather(") == 1
+    open(path, "w").write(text.replace("    def all_gather(", "    def all_gather_v2("))
+    version, statuses = verify_source(root)
+    failed = {s.plugin.name: s.problems for s in statuses if s.state == "failed"}
+    assert list(failed) == ["stall_watchdog"]
+    target = "sglang.srt.managers.scheduler_components.dp_attn.MLPSyncBatchInfo.all_gather"
+    with pytest.raises(PluginTargetError, match="plugin stall_watchdog: " + target.replace(
+            ".", r"\.") + " is not defined"):
+        require_verified(statuses)
+    r = list_plugins(pythonpath=root)  # the CLI finds the copy first on its path
+    assert r.returncode == 1 and "failed" in r.stdout and target in r.stdout
+    # switched off, the rest starts
+    _, statuses = verify_source(root, disabled=["stall_watchdog"])
+    require_verified(statuses)
+
+
+def test_a_changed_signature_and_another_version_are_refused(tmp_path):
+    root = copy_targets(tmp_path)
+    path = module_path(root, "sglang.srt.entrypoints.http_server")
+    text = open(path).read()
+    open(path, "w").write(text.replace("async def serve_generate_request(obj: GenerateReqInput, "
+                                       "request: Request)",
+                                       "async def serve_generate_request(obj, request, extra)"))
+    _, statuses = verify_source(root)
+    failed = {s.plugin.name: " ".join(s.problems) for s in statuses if s.state == "failed"}
+    assert list(failed) == ["generate_dp_rank_header"] and "parameters changed" in str(failed)
+    open(module_path(root, "sglang._version"), "w").write('__version__ = "0.5.10.post1"\n')
+    _, statuses = verify_source(root)
+    assert {s.state for s in statuses} == {"failed"}
+    assert "SGLang 0.5.10.post1 is not the supported 0.5.23" in statuses[0].problems[0]
+
+
+# ---- the shared policies -------------------------------------------------------------------------
+def test_dp_rank_pin_one_rule():
+    assert resolve_dp_rank_pin(None, None, None, 4) is None
+    assert resolve_dp_rank_pin(None, None, " ", 4) is None  # an empty header is absent
+    assert resolve_dp_rank_pin(None, None, "3", 4) == 3
+    assert resolve_dp_rank_pin(2, None, "2", 4) == 2 and resolve_dp_rank_pin(None, 1, None, 4) == 1
+    for args, message in (((0, None, "1", 4), "conflicting"), ((0, 1, None, 4), "conflicting"),
+                          ((None, None, "4", 4), r"valid ranks are \[0, 4\)"),
+                          ((-1, None, None, 4), "out of range"),
+                          ((None, None, "1.5", 4), "must be an integer"),
+                          ((True, None, None, 4), "must be an integer")):
+        with pytest.raises(DPRankPinError, match=message):
+            resolve_dp_rank_pin(*args)
+
+
+def test_engram_layout_by_node_count():
+    assert choose_engram_layout("auto", spans_nodes=False) == "shared"
+    assert choose_engram_layout("auto", spans_nodes=True) == "private"
+    assert choose_engram_layout("private", spans_nodes=False) == "private"
+    with pytest.raises(EngramLayoutError, match="ranks on other nodes cannot open it"):
+        choose_engram_layout("shared", spans_nodes=True)
+    with pytest.raises(EngramLayoutError, match="must be one of"):
+        choose_engram_layout("per_node", spans_nodes=False)
+
+
+def test_launch_guards():
+    check_attention_tp(8, 8)
+    check_attention_tp(4, 8)
+    with pytest.raises(DeploymentRefused, match="exceeds o_groups=8"):
+        check_attention_tp(16, 8)
+    with pytest.raises(DeploymentRefused, match="must divide"):
+        check_attention_tp(3, 8)
+    check_pp_with_r3(2, False)
+    check_pp_with_r3(1, True)
+    with pytest.raises(DeploymentRefused, match="pp_size=2"):
+        check_pp_with_r3(2, True)
+
+
+def test_sticky_dispatch_keeps_keys_and_places_new_ones_by_load():
+    s = StickyDispatch(max_keys=3)
+    assert s.rank_for("a", [0, 1, 2], loads=[5, 0, 9]) == 1
+    assert s.rank_for("a", [0, 1, 2], loads=[0, 99, 0]) == 1  # sticky despite the load
+    assert s.rank_for("b", [0, 1, 2], loads=[0, 0, 0]) == 0  # fewest pinned keys, then lowest
+    assert s.rank_for("c", [0, 1, 2]) == 2
+    assert s.rank_for("a", [0, 2]) == 0  # rank 1 left: placed again, on the least pinned
+    s.rank_for("d", [0, 1, 2])
+    assert s.pinned("b") is None  # the least recently used key was forgotten
+    with pytest.raises(RuntimeError, match="no active DP rank"):
+        s.rank_for("e", [])
