@@ -58,6 +58,8 @@ def check_mode(mode: str) -> str:
 def offload_policy_for(mode: str, device: torch.device) -> OffloadPolicy:
     """FSDP2's offload policy for ``mode``: only ``fsdp`` moves the shards to the host."""
     if check_mode(mode) == "fsdp":
+        if device.type == "cuda":
+            set_pinned_alloc_conf()  # FSDP2 pins every shard and gradient
         return CPUOffloadPolicy(pin_memory=device.type == "cuda")
     return OffloadPolicy()
 
@@ -145,6 +147,8 @@ class ChunkedHostAdamW(torch.optim.Optimizer):
     def _buffers(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self.pinned is None:
             on_cuda = device.type == "cuda"
+            if on_cuda:
+                set_pinned_alloc_conf()
             self.pinned = torch.empty((len(STATE_KEYS), self.chunk_elems), dtype=STATE_DTYPE,
                                       pin_memory=on_cuda)
             self.staging = (torch.empty_like(self.pinned, device=device) if on_cuda
