@@ -56,7 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO)
     gateway = build_gateway(a.engine_urls, a.model_path, a.smg_url, a.api_key, a.thinking,
                             a.max_in_flight)
-    uvicorn.run(create_gateway_app(gateway), host=a.host, port=a.port, access_log=False)
+    from ..launch_server import bind_socket  # TCP_NODELAY: no 40 ms delayed-ACK stalls
+
+    sock = bind_socket(a.host, a.port)
+    config = uvicorn.Config(create_gateway_app(gateway), access_log=False)
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
 
 
