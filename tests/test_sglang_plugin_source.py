@@ -145,3 +145,27 @@ def test_sticky_dispatch_keeps_keys_and_places_new_ones_by_load():
     assert s.pinned("b") is None  # the least recently used key was forgotten
     with pytest.raises(RuntimeError, match="no active DP rank"):
         s.rank_for("e", [])
+
+
+def test_readme_gpu_cluster_flags_exist_in_sglang_0_5_23_and_ours():
+    import argparse
+    import re
+
+    from sglang_cpu import import_sglang
+    from sglang_dsv41.sglang_backend.launcher import dsv41_parser
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    section = readme[readme.index("## GPU cluster"):readme.index("\n## ", readme.index(
+        "## GPU cluster") + 1)]
+    launch_blocks = [b for b in re.findall(r"```(?:bash|text)\n(.*?)```", section, re.S)
+                     if "launch_server" in b]
+    flags = {f for b in launch_blocks for f in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", b)}
+    parser = argparse.ArgumentParser()
+    import_sglang("sglang.srt.server_args").ServerArgs.add_cli_args(parser)
+    sglang_flags = set(parser._option_string_actions) | {"--backend"}  # ours, for the launcher
+    ours = set(dsv41_parser()._option_string_actions)
+    assert "--attn-dp-size" in flags and "--dsv41-plugins" in flags
+    assert {f for f in flags if not f.startswith("--dsv41-")} - sglang_flags == set()
+    assert {f for f in flags if f.startswith("--dsv41-")} - ours == set()
+    table = set(re.findall(r"\| `(--dsv41-[a-z-]+)", section))
+    assert table == {o for o in ours if o.startswith("--dsv41-")}

@@ -69,7 +69,7 @@ class EnvVar(Generic[T]):
 class _Env:
     DISABLED_PLUGINS = EnvVar(PREFIX + "DISABLED_PLUGINS", _parse_names, (),
                               "comma-separated plugin names switched off")
-    STALL_TIMEOUT = EnvVar(PREFIX + "STALL_TIMEOUT", float, 120.0,
+    STALL_TIMEOUT = EnvVar(PREFIX + "STALL_TIMEOUT", float, 60.0,
                            "seconds a batch run or MLP sync may block before the rank is "
                            "reported unhealthy; <= 0: off")
     RUN_DIR = EnvVar(PREFIX + "RUN_DIR", str, "",
