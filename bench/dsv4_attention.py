@@ -3,6 +3,7 @@ our Triton kernels vs transformers' eager DeepseekV4 attention, per layer kind, 
 
     python bench/dsv4_attention.py                 # the table (4k, 16k, 64k) and decode
     python bench/dsv4_attention.py --sweep         # only: tile configs at 4k CSA
+    python bench/dsv4_attention.py --decode-sweep  # only: decode tile configs
     python bench/dsv4_attention.py --lengths 4096  # fewer lengths
 
 Rows: "core" = the attention the kernel replaces (scores, sinks, softmax, values) on the same
@@ -228,8 +229,11 @@ def sweep(total=4096):
         except Exception as e:  # resource limits of a config: report and go on
             print(f"fwd bh={bh} bn={bn} w={warps} s={stages}: {type(e).__name__}", flush=True)
     fwd = default_blocks(H)
-    for dq, dkv in [((64, 16, 8, 1), (32, 16, 8, 1)), ((32, 32, 4, 1), (16, 16, 4, 1)),
-                    ((64, 32, 8, 1), (64, 16, 8, 1)), ((32, 16, 4, 2), (32, 32, 8, 1))]:
+    # dq = (heads, keys, warps, stages); dkv = (D columns, keys, warps, stages).
+    for dq, dkv in [((32, 32, 4, 1), (128, 64, 4, 2)), ((32, 32, 4, 1), (128, 64, 8, 2)),
+                    ((32, 32, 4, 1), (64, 64, 4, 2)), ((32, 32, 4, 1), (256, 64, 8, 2)),
+                    ((32, 32, 4, 1), (128, 32, 4, 2)), ((32, 32, 4, 1), (128, 128, 8, 2)),
+                    ((64, 16, 8, 1), (128, 64, 4, 2)), ((32, 64, 8, 1), (128, 64, 4, 2))]:
         b = DSV4Blocks(fwd.fwd_bh, fwd.fwd_bn, fwd.fwd_warps, fwd.fwd_stages, *dq, *dkv)
         try:
             ms = do_bench(ours_core(*ins, blocks=b))
@@ -239,6 +243,32 @@ def sweep(total=4096):
             print(f"fwd+bwd dq={dq} dkv={dkv}: {type(e).__name__}", flush=True)
 
 
+def decode_sweep(batch=512, seq=8192, page=64):
+    """Decode tile configs (heads per program, keys per tile, warps, stages) per head count."""
+    cache = torch.randn(batch * seq // page, page, D, device=DEV).to(DT)
+    table_ = torch.randperm(cache.shape[0], device=DEV).int().view(batch, seq // page)
+    lens = torch.full((batch,), seq, device=DEV, dtype=torch.int32)
+    comp = torch.randn(batch * seq // 4, D, device=DEV).to(DT)
+    for heads in (64, 8):
+        q = torch.randn(batch, heads, D, device=DEV).to(DT)
+        sinks = torch.randn(heads, device=DEV)
+        for k in (0, 512):
+            idx = torch.randint(0, comp.shape[0], (batch, k), device=DEV).int() if k else None
+            for bh, bn, warps, stages in [(16, 64, 4, 2), (64, 32, 8, 2), (64, 64, 8, 2),
+                                          (32, 64, 4, 3), (16, 32, 4, 3), (16, 128, 8, 2),
+                                          (64, 64, 4, 3)]:
+                b = DSV4Blocks(bh, bn, warps, stages)
+                try:
+                    ms = do_bench(lambda: dsv4_decode_triton(q, cache, table_, lens, sinks, W,
+                                                             D ** -0.5, comp if k else None, idx,
+                                                             blocks=b))
+                    print(f"decode H={heads} K={k} bh={bh} bn={bn} w={warps} s={stages}: "
+                          f"{ms * 1e3:.1f} us {batch * (W + k) * D * 2 / ms / 1e6:.0f} GB/s",
+                          flush=True)
+                except Exception as e:
+                    print(f"decode H={heads} K={k} bh={bh} bn={bn}: {type(e).__name__}")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
@@ -246,12 +276,17 @@ if __name__ == "__main__":
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536])
     parser.add_argument("--no-decode", action="store_true")
     parser.add_argument("--only-decode", action="store_true")
+    parser.add_argument("--decode-sweep", action="store_true")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     if args.profile:
         profile()
+    if args.decode_sweep:
+        decode_sweep()
     if args.sweep:
         sweep()
+    elif args.decode_sweep:
+        pass
     elif args.only_decode:
         decode()
         decode(heads=8)

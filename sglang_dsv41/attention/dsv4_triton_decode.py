@@ -14,8 +14,11 @@ import torch
 from .dsv4_triton_forward import (DSV4Blocks, default_blocks, dsv4_forward, interpreting,
                                   selection_or_empty)
 
-# One token per request: small head blocks give more programs than a batch alone would.
-DECODE_BLOCKS = DSV4Blocks(fwd_bh=16, fwd_bn=64, fwd_warps=4, fwd_stages=2)
+# Best of `bench/dsv4_attention.py --decode-sweep` on one H200 (batch 512, page 64): with few
+# heads, small head blocks give more programs than a batch alone would; with 64 heads one block
+# of all heads reads each key once (1.8x faster at top-k 512 than four blocks of 16).
+FEW_HEADS_DECODE_BLOCKS = DSV4Blocks(fwd_bh=16, fwd_bn=64, fwd_warps=4, fwd_stages=2)
+MANY_HEADS_DECODE_BLOCKS = DSV4Blocks(fwd_bh=64, fwd_bn=32, fwd_warps=8, fwd_stages=2)
 
 
 def dsv4_decode_triton(q, kv_cache, page_table, seq_lens, sinks, window, scale, comp_kv=None,
@@ -23,7 +26,10 @@ def dsv4_decode_triton(q, kv_cache, page_table, seq_lens, sinks, window, scale, 
     """q [B, H, D]; kv_cache [pages, page_size, D]; page_table [B, max_pages] int32;
     seq_lens [B] (tokens cached, the query's own included) -> [B, H, D]."""
     batch, heads, dim = q.shape
-    blocks = blocks or (default_blocks(heads) if interpreting() else DECODE_BLOCKS)
+    if blocks is None and interpreting():
+        blocks = default_blocks(heads)
+    elif blocks is None:
+        blocks = MANY_HEADS_DECODE_BLOCKS if heads > 16 else FEW_HEADS_DECODE_BLOCKS
     ckv, cidx = selection_or_empty(comp_kv, comp_idx, batch, dim, kv_cache)
     out, _ = dsv4_forward(q.contiguous(), kv_cache.reshape(-1, dim), sinks, seq_lens.to(torch.int32)
                           .contiguous(), window, scale, ckv, cidx, blocks, store_lse=False,

@@ -27,23 +27,24 @@ from .triton_common import LOG2E, dot_precision, interpreting, mma, to_dtype
 
 @dataclass(frozen=True)
 class DSV4Blocks:
-    """Tile sizes of the DSV4 kernels: heads per program (bh), keys per tile (bn), warps, stages."""
+    """Tile sizes of the DSV4 kernels: heads per program (bh), keys per tile (bn), warps, stages;
+    the dKV kernels take all heads at once and split D instead (dkv_bd columns per program)."""
 
     fwd_bh: int = 64
     fwd_bn: int = 32
     fwd_warps: int = 8
     fwd_stages: int = 2
     dq_bh: int = 32
-    dq_bn: int = 32
-    dq_warps: int = 4
+    dq_bn: int = 64
+    dq_warps: int = 8
     dq_stages: int = 1
-    dkv_bh: int = 16
-    dkv_bn: int = 16
+    dkv_bd: int = 128
+    dkv_bn: int = 64
     dkv_warps: int = 4
-    dkv_stages: int = 1
+    dkv_stages: int = 2
 
     def __post_init__(self):
-        for name in ("fwd_bh", "fwd_bn", "dq_bh", "dq_bn", "dkv_bh", "dkv_bn"):
+        for name in ("fwd_bh", "fwd_bn", "dq_bh", "dq_bn", "dkv_bd", "dkv_bn"):
             val = getattr(self, name)
             if val < 16 or val & (val - 1):
                 raise ValueError(f"DSV4Blocks.{name}={val}: must be a power of two >= 16")
@@ -55,7 +56,7 @@ INTERPRET_BLOCKS = DSV4Blocks(16, 16, 1, 1, 16, 16, 1, 1, 16, 16, 1, 1)
 def default_blocks(heads: int) -> DSV4Blocks:
     if interpreting():
         return INTERPRET_BLOCKS
-    # Best of a small sweep at 64 heads, D 512, 4k CSA on one H200 (bench/dsv4_attention.py).
+    # Best of small sweeps at 64 heads, D 512, 4k CSA on one H200 (bench/dsv4_attention.py --sweep).
     bh = max(16, min(64, triton.next_power_of_2(heads)))
     return DSV4Blocks(fwd_bh=bh, dq_bh=min(bh, 32))
 
