@@ -27,22 +27,26 @@ def _rank_main(stderr_path, *args) -> None:
     run_scheduler_process(*args)
 
 
-# tiny-v4 with an index_topk that keeps every visible CSA entry. The model's indexer top-k breaks
-# ties (relu makes exact-zero scores common at tiny sizes) by torch.topk's order, which depends on
-# how many (future, masked) entries the call sees: a prefix forward and a whole-sequence forward
-# then pick different tied entries. With every entry kept, engine and recompute agree exactly.
-ENGINE_TEST_PRESET = "tiny-v4"
-ENGINE_TEST_OVERRIDES = dict(index_topk=64)
+# The tiny preset (every V4.1 layer kind, Engram) with top-k widths that keep every visible
+# entry. The model's indexers break score ties (relu makes exact-zero scores common at tiny sizes)
+# in torch.topk's order, which depends on how many masked future entries the call sees: a prefix
+# forward and a whole-sequence forward can then pick different tied entries. With every entry
+# kept (index_topk >= entries, every candidate block), engine and recompute agree exactly.
+ENGINE_TEST_PRESET = "tiny"
+ENGINE_TEST_OVERRIDES = dict(index_topk=256, candidate_topk_blocks=64)
+V4_TEST_PRESET = "tiny-v4"   # what transformers defines
+V4_TEST_OVERRIDES = dict(index_topk=64)
 
 
-def engine_test_model():
+def engine_test_model(preset: str = ENGINE_TEST_PRESET, overrides: dict | None = None):
     """(config, model) of the engine tests' reference: the preset, overrides, init seed 0."""
     import torch
 
     from sglang_dsv41.model.dsv4 import get_preset
     from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM, init_weights
 
-    cfg = replace(get_preset(ENGINE_TEST_PRESET), **ENGINE_TEST_OVERRIDES)
+    cfg = replace(get_preset(preset), **(ENGINE_TEST_OVERRIDES if overrides is None
+                                         else overrides))
     model = DSV4ForCausalLM(cfg)
     init_weights(model, seed=0)
     return cfg, model.eval().requires_grad_(False).to(torch.float32)
@@ -89,7 +93,7 @@ def reference_logprobs(model, seqs: list[list[int]], record_routing: bool = Fals
 
 
 def tiny_args(**kw) -> ServerArgs:
-    base = dict(model_path="tiny-v4", device="cpu", page_size=4, max_total_tokens=2048,
+    base = dict(model_path="tiny", device="cpu", page_size=4, max_total_tokens=2048,
                 chunked_prefill_size=64, stall_timeout=30.0, log_level="warning")
     base.update(kw)
     return ServerArgs(**base)

@@ -1,12 +1,13 @@
-"""Scheduler ranks spawned directly (no launcher): the real DSV4 model (tiny-v4: sliding, CSA,
-HCA layers, hash and top-k MoE, mHC) served over CPU/gloo end to end, against a whole-sequence
-recompute of the reference model.
+"""Scheduler ranks spawned directly (no launcher): the real DSV4.1 model (tiny: sliding, CSA, HCA
+and ratio-1/2 layers with shared kv/index sources and candidate blocks, Engram, hash and top-k
+MoE, mHC) served over CPU/gloo end to end, against a whole-sequence recompute of the reference
+model (our bf16 layout on disk, kept fp32).
 
 One tp=4 dp=2 spin-up covers the serving checks; tp=1 and tp=2 runs pin greedy determinism; two
 more show the failures the plugins prevent (padding off: gloo's reduce-scatter check kills the
 rank; idle batch off: the decoding rank blocks in the MoE gather and the watchdog reports it).
-The prompts cross many CSA blocks (ratio 4) and the HCA block (ratio 128), and exceed the
-16-token window, so decode reads compressed entries rebuilt from the cache.
+The prompts cross many CSA blocks (ratio 4), ratio-1/2 groups and the HCA block (ratio 128),
+and exceed the 16-token window, so decode reads compressed entries rebuilt from the cache.
 """
 
 import random
@@ -30,7 +31,7 @@ def ref(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     cfg, model = engine_test_model()
-    model.ckpt = write_flat_checkpoint(str(tmp_path_factory.mktemp("tiny_v4")), cfg, model)
+    model.ckpt = write_flat_checkpoint(str(tmp_path_factory.mktemp("tiny")), cfg, model)
     with torch.no_grad():
         model.greedy_ref = [reference_greedy(model, p, GREEDY.max_new_tokens)
                             for p in DET_PROMPTS]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_core_harness import ENGINE_TEST_OVERRIDES, ENGINE_TEST_PRESET, RankCluster, tiny_args
+from engine_core_harness import V4_TEST_OVERRIDES, V4_TEST_PRESET, RankCluster, tiny_args
 from sglang_dsv41.engine.messages import SamplingParams
 from sglang_dsv41.model.dsv4 import get_preset, names
 
@@ -25,7 +25,7 @@ def hf(tmp_path_factory):
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    cfg = replace(get_preset(ENGINE_TEST_PRESET), **ENGINE_TEST_OVERRIDES)
+    cfg = replace(get_preset(V4_TEST_PRESET), **V4_TEST_OVERRIDES)
     torch.manual_seed(7)
     model = DeepseekV4ForCausalLM(DeepseekV4Config(**names.to_transformers_config(cfg)))
     with torch.no_grad():   # weights large enough that logprobs are far from uniform

@@ -103,16 +103,18 @@ def test_radix_match_split_insert_evict_lru():
 def test_plan_padding_rows_use_dummy_slot():
     req = Req("a", [5, 6, 7], SamplingParams(), pages=[3])
     plan = build_plan("extend", [req], [3], page_size=4, attn_tp_size=2, padding=True,
-                      max_order=3, record_routing=False)
+                      history_len=2, record_routing=False)
     assert plan.num_tokens == 3 and plan.padded_tokens == 4
     assert plan.slots.tolist() == [12, 13, 14, DUMMY_SLOT]
-    assert plan.ngram[2].tolist() == [7, 6, 5] and plan.ngram[0].tolist() == [5, -1, -1]
-    assert plan.logit_rows == [2] and plan.key_slots.tolist() == [12, 13, 14]
-    off = build_plan("extend", [req], [3], 4, 2, False, 3, False)
+    assert plan.engram_history.tolist() == [[0, 0]]
+    assert plan.logit_rows == [2] and plan.context_slots.tolist() == [12, 13, 14]
+    off = build_plan("extend", [req], [3], 4, 2, False, 2, False)
     assert off.padded_tokens == 3
     req.num_computed, req.output_ids = 3, [8]
-    dec = build_plan("decode", [req], [1], 4, 4, True, 3, False)
-    assert dec.padded_tokens == 4 and dec.seq_lens == [4] and dec.page_table.tolist() == [[3]]
+    dec = build_plan("decode", [req], [1], 4, 4, True, 2, False)
+    assert dec.padded_tokens == 4 and dec.seq_lens == [4]
+    assert dec.context_slots.tolist() == [12, 13, 14, 15]
+    assert dec.engram_history.tolist() == [[6, 7]]   # the tokens before the new one
 
 
 def test_sampling_rules():
@@ -144,51 +146,3 @@ def test_stop_rules():
     assert checker.check([1, 9], p, 5) == {"type": "stop", "matched": 9}
     assert checker.check([1, 9], SamplingParams(ignore_eos=True), 5) is None
     assert checker.check([1, 2], p, 2) == {"type": "length", "length": 2}
-
-
-def _single_rank_runner(**kw):
-    from types import SimpleNamespace
-
-    from sglang_dsv41.engine.dist import ParallelInfo
-    from sglang_dsv41.engine.model_runner import ModelRunner
-    from sglang_dsv41.server_args import ServerArgs
-
-    args = ServerArgs(model_path="tiny", device="cpu", page_size=4, max_total_tokens=64, **kw)
-    groups = SimpleNamespace(info=ParallelInfo.from_server_args(args, 0),
-                             min_over_world=lambda value, op: value)
-    return ModelRunner(args, groups, "tiny", torch.device("cpu"))
-
-
-def test_runner_refuses_attn_tp_that_does_not_divide_o_groups():
-    with pytest.raises(ValueError, match="must divide o_groups"):
-        _single_rank_runner(tp_size=3)
-
-
-def test_paged_chunked_prefill_and_decode_match_reference():
-    from sglang_dsv41.model import reference_logprobs
-
-    runner = _single_rank_runner()
-    seq = [(11 * i + 3) % 256 for i in range(13)]
-    req = Req("a", seq[:10], SamplingParams(), pages=[2, 5, 1, 7])  # scattered pages
-    got = []
-    # Two prefill chunks (the second attends over the first's keys in the pool), then decode.
-    for mode, n in [("extend", 6), ("extend", 4), ("decode", 1), ("decode", 1), ("decode", 1)]:
-        plan = build_plan(mode, [req], [n], 4, 1, True, 3, False)
-        hidden, _ = runner.forward(plan, [plan.padded_tokens])
-        if plan.logit_rows:
-            got.append(torch.log_softmax(runner.compute_logits(hidden, plan.logit_rows), -1)[0])
-        req.num_computed += n
-        if req.num_computed == len(req.all_ids) and len(req.all_ids) < len(seq):
-            req.output_ids.append(seq[len(req.all_ids)])
-    ref, _ = reference_logprobs(runner.model, [seq])
-    picked = torch.stack([g[t] for g, t in zip(got, seq[10:])])
-    torch.testing.assert_close(picked, ref[0][9:12], rtol=0, atol=1e-5)
-
-
-def test_dummy_load_format_is_sglang_uniform_and_rank_independent():
-    from sglang_dsv41.engine.model_runner import load_engine_model
-
-    a, b = (load_engine_model("tiny", torch.float32, torch.device("cpu"), "dummy")
-            for _ in range(2))
-    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
-        assert pa.abs().max() <= 1e-3 and torch.equal(pa, pb), name

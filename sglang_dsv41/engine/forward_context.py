@@ -71,17 +71,24 @@ class EngineForwardContext(DSV4Context):
         self._layout_window()
 
     def _layout_window(self) -> None:
-        """Per sequence, the rows the attention core runs on: the window - 1 cached positions
-        before its first new token (keys only), then its new tokens (queries and keys)."""
+        """The context: every sequence's positions [0, seq_len), packed (context_bounds); this
+        forward's tokens are the last extend_len of each."""
         plan, dev = self.plan, self.positions.device
         self.window_size = None
-        self._cache_rows = self._query_rows = None
         self._seq_start = [s - n for s, n in zip(plan.seq_lens, plan.extend_lens)]
-        self.context_bounds = []
-        at = 0
-        for s in plan.seq_lens:
+        self.context_bounds, new_rows, at = [], [], 0
+        for s, n in zip(plan.seq_lens, plan.extend_lens):
             self.context_bounds.append((at, at + s))
+            new_rows.append(torch.arange(at + s - n, at + s))
             at += s
+        self.context_cu = cu_of(plan.seq_lens, dev)
+        self.context_positions = (torch.cat([torch.arange(s) for s in plan.seq_lens]).to(dev)
+                                  if plan.seq_lens else torch.zeros(0, dtype=torch.long,
+                                                                    device=dev))
+        self.new_context_rows = (torch.cat(new_rows).to(dev) if new_rows else
+                                 torch.zeros(0, dtype=torch.long, device=dev))
+        # model_hooks' V4.1 layers run over the context: their sources' entries and selections
+        self.context_shared: dict = {}
 
     def _window_rows(self, window: int) -> None:
         if self.window_size == window:

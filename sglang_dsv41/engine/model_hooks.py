@@ -13,6 +13,12 @@ an EngineForwardContext is active (``ModelHooks.active``):
       module and the output sliced back to this DP group after it (forward_context.py).
   EngramHasher  receives each sequence's preceding tokens (plan.engram_history), so n-grams
       reach back across a cached prefix as in SGLang's extend and decode.
+  V4.1 ratio-1/2 layers  the model's low_ratio_entries needs whole sequences (its entry layout
+      and indexer run from position 0). The source layers' inputs (x after attn_norm, and q_lora
+      on index sources) are cached per token; each forward the layer's ``compressed`` runs the
+      model's low_ratio_entries over the whole context of every sequence (EngineForwardContext
+      .context_*, its own shared dict) and keeps the rows of this forward's queries. This is
+      an instance attribute set once at load (the model offers no context hook for it yet).
 
 The attention core itself goes through EngineForwardContext.attend (the model's hook point).
 """
@@ -30,27 +36,51 @@ from .forward_context import EngineForwardContext
 
 
 def cached_row_widths(model: nn.Module) -> dict[str, int]:
-    """The pool's rows: one K=V latent per layer, the projections of every compressor."""
+    """The pool's rows: one K=V latent per layer, the projections of every V4 compressor, the
+    inputs of the V4.1 source layers."""
     cfg = model.cfg
     widths = {f"layers.{i}.kv": cfg.head_dim for i in range(cfg.num_hidden_layers)}
     for name, mod in model.named_modules():
         if isinstance(mod, Compressor):
             widths[f"{name}.wkv"] = mod.wkv.out_features
             widths[f"{name}.wgate"] = mod.wgate.out_features
+    for i in _low_ratio_sources(cfg):
+        widths[f"layers.{i}.attn_x"] = cfg.hidden_size
+        if i in cfg.index_source_layer_ids:
+            widths[f"layers.{i}.q_lora"] = cfg.q_lora_rank
     return widths
 
 
-def check_supported(model: nn.Module) -> None:
-    for i, layer in enumerate(model.layers):
-        attn = layer.attn
-        if attn.ratio in (1, 2):
-            raise ValueError(f"layer {i} has compress ratio {attn.ratio}: the engine's cache does "
-                             "not cover V4.1 ratio-1/2 layers yet (serve a V4 model)")
+def _low_ratio_sources(cfg) -> list[int]:
+    return sorted(set(cfg.kv_source_layer_ids) | set(cfg.index_source_layer_ids))
+
+
+def _context_compressed(attn: nn.Module, hooks: "ModelHooks"):
+    """attn.compressed for a V4.1 ratio-1/2 layer served from the cache (see the module doc)."""
+    from ..model.dsv4.v41_sparse import low_ratio_entries
+
+    cfg, layer_id = attn.cfg, attn.layer_id
+    plain = attn.compressed
+
+    def compressed(x: torch.Tensor, q_lora: torch.Tensor, ctx):
+        if ctx is not hooks.ctx:
+            return plain(x, q_lora, ctx)
+        if layer_id in cfg.kv_source_layer_ids or layer_id in cfg.index_source_layer_ids:
+            x = ctx.cached_rows(f"layers.{layer_id}.attn_x", x)
+        if layer_id in cfg.index_source_layer_ids:
+            q_lora = ctx.cached_rows(f"layers.{layer_id}.q_lora", q_lora)
+        entries, selected = low_ratio_entries(cfg, layer_id, attn, x, q_lora,
+                                              ctx.context_positions, ctx.context_cu,
+                                              ctx.context_shared, ctx.serving_numerics)
+        mine = selected.new_full((ctx.positions.shape[0], selected.shape[1]), -1)
+        mine[:ctx.plan.num_tokens] = selected[ctx.new_context_rows]
+        return entries, mine
+
+    return compressed
 
 
 class ModelHooks:
     def __init__(self, model: nn.Module):
-        check_supported(model)
         self.ctx: EngineForwardContext | None = None
         self.handles = []
         for name, mod in model.named_modules():
@@ -62,6 +92,11 @@ class ModelHooks:
             elif isinstance(mod, MoE):
                 self.handles.append(mod.register_forward_pre_hook(self._moe_gather))
                 self.handles.append(mod.register_forward_hook(self._moe_local))
+        self.plain_compressed = []
+        for layer in model.layers:
+            if layer.attn.ratio in (1, 2):
+                self.plain_compressed.append((layer.attn, layer.attn.compressed))
+                layer.attn.compressed = _context_compressed(layer.attn, self)
         if getattr(model, "engram_hasher", None) is not None:
             self.handles.append(model.engram_hasher.register_forward_pre_hook(
                 self._engram_history, with_kwargs=True))
@@ -77,6 +112,8 @@ class ModelHooks:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+        for attn, _ in self.plain_compressed:
+            del attn.compressed   # back to the class's method
 
     # ---- hooks ------------------------------------------------------------------------------
     def _compressor_bounds(self, module, args):

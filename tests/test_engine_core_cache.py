@@ -1,0 +1,115 @@
+"""The engine's cache in one process (ModelRunner without a world): chunked prefill with padding
+rows, mixed extend/decode batches and a prefix restored at a page boundary inside compression
+blocks all give the logits of a whole-sequence recompute of the reference model (tiny: every
+V4.1 layer kind, Engram with its n-gram history); model loading and --dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_core_harness import engine_test_model, write_flat_checkpoint
+from sglang_dsv41.engine.batch import Req, build_plan
+from sglang_dsv41.engine.messages import SamplingParams
+from sglang_dsv41.model.dsv4.context import DSV4Context
+
+PAGE = 4
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    from sglang_dsv41.engine.model_runner import ModelRunner
+    from sglang_dsv41.server_args import ServerArgs
+
+    cfg, model = engine_test_model()
+    path = write_flat_checkpoint(str(tmp_path_factory.mktemp("tiny")), cfg, model)
+    args = ServerArgs(model_path=path, device="cpu", page_size=PAGE, max_total_tokens=1024)
+    run = ModelRunner(args, None, path, torch.device("cpu"))
+    run.reference = model
+    return run
+
+
+def forward(runner, mode, reqs, chunks, attn_tp=1):
+    """One forward (padded to attn_tp rows); the logits of its sampled rows."""
+    hist = runner.cfg.engram_max_ngram_size - 1
+    plan = build_plan(mode, reqs, chunks, PAGE, attn_tp, attn_tp > 1, hist, False)
+    hidden, _ = runner.forward(plan, [plan.padded_tokens])
+    for r, n in zip(reqs, chunks):
+        r.num_computed += n
+    return runner.compute_logits(hidden, plan.logit_rows)
+
+
+def recompute(runner, seq) -> torch.Tensor:
+    with torch.no_grad():
+        return runner.reference(torch.tensor(seq), DSV4Context.packed([len(seq)]))[-1]
+
+
+def close(got, want):
+    torch.testing.assert_close(torch.log_softmax(got, -1), torch.log_softmax(want, -1),
+                               rtol=0, atol=1e-5)
+
+
+def test_chunked_prefill_padding_and_mixed_decode_equal_recompute(runner):
+    a = Req("a", [(7 * i + 3) % 256 for i in range(70)], SamplingParams(), pages=list(range(1, 21)))
+    b = Req("b", [(5 * i + 1) % 256 for i in range(23)], SamplingParams(),
+            pages=list(range(60, 40, -1)))            # scattered, descending pages
+    forward(runner, "extend", [a], [29], attn_tp=2)
+    logits = forward(runner, "extend", [a, b], [41, 23], attn_tp=4)   # both complete
+    for req, row in zip((a, b), logits):
+        close(row, recompute(runner, req.all_ids))
+        req.output_ids.append(int(row.argmax()))
+    for step in range(3):
+        logits = forward(runner, "decode", [a, b], [1, 1], attn_tp=3 if step == 1 else 1)
+        for req, row in zip((a, b), logits):
+            close(row, recompute(runner, req.all_ids))
+            req.output_ids.append(int(row.argmax()))
+
+
+def test_prefix_restored_at_a_page_boundary_inside_compression_blocks(runner):
+    history = [(11 * i + 5) % 256 for i in range(66)]
+    first = Req("t1", history, SamplingParams(), pages=list(range(100, 117)))
+    forward(runner, "extend", [first], [66])
+    # Turn 2 shares 64 tokens (16 pages: mid HCA block, mid ratio-4 overlap window) by page
+    # reference, as the radix cache hands them out, and computes only its own tail.
+    second = Req("t2", history[:64] + [9, 8, 7, 6, 5], SamplingParams(),
+                 pages=list(range(100, 116)) + [130, 131])
+    second.num_computed = 64
+    close(forward(runner, "extend", [second], [5])[0], recompute(runner, second.all_ids))
+
+
+def test_serving_dtype_keeps_sinks_norms_and_mhc_fp32(runner):
+    from sglang_dsv41.loader.serving import load_serving_model
+
+    model = load_serving_model(runner.model_dir, torch.bfloat16, "cpu")
+    kinds = {}
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("attn_sink", "ape") or leaf.startswith("hc_") or "norm" in name:
+            kinds.setdefault("fp32", set()).add(p.dtype)
+        else:
+            kinds.setdefault("cast", set()).add(p.dtype)
+    assert kinds == {"fp32": {torch.float32}, "cast": {torch.bfloat16}}
+    tables = [b for n, b in model.named_buffers() if n.endswith("engram.embed.weight")]
+    assert tables and all(t.dtype == torch.float8_e4m3fn for t in tables)
+
+
+def test_model_path_layouts_and_dummy_load(runner, tmp_path):
+    from sglang_dsv41.loader.serving import has_tokenizer, load_serving_model, model_layout
+
+    assert model_layout("tiny") == "preset" and has_tokenizer("tiny")
+    assert model_layout(runner.model_dir) == "flat" and not has_tokenizer(runner.model_dir)
+    with pytest.raises(ValueError, match="neither a preset"):
+        model_layout(str(tmp_path))
+    ref = runner.reference.state_dict()
+    for name, t in runner.model.state_dict().items():   # the flat checkpoint loaded as written
+        assert torch.equal(t, ref[name]), name
+    dummy = load_serving_model(runner.model_dir, torch.float32, "cpu", "dummy").state_dict()
+    for name, t in dummy.items():
+        if name.endswith("tid2eid") or ".engram.embed." in name:
+            assert torch.equal(t.view(torch.uint8) if t.dtype.itemsize == 1 else t,
+                               ref[name].view(torch.uint8) if t.dtype.itemsize == 1
+                               else ref[name]), name
+        elif t.is_floating_point() and t.numel() > 1:
+            assert t.abs().max() <= 1e-3, name
+    with pytest.raises(ValueError, match="load_format"):
+        load_serving_model(runner.model_dir, torch.float32, "cpu", "npcache")
