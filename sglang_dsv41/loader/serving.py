@@ -134,6 +134,13 @@ def read_transformers_checkpoint(model_path: str) -> dict[str, torch.Tensor]:
     return from_transformers(hf.state_dict())
 
 
+def read_model_tensors(model_path: str) -> dict[str, torch.Tensor]:
+    """A checkpoint directory's tensors under our flat names, whatever its layout."""
+    if model_layout(model_path) == "transformers":
+        return read_transformers_checkpoint(model_path)
+    return read_checkpoint(model_path)
+
+
 def keeps_fp32(name: str) -> bool:
     """Sinks, norms, mHC parameters, compressor position biases: fp32 at any serving dtype."""
     leaf = name.rsplit(".", 1)[-1]
@@ -159,8 +166,7 @@ def load_serving_model(model_path: str, dtype: torch.dtype, device,
     if layout == "preset":
         init_weights(model, seed=0)
     else:
-        state = (read_transformers_checkpoint(model_path) if layout == "transformers"
-                 else read_checkpoint(model_path))
+        state = read_model_tensors(model_path)
         if load_format == "dummy":   # keep what dummy weights must not replace
             state = {n: t for n, t in state.items() if n.endswith("tid2eid") or ".engram.embed." in n}
         result = model.load_state_dict(state, strict=load_format != "dummy")

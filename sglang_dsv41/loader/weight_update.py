@@ -1,21 +1,20 @@
 """Validate and apply named-tensor weight updates; Engram checksums.
 
-Targets are the model's parameters and buffers (tied aliases included) plus the host Engram
-tables installed by engram_store (``<layer>.engram.table.weight`` and, for fp8 tables,
-``...weight_scale_inv``). Engram tables are frozen: overwriting one is refused unless forced.
-Validation never writes, so a caller can validate on every rank, agree, and only then apply.
+Targets are the served model's parameters and buffers under SGLang's flat names (tied aliases
+included). Engram tables (``layers.N.engram.embed.{weight,scale}``, fp8 + e8m0) are frozen:
+overwriting one is refused unless forced, and a forced one must match the table byte-exactly
+in shape and dtype. Validation never writes, so a caller can validate on every rank, agree, and
+only then apply.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 
-from ..model.model import is_engram_table
+from .dummy import is_engram_table
 from .engram_codec import tensor_checksum
-from .engram_store import engram_layers
-from .fp8 import SCALE_SUFFIX
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -24,33 +23,15 @@ class WeightUpdateError(ValueError):
     """A refused update; the message names the offending tensor."""
 
 
-def _param_targets(model) -> dict[str, torch.Tensor]:
+def _targets(model) -> dict[str, torch.Tensor]:
     out = dict(model.named_parameters(remove_duplicate=False))
     out.update(dict(model.named_buffers(remove_duplicate=False)))
     return out
 
 
-def _host_targets(model) -> dict[str, tuple[Any, str]]:
-    """name -> (host table, "weight" | "scale") for tables that are not parameters."""
-    out = {}
-    for name, layer in engram_layers(model).items():
-        table = layer.table
-        if isinstance(table, torch.nn.Module) and hasattr(table, "overwrite_"):
-            out[name] = (table, "weight")
-            if getattr(table, "scale", None) is not None:
-                out[name + SCALE_SUFFIX] = (table, "scale")
-    return out
-
-
 def served_specs(model) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """name -> (shape, dtype) of every tensor an update may target (parameters win over host
-    tables). Built once per update: a per-tensor rebuild would walk the model N times."""
-    specs = {}
-    for name, (table, part) in _host_targets(model).items():
-        entry = table.source.weight if part == "weight" else table.source.scale
-        specs[name] = (tuple(entry.shape), entry.dtype)
-    specs.update({n: (tuple(t.shape), t.dtype) for n, t in _param_targets(model).items()})
-    return specs
+    """name -> (shape, dtype) of every tensor an update may target, built once per update."""
+    return {n: (tuple(t.shape), t.dtype) for n, t in _targets(model).items()}
 
 
 def validate_named_tensors(model, named: Iterable[tuple[str, torch.Tensor]],
@@ -89,30 +70,20 @@ def validate_named_tensors(model, named: Iterable[tuple[str, torch.Tensor]],
 
 @torch.no_grad()
 def apply_named_tensors(model, named: NamedTensors) -> None:
-    """Copy validated tensors into the model (call validate_named_tensors first). Host Engram
-    tables are collective: every rank must apply the same list."""
-    params, host = _param_targets(model), _host_targets(model)
-    pending: dict[int, dict[str, Any]] = {}
+    """Copy validated tensors into the model (call validate_named_tensors first)."""
+    targets = _targets(model)
     for name, t in named:
-        if name in params:
-            params[name].copy_(t)
-        elif name in host:
-            table, part = host[name]
-            pending.setdefault(id(table), {"table": table})[part] = t
-        else:
+        if name not in targets:
             raise WeightUpdateError(f"{name}: the served model has no tensor of this name")
-    for entry in pending.values():
-        entry["table"].overwrite_(entry.get("weight", entry["table"].values), entry.get("scale"))
+        target = targets[name]
+        if target.dtype.itemsize == 1 and target.is_floating_point():   # fp8 tables: bytes
+            target.view(torch.uint8).copy_(t.view(torch.uint8))
+        else:
+            target.copy_(t)
 
 
 def engram_checksums(model) -> dict[str, str]:
-    """Table name -> checksum of its stored bytes, independent of layout and TP size (equal to
-    engram_codec.source_checksum of the checkpoint tensor). Collective for host tables."""
-    out = {}
-    for name, layer in engram_layers(model).items():
-        table = layer.table
-        if hasattr(table, "checksum"):
-            out[name] = table.checksum()
-        else:
-            out[name] = tensor_checksum(table.weight)
-    return out
+    """Engram tensor name (table and e8m0 scale) -> checksum of its stored bytes, equal to
+    engram_codec.tensor_checksum of the checkpoint tensor."""
+    return {name: tensor_checksum(t) for name, t in model.state_dict().items()
+            if is_engram_table(name)}

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..model.model import is_engram_table
+from .dummy import is_engram_table
 from .weight_sync_group import init_weight_sync_group, parse_dtype, receive_weights
 from .weight_update import (WeightUpdateError, apply_named_tensors, engram_checksums,
                             served_specs, validate_named_tensors)
@@ -46,19 +46,21 @@ def _apply_tensor(runner, named_tensors, flush_cache: bool = True,
 
 # ---- update_weights_from_disk --------------------------------------------------------------
 def read_disk_update(model, model_path: str) -> list[tuple[str, torch.Tensor]]:
-    """Every non-Engram tensor of the checkpoint, cast to the served dtype, validated; the
-    checkpoint must cover every served tensor but Engram tables (tied aliases optional)."""
-    from .checkpoint import iter_checkpoint_tensors, list_checkpoint_tensors, model_tensors
+    """Every non-Engram tensor of the checkpoint (any --model-path layout but a preset), cast to
+    the served dtype, validated; it must cover every served tensor but Engram tables and the
+    non-persistent buffers."""
+    from .serving import model_layout, read_model_tensors
 
-    headers = list_checkpoint_tensors(model_path)
-    expected = {n for n in model_tensors(model) if not is_engram_table(n)}
-    missing = sorted(expected - set(headers))
+    if model_layout(model_path) == "preset":
+        raise WeightUpdateError(f"{model_path!r} is a preset name, not a checkpoint directory")
+    tensors = {n: t for n, t in read_model_tensors(model_path).items() if not is_engram_table(n)}
+    expected = {n for n in model.state_dict() if not is_engram_table(n)}
+    missing = sorted(expected - set(tensors))
     if missing:
         raise WeightUpdateError(f"{missing[0]}: missing from checkpoint {model_path} "
                                 f"({len(missing)} missing)")
     named, specs = [], served_specs(model)
-    for name, t in iter_checkpoint_tensors(model_path, [n for n in headers
-                                                        if not is_engram_table(n)]):
+    for name, t in tensors.items():
         want = specs.get(name)
         if want is not None and t.is_floating_point():
             t = t.to(want[1])
