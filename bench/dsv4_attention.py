@@ -11,6 +11,8 @@ q/kv/selection; "module" = transformers' DeepseekV4Attention (projections, compr
 RoPE) with attn_implementation eager vs ours. FLOPs count only the pairs the sparse pattern
 attends: forward 4*H*D per (query, key) pair, forward+backward 3.5x that. Eager is marked OOM
 where it runs out of memory. Decode bandwidth = bytes of keys read / time, vs a device copy.
+On a machine with an older transformers, install the 5.23 wheel into a side path first:
+`pip install --no-deps --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site:$PWD python ...`.
 """
 
 from __future__ import annotations
