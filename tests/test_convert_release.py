@@ -14,8 +14,9 @@ import torch
 
 from sglang_dsv41.convert import convert
 from sglang_dsv41.loader.fp4 import dequantize_fp4
-from sglang_dsv41.loader.fp8 import dequantize_fp8_blocks
-from sglang_dsv41.loader.release_layout import normalize_v41_config
+from sglang_dsv41.loader.conversion_logits import verify_logits
+from sglang_dsv41.loader.fp8 import dequantize_fp8_blocks, scale_shape
+from sglang_dsv41.loader.release_layout import is_dropped, normalize_v41_config, plan_conversion
 from sglang_dsv41.loader.shards import RawShardReader, checkpoint_files
 from sglang_dsv41.model.dsv4 import get_preset
 from sglang_dsv41.tools.make_checkpoint import make_checkpoint
@@ -67,6 +68,9 @@ def test_convert_dequantizes_and_copies_byte_exact(release, tmp_path):
     summary = convert(str(release), str(dst), max_shard_bytes=200_000, progress=False,
                       verify=True)
     assert summary["verify"]["differ"] == [] and summary["shards"] > 1
+    logits = summary["verify"]["logits"]
+    assert logits["ok"] and logits["tokens"] == 256 and logits["logit_scale"] > 0.1
+    assert logits["max_abs_diff"] == 0  # e8m0 scales and FP4: exact in bf16
     src, out = read_all(release), read_all(dst)
     assert not any(n.startswith(("vision.", "aligner.", "image_", "mtp.")) or
                    n.endswith(".bias_vl") or n.endswith(".wq_a.scale") for n in out)
@@ -135,3 +139,80 @@ def test_sigkill_leaves_no_dst(release, tmp_path):
     assert p.returncode == -signal.SIGKILL and not dst.exists()
     convert(str(release), str(dst), progress=False)  # the next run cleans the dead sibling
     assert dst.exists() and not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+
+
+def test_logit_check_fails_on_a_wrong_dst(release, tmp_path):
+    from safetensors.torch import save_file
+
+    dst = tmp_path / "bf16"
+    convert(str(release), str(dst), progress=False)
+    plan = plan_conversion(str(release))
+    tensors = read_all(dst)
+    for file in checkpoint_files(str(dst)):
+        os.remove(dst / file)
+    # The e8m0 exponent read one too high: every FP8 weight doubled.
+    fp8 = [e.name for e in plan.entries if e.kind == "fp8"]
+    for name in fp8:
+        tensors[name] = tensors[name] * 2
+    save_file(tensors, str(dst / "model-00001-of-00001.safetensors"))
+    bad = verify_logits(plan, str(dst))
+    assert not bad["ok"] and bad["mean_abs_diff"] > 2e-2 * bad["logit_spread"], bad
+    del tensors["norm.weight"]
+    save_file(tensors, str(dst / "model-00001-of-00001.safetensors"))
+    with pytest.raises(ValueError, match=r"DST lacks \['norm\.weight'\]"):
+        verify_logits(plan, str(dst))
+
+
+def test_engram_wkv_scale_dequantizes_and_the_table_scale_stays(release, tmp_path):
+    """SGLang 0.5.23 renames ``layers.N.engram.wkv.scale`` to wkv's weight_scale_inv (an FP8
+    block scale) but keeps ``layers.N.engram.embed.scale`` (the table's own e8m0 scale): the
+    converter must dequantize the first and copy the second byte for byte."""
+    remap = import_sglang("sglang.srt.models.deepseek_v4").DeepseekV4ForCausalLM \
+        .remap_weight_name_to_dpsk_hf_format
+    src = read_all(release)
+    wkv, table = "layers.5.engram.wkv", "layers.5.engram.embed"
+    assert src[wkv + ".weight"].dtype == torch.float8_e4m3fn
+    assert src[wkv + ".scale"].dtype == torch.float8_e8m0fnu
+    assert list(src[wkv + ".scale"].shape) == list(scale_shape(src[wkv + ".weight"].shape,
+                                                               (32, 32)))
+    assert src[table + ".scale"].shape[0] == src[table + ".weight"].shape[0]
+    plan = plan_conversion(str(release))
+    kinds = {e.name: e.kind for e in plan.entries}
+    assert kinds[wkv + ".weight"] == "fp8" and kinds[table + ".scale"] == "copy"
+    # Every release tensor: SGLang loads it as a block scale exactly when we dequantize with it.
+    for name in src:
+        if is_dropped(name):
+            continue
+        sglang_scale = remap(name).endswith(".weight_scale_inv")
+        assert sglang_scale == (name not in kinds), name
+    out = read_all(tmp_path / "bf16") if (tmp_path / "bf16").exists() else None
+    if out is None:
+        convert(str(release), str(tmp_path / "bf16"), progress=False)
+        out = read_all(tmp_path / "bf16")
+    assert wkv + ".scale" not in out and out[wkv + ".weight"].dtype == torch.bfloat16
+    assert torch.equal(out[wkv + ".weight"], dequantize_fp8_blocks(
+        src[wkv + ".weight"], src[wkv + ".scale"], (32, 32)))
+    assert torch.equal(out[table + ".scale"].view(torch.uint8), src[table + ".scale"].view(
+        torch.uint8))
+    # A release whose wkv lost its scale is refused, naming the tensor.
+    import shutil
+    bad = tmp_path / "noscale"
+    shutil.copytree(release, bad)
+    from safetensors.torch import save_file
+    from sglang_dsv41.loader.shards import INDEX_FILE
+    index = json.load(open(bad / INDEX_FILE))
+    file = index["weight_map"].pop(wkv + ".scale")
+    json.dump(index, open(bad / INDEX_FILE, "w"))
+    shard = {n: t for n, t in read_all_file(bad / file).items() if n != wkv + ".scale"}
+    save_file(shard, str(bad / file))
+    with pytest.raises(ValueError, match=r"layers\.5\.engram\.wkv\.weight.*no 'layers\.5\."
+                                         r"engram\.wkv\.scale' scale"):
+        convert(str(bad), str(tmp_path / "out"), progress=False)
+
+
+def read_all_file(path):
+    r = RawShardReader(str(path))
+    try:
+        return {n: r.read(n) for n in r.tensors}
+    finally:
+        r.close()

@@ -19,6 +19,7 @@ FP4_MAX = 6.0
 # e2m1 code -> value; bit 3 is the sign.
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                             -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+_E2M1_MIDPOINTS = (E2M1_VALUES[1:8] + E2M1_VALUES[:7]) / 2
 
 
 def fp4_logical_shape(packed_shape: list[int] | tuple[int, ...]) -> list[int]:
@@ -73,8 +74,8 @@ def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = wf.abs().amax(-1).clamp_min(2.0**-126)
     exp = torch.ceil(torch.log2(amax / FP4_MAX)).clamp(-E8M0_BIAS, 127).to(torch.int32)
     scaled = wf / torch.ldexp(torch.ones_like(amax), exp).unsqueeze(-1)
-    magnitudes = E2M1_VALUES[:8]
-    idx = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(-1)
+    # Nearest magnitude code; a value halfway between two codes takes the smaller one.
+    idx = torch.bucketize(scaled.abs(), _E2M1_MIDPOINTS)
     codes = (idx | ((scaled < 0).long() << 3)).view(rows, -1)[:, :cols].to(torch.uint8)
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(torch.int8).contiguous()
     stored = (exp + E8M0_BIAS).to(torch.uint8).view(torch.float8_e8m0fnu).contiguous()
