@@ -273,8 +273,37 @@ def launch(model_dir: str) -> dict:
                          ("shared_2_nodes", ["--tp-size", "16", "--attn-dp-size", "2",
                                              "--nnodes", "2", "--dsv41-engram-layout", "shared"]),
                          ("pp_r3", ["--pp-size", "2", "--enable-return-routed-experts"])):
+        for name in ("SGLANG_DSV41_ENGRAM_LAYOUT", "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT"):
+            os.environ.pop(name, None)  # one launch per process: no earlier choice
         codes[label] = main(base + extra)
     return dict(codes=codes, children=len(__import__("psutil").Process().children()))
+
+
+def plain_sglang(model_dir: str) -> dict:
+    """``python -m sglang.launch_server`` with our package installed: SGLang calls
+    ServerArgs.check_server_args in its main process before spawning a scheduler, and our AFTER
+    hooks refuse there. SGLang's own validation needs a record resolved on a GPU, so only it is
+    skipped here (its module function, which the method imports at call time)."""
+    sa = import_sglang("sglang.srt.server_args")
+    validation = import_sglang("sglang.srt.arg_groups.validation_hook")
+    original, validation.check_server_args = validation.check_server_args, lambda args: None
+    out = {"hooked": hasattr(sa.ServerArgs.check_server_args, "__wrapped__")}
+    try:
+        for label, argv in (("tp16", ["--tp-size", "16"]),
+                            ("two_nodes", ["--tp-size", "16", "--attn-dp-size", "2",
+                                           "--nnodes", "2"])):
+            for name in ("SGLANG_DSV41_ENGRAM_LAYOUT", "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT"):
+                os.environ.pop(name, None)  # one server per process: no earlier choice
+            args = sa.prepare_server_args(["--model-path", model_dir, *argv])
+            try:
+                args.check_server_args()
+                out[label] = "accepted"
+            except ValueError as e:
+                out[label] = f"{type(e).__name__}: {e}"
+        out["host_layout"] = os.environ.get("SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT")
+    finally:
+        validation.check_server_args = original
+    return out
 
 
 def case_in_process(ckpt_dir: str, run_dir: str, model_dir: str) -> None:
@@ -285,7 +314,8 @@ def case_in_process(ckpt_dir: str, run_dir: str, model_dir: str) -> None:
     installed = load_plugins()
     cases = [("entry_points", lambda: entry_points(installed)),
              ("dummy_load", lambda: dummy_load(ckpt_dir)), ("http", lambda: http(run_dir)),
-             ("r3", r3), ("launch", lambda: launch(model_dir)), ("switches", switches)]
+             ("r3", r3), ("plain_sglang", lambda: plain_sglang(model_dir)),
+             ("launch", lambda: launch(model_dir)), ("switches", switches)]
     facts = {}
     for name, run in cases:
         try:

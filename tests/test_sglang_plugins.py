@@ -179,3 +179,11 @@ def test_launch_refuses_bad_layouts_before_starting_anything(in_process):
     assert "attention TP size 16 exceeds o_groups=8" in err and "--attn-dp-size 2" in err
     assert "Engram layout 'shared'" in err and "per_rank" in err
     assert "pipeline parallelism (pp_size=2) with R3" in err
+
+
+def test_plain_sglang_launch_server_gets_the_guards_through_check_server_args(in_process):
+    facts = case_facts(in_process, "plain_sglang")
+    assert facts["hooked"] is True
+    assert facts["tp16"].startswith("DeploymentRefused: attention TP size 16 exceeds o_groups=8")
+    assert facts["two_nodes"] == "accepted"
+    assert facts["host_layout"] == "per_rank"  # SGLang's own switch, picked by node count
