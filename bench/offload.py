@@ -211,7 +211,9 @@ def _timed(fn, peak: PeakRss, box) -> None:
 def _pinned_stats(opt, mode: str) -> tuple[int, int]:
     """(reserved by the caching host allocator, requested by this mode's offload path)."""
     stats = torch.cuda.memory.host_memory_stats()
-    reserved = int(stats.get("reserved_bytes.current", stats.get("allocated_bytes.current", 0)))
+    reserved = int(stats.get("reserved_bytes.current", stats.get("reserved_bytes", {}).get(
+        "current", 0)) if isinstance(stats.get("reserved_bytes", 0), dict) else
+        stats.get("reserved_bytes.current", 0))
     if mode == "chunked":
         requested = opt.pinned.numel() * opt.pinned.element_size() if opt.pinned is not None else 0
     else:
@@ -262,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (gloo)"
     print(f"# bench/offload.py model={args.model} ranks={args.ranks} chunk={args.chunk_mb} MiB "
           f"device={dev} torch={torch.__version__} "
-          f"PYTORCH_ALLOC_CONF={set_pinned_alloc_conf() if torch.cuda.is_available() else '-'}")
+          f"pinned rounding cap set: {set_pinned_alloc_conf() if torch.cuda.is_available() else '-'}")
     rows = {m: run_mode(args.model, m, args.ranks, args.chunk_mb, args.steps, args.tokens)
             for m in args.modes}
     n = next(iter(rows.values()))["n_local"]

@@ -25,9 +25,9 @@ interchangeable with ``none`` and ``fsdp`` checkpoints. Every state tensor is fp
 parameter's role (sinks, mHC, router bias, fp32 lm_head): loading refuses anything else by name.
 
 Pinned memory: torch's caching host allocator rounds every pinned request up to a power of two
-unless it exceeds ``pinned_max_round_threshold_mb`` (c10/core/AllocatorConfig.h; torch >= 2.8).
-``set_pinned_alloc_conf`` sets that key in ``PYTORCH_ALLOC_CONF`` (and in the live allocator when
-CUDA is already up) so the chunk buffer and FSDP2's pinned shards are allocated exactly.
+unless it exceeds ``pinned_max_round_threshold_mb`` (c10/core/AllocatorConfig.h in torch 2.13;
+torch 2.11 refuses the key). ``set_pinned_alloc_conf`` sets it in the live allocator config where
+torch knows it, so the chunk buffer and FSDP2's pinned shards are allocated exactly.
 """
 
 from __future__ import annotations
@@ -64,16 +64,19 @@ def offload_policy_for(mode: str, device: torch.device) -> OffloadPolicy:
     return OffloadPolicy()
 
 
-def set_pinned_alloc_conf(threshold_mb: int = PINNED_ROUND_THRESHOLD_MB) -> str:
-    """Turn off power-of-two rounding of pinned requests above ``threshold_mb``; returns the
-    resulting ``PYTORCH_ALLOC_CONF``. A value the user already set for the key is kept."""
-    conf = os.environ.get("PYTORCH_ALLOC_CONF", "")
-    if PINNED_ROUND_KEY not in conf:
-        conf = ",".join(x for x in (conf, f"{PINNED_ROUND_KEY}:{threshold_mb}") if x)
-        os.environ["PYTORCH_ALLOC_CONF"] = conf
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.memory._set_allocator_settings(f"{PINNED_ROUND_KEY}:{threshold_mb}")
-    return conf
+def set_pinned_alloc_conf(threshold_mb: int = PINNED_ROUND_THRESHOLD_MB) -> bool:
+    """Turn off power-of-two rounding of pinned requests above ``threshold_mb`` in the live
+    allocator config; False where this torch has no such key (torch 2.11 refuses it: its pinned
+    requests stay rounded, bench/offload.py shows by how much). A value the user put in
+    ``PYTORCH_ALLOC_CONF`` is kept. Never written to the environment: an unknown key there
+    makes older torch fail at CUDA start-up."""
+    if PINNED_ROUND_KEY in os.environ.get("PYTORCH_ALLOC_CONF", ""):
+        return True
+    try:
+        torch.cuda.memory._set_allocator_settings(f"{PINNED_ROUND_KEY}:{threshold_mb}")
+    except (RuntimeError, ValueError):
+        return False
+    return True
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
