@@ -3,6 +3,7 @@ values, SGLang 0.5.23's config flattening, atomicity under SIGKILL, corrupt inpu
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,13 +12,14 @@ from dataclasses import replace
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from sglang_dsv41.convert import convert
-from sglang_dsv41.loader.fp4 import dequantize_fp4
 from sglang_dsv41.loader.conversion_logits import verify_logits
+from sglang_dsv41.loader.fp4 import dequantize_fp4
 from sglang_dsv41.loader.fp8 import dequantize_fp8_blocks, scale_shape
 from sglang_dsv41.loader.release_layout import is_dropped, normalize_v41_config, plan_conversion
-from sglang_dsv41.loader.shards import RawShardReader, checkpoint_files
+from sglang_dsv41.loader.shards import INDEX_FILE, RawShardReader, checkpoint_files
 from sglang_dsv41.model.dsv4 import get_preset
 from sglang_dsv41.tools.make_checkpoint import make_checkpoint
 from tests.sglang_cpu import import_sglang
@@ -103,7 +105,6 @@ def test_config_flattened_as_sglang_and_loads(release, tmp_path):
 
 
 def test_corrupt_inputs_name_file_or_tensor(release, tmp_path):
-    import shutil
     bad = tmp_path / "bad"
     shutil.copytree(release, bad)
     shard = sorted(f for f in os.listdir(bad) if f.endswith(".safetensors"))[0]
@@ -142,8 +143,6 @@ def test_sigkill_leaves_no_dst(release, tmp_path):
 
 
 def test_logit_check_fails_on_a_wrong_dst(release, tmp_path):
-    from safetensors.torch import save_file
-
     dst = tmp_path / "bf16"
     convert(str(release), str(dst), progress=False)
     plan = plan_conversion(str(release))
@@ -185,21 +184,16 @@ def test_engram_wkv_scale_dequantizes_and_the_table_scale_stays(release, tmp_pat
             continue
         sglang_scale = remap(name).endswith(".weight_scale_inv")
         assert sglang_scale == (name not in kinds), name
-    out = read_all(tmp_path / "bf16") if (tmp_path / "bf16").exists() else None
-    if out is None:
-        convert(str(release), str(tmp_path / "bf16"), progress=False)
-        out = read_all(tmp_path / "bf16")
+    convert(str(release), str(tmp_path / "bf16"), progress=False)
+    out = read_all(tmp_path / "bf16")
     assert wkv + ".scale" not in out and out[wkv + ".weight"].dtype == torch.bfloat16
     assert torch.equal(out[wkv + ".weight"], dequantize_fp8_blocks(
         src[wkv + ".weight"], src[wkv + ".scale"], (32, 32)))
     assert torch.equal(out[table + ".scale"].view(torch.uint8), src[table + ".scale"].view(
         torch.uint8))
     # A release whose wkv lost its scale is refused, naming the tensor.
-    import shutil
     bad = tmp_path / "noscale"
     shutil.copytree(release, bad)
-    from safetensors.torch import save_file
-    from sglang_dsv41.loader.shards import INDEX_FILE
     index = json.load(open(bad / INDEX_FILE))
     file = index["weight_map"].pop(wkv + ".scale")
     json.dump(index, open(bad / INDEX_FILE, "w"))
