@@ -1,5 +1,8 @@
-"""FSDP2 policy on 2 gloo ranks vs the unsharded model in one process: logprobs, R3 replay, sink
-gradients (reduced like every other gradient, equal on both ranks, fp32), uneven micro-batches."""
+"""FSDP2 policy on 2 gloo ranks vs the unsharded real tiny model (every V4.1 layer kind, Engram,
+hash-routed layers) in one process: logprobs, R3 replay of ids and weights on the top-k layers,
+hash layers routed from tid2eid, every gradient (sinks, mHC, compressors, indexers, experts,
+Engram wkv), fp32 groups, frozen tables outside the optimizer and the weight push, uneven
+micro-batches."""
 
 from __future__ import annotations
 
@@ -10,29 +13,24 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from sglang_dsv41.loader.checkpoint import load_model
-from sglang_dsv41.model import ForwardContext
+from sglang_dsv41.model.dsv4.context import DSV4Context
 from sglang_dsv41.server_process import free_port
 from trainer_bridge.batch import Sample, pack
 
 pytestmark = pytest.mark.timeout(180)
 WORLD = 2
+PRESET = "tiny"
 
 
 def rank_samples(model, rank: int) -> list[Sample]:
     """Two samples per rank with the unsharded model's own routing recorded (as the server's)."""
+    from trainer_local_sampler import recorded_routing
+
     gen = torch.Generator().manual_seed(100 + rank)
     out = []
-    for n in (9, 12):
+    for n in (21, 30):  # past the window (16) and several compression blocks
         toks = torch.randint(0, 256, (n,), generator=gen).tolist()
-        ctx = ForwardContext.packed([n], record_routing=True)
-        with torch.no_grad():
-            model(torch.tensor(toks), ctx)
-        cfg = model.config
-        ids = np.full((n - 1, cfg.num_hidden_layers, cfg.num_experts_per_tok), -1, np.int32)
-        w = np.zeros(ids.shape, np.float32)
-        for layer, (i, wt) in ctx.routed.items():
-            ids[:, layer], w[:, layer] = i[:-1].numpy(), wt[:-1].numpy()
+        ids, w = recorded_routing(model, toks)
         s = Sample(toks, [0] * 4 + [1] * (n - 4), [0.0] * n, 1.0, 0, routed_experts=ids,
                    routed_weights=w)
         s.advantage = 1.0 if rank == 0 else -0.5
@@ -40,42 +38,57 @@ def rank_samples(model, rank: int) -> list[Sample]:
     return out
 
 
+def full(t):
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().numpy().copy()
+
+
 def worker(rank: int, port: int, queue) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(WORLD))
     torch.set_num_threads(1)
-    from torch.distributed.tensor import DTensor
-
-    from trainer_bridge.config import ModelConfig
+    from trainer_bridge.config import ModelConfig, OptimConfig
     from trainer_bridge.dist import close_distributed, init_distributed
-    from trainer_bridge.policy import build_policy
+    from trainer_bridge.policy import build_policy, load_policy_model
+    from trainer_bridge.schedule import build_optimizer
+    from trainer_bridge.weight_sync import full_state_dict, pushed_tensors, served_dtypes
 
     try:
         info = init_distributed(torch.device("cpu"))
-        policy = build_policy(ModelConfig(model_path="tiny"), info.mesh, torch.device("cpu"))
-        samples = rank_samples(load_model("tiny", dtype=torch.float32), rank)
-        # Rank 0 runs both samples in one micro-batch; rank 1 one per micro-batch.
-        mbs = ([pack(samples, policy.moe_layers, True), pack([], policy.moe_layers, True, 2)]
-               if rank == 0 else [pack([s], policy.moe_layers, True) for s in samples])
+        policy = build_policy(ModelConfig(model_path=PRESET), info.mesh, torch.device("cpu"))
+        samples = rank_samples(load_policy_model(PRESET), rank)
+        layers, top_k = policy.routed_layers, policy.config.num_experts_per_tok
+        # Rank 0 runs both samples in one micro-batch plus a dummy; rank 1 one per micro-batch.
+        mbs = ([pack(samples, layers, True, top_k), pack([], layers, True, top_k)]
+               if rank == 0 else [pack([s], layers, True, top_k) for s in samples])
         logps, routed_ok = [], True
         for mb in mbs:
             out = policy.forward(mb, replay=True, record_routing=True)
-            if mb.routing:
-                for layer, (ids, w) in mb.routing.items():
-                    routed_ok &= torch.equal(out.routed[layer][0].cpu(), ids)
-                    routed_ok &= torch.equal(out.routed[layer][1].cpu(), w)
+            # The server routed every position but each sequence's last.
+            rows = torch.ones(mb.input_ids.shape[0], dtype=torch.bool)
+            rows[torch.tensor(mb.seq_lens).cumsum(0) - 1] = False
+            for layer, (ids, w) in (mb.routing.items() if mb.num_samples else ()):
+                # replayed on top-k layers, from tid2eid on hash layers (as the server did)
+                got_ids, got_w = (t.cpu()[rows] for t in out.routed[layer])
+                routed_ok &= torch.equal(got_ids.long(), ids[rows].long())
+                if layer in policy.replayed_layers:
+                    routed_ok &= torch.equal(got_w, w[rows])
             (-(out.logprobs * mb.advantages * mb.loss_mask).sum()).backward()
             logps.append(out.logprobs.detach().numpy())
-        sinks = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).numpy()
-                 for n, p in policy.model.named_parameters() if n.endswith("sinks")}
-        dtypes = {n: (str(p.dtype), str(p.grad.dtype)) for n, p in policy.model.named_parameters()
-                  if n.endswith("sinks")}
-        queue.put((rank, logps, routed_ok, sinks, dtypes))
+        grads = {n: full(p.grad) for n, p in policy.model.named_parameters()
+                 if p.grad is not None}
+        dtypes = {n: str(p.dtype) for n, p in policy.model.named_parameters()}
+        trainable = [n for n, _ in policy.trainable_parameters()]
+        opt, _ = build_optimizer(policy, OptimConfig(), 4)
+        in_opt = sum(len(g["params"]) for g in opt.param_groups)
+        state = full_state_dict(policy.model)
+        pushed = {n: (str(t.dtype), str(served_dtypes(policy.model, torch.bfloat16)[n]))
+                  for n, t in pushed_tensors(state)} if rank == 0 else {}
+        queue.put((rank, logps, routed_ok, grads, dtypes, trainable, in_opt, pushed))
         close_distributed()
-    except Exception as e:  # report instead of hanging the parent
+    except Exception:  # report instead of hanging the parent
         import traceback
 
-        queue.put((rank, "error", traceback.format_exc(), str(e), None))
+        queue.put((rank, "error", traceback.format_exc()))
 
 
 def collect(queue, procs, count: int, timeout: float) -> list:
@@ -94,7 +107,8 @@ def collect(queue, procs, count: int, timeout: float) -> list:
     return out
 
 
-def test_fsdp_policy_matches_unsharded_model():
+@pytest.fixture(scope="module")
+def results():
     port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -102,31 +116,68 @@ def test_fsdp_policy_matches_unsharded_model():
     for p in procs:
         p.start()
     try:
-        results = sorted(collect(queue, procs, WORLD, timeout=150), key=lambda r: r[0])
+        out = sorted(collect(queue, procs, WORLD, timeout=150), key=lambda r: r[0])
     finally:
         for p in procs:
             p.join(10)
             if p.is_alive():
                 p.kill()
-    for r in results:
+    for r in out:
         assert r[1] != "error", r[2]
+    return out
 
-    model = load_model("tiny", dtype=torch.float32)
+
+def test_fsdp_policy_matches_unsharded_model(results):
+    from trainer_bridge.parallelize import server_param_name
+    from trainer_bridge.policy import load_policy_model
+
+    model = load_policy_model(PRESET)
     total = 0
-    for rank, logps, routed_ok, _, _ in results:
-        assert routed_ok, f"rank {rank}: replayed routing differs from the recorded one"
-        samples = rank_samples(model, rank)
-        mb = pack(samples, [], False)
-        hidden = model(mb.input_ids, ForwardContext.packed(mb.seq_lens))
-        ref = model.token_logprobs(hidden[mb.hidden_index], mb.targets)
+    for rank, logps, routed_ok, *_ in results:
+        assert routed_ok, f"rank {rank}: routing differs from the server's"
+        layers = list(range(model.cfg.num_hidden_layers))
+        mb = pack(rank_samples(model, rank), layers, True, model.cfg.num_experts_per_tok)
+        # R3 semantics: the replayed weights are constants (no gradient through the router).
+        replay = {k: v for k, v in mb.routing.items() if not model.cfg.is_hash_layer(k)}
+        ctx = DSV4Context.packed(mb.seq_lens, serving_numerics=True, routing_replay=replay)
+        ref = model(mb.input_ids, ctx)[mb.hidden_index].log_softmax(-1).gather(
+            1, mb.targets[:, None]).squeeze(1)
         got = logps[0] if rank == 0 else np.concatenate(logps)  # rank 0: samples + a dummy
         assert np.abs(ref.detach().numpy() - got).max() < 1e-5
         total = total - (ref * mb.advantages * mb.loss_mask).sum()
     (total / WORLD).backward()  # FSDP averages gradients over ranks
-    sinks0, sinks1 = results[0][3], results[1][3]
-    assert len(sinks0) == model.config.num_hidden_layers
-    for name, g in sinks0.items():
-        assert np.array_equal(g, sinks1[name]), f"{name}: sink gradients differ across ranks"
-        ref = model.get_parameter(name.replace(".sink_holder.sinks", ".sinks")).grad.numpy()
-        assert np.abs(g - ref).max() < 1e-5 and np.abs(g).max() > 0
-        assert results[0][4][name] == ("torch.float32", "torch.float32")
+    grads0, grads1 = results[0][3], results[1][3]
+    assert set(grads0) == set(grads1)
+    params = dict(model.named_parameters())
+    # The router is frozen; every other parameter has a gradient on every rank (zero where the
+    # math gives none, e.g. the indexers, which only select).
+    assert {server_param_name(n) for n in grads0} == {
+        n for n in params if not n.endswith("ffn.gate.weight")}
+    assert sum(p.grad is not None for p in params.values()) > 0.8 * len(grads0)
+    for name, g in grads0.items():
+        ref = params[server_param_name(name)].grad
+        want = np.zeros_like(g) if ref is None else ref.numpy()
+        assert np.array_equal(g, grads1[name]), f"{name}: gradients differ across ranks"
+        scale = max(np.abs(want).max(), 1e-6)
+        assert np.abs(g - want).max() <= 1e-4 * scale + 1e-7, name
+    assert any(".engram.wkv." in n for n in grads0)
+
+
+def test_fp32_groups_frozen_tables_and_weight_push(results):
+    from trainer_bridge.policy import load_policy_model
+
+    _, _, _, _, dtypes, trainable, in_opt, pushed = results[0]
+    model = load_policy_model(PRESET)
+    sinks = [n for n in dtypes if n.endswith("attn_sink")]
+    mhc = [n for n in dtypes if ".hc_" in n or n.startswith("fp32_params.hc_")]
+    assert len(sinks) == model.cfg.num_hidden_layers and len(mhc) == 6 * len(sinks)
+    assert all(dtypes[n] == "torch.float32" for n in dtypes)  # fp32 master weights everywhere
+    assert not [n for n in trainable if n.endswith("ffn.gate.weight")], "router must be frozen"
+    assert in_opt == len(trainable)
+    # Pushed under SGLang's flat names: everything the model holds but the frozen tables.
+    tables = {n for n in model.state_dict() if ".engram.embed." in n or n.endswith("tid2eid")}
+    assert tables and any(n.endswith("tid2eid") for n in tables)
+    assert set(pushed) == set(model.state_dict()) - tables
+    assert pushed["layers.0.attn.attn_sink"] == ("torch.float32", "torch.float32")
+    assert pushed["layers.3.hc_ffn_fn"][1] == "torch.float32"
+    assert pushed["layers.3.ffn.experts.0.w1.weight"][1] == "torch.bfloat16"

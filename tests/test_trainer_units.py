@@ -14,7 +14,9 @@ from trainer_bridge.batch import Sample, pack, split_by_token_budget
 from trainer_bridge.config import LossConfig, load_config
 from trainer_bridge.envs import make_env
 from trainer_bridge.loss import compute_advantages, k3_kl, ppo_loss
+from trainer_bridge.parallelize import is_fp32_param, is_frozen_table, server_param_name
 from trainer_bridge.schedule import SinkWarmupLR
+from trainer_bridge.trainer import routing_agreement
 
 
 def sample(reward=0.0, group=0, n=6, gen=3, routed=None):
@@ -36,6 +38,35 @@ def test_config_overrides_and_errors(tmp_path):
             load_config("tiny", None, [bad])
     with pytest.raises(ValueError, match="unknown preset"):
         load_config("huge", None, [])
+    with pytest.raises(ValueError, match="could not be converted"):
+        load_config("tiny", None, ["steps=many"])
+    assert load_config("tiny", None, ["rollout.server_urls=[http://h:1]"]).rollout.server_urls \
+        == ["http://h:1"]
+
+
+def test_parameter_roles_and_sglang_names():
+    assert server_param_name("layers.3.attn.fp32_params.attn_sink") == "layers.3.attn.attn_sink"
+    assert server_param_name("fp32_params.hc_head_fn") == "hc_head_fn"
+    assert server_param_name("layers.0.fp32_params.hc_ffn_base") == "layers.0.hc_ffn_base"
+    assert is_fp32_param("layers.0.attn.attn_sink") and is_fp32_param("layers.2.hc_attn_scale")
+    assert not is_fp32_param("layers.0.attn.wq_a.weight")
+    assert is_frozen_table("layers.1.engram.embed.weight")
+    assert is_frozen_table("layers.1.engram.embed.scale")
+    assert is_frozen_table("layers.0.ffn.gate.tid2eid")
+    assert not is_frozen_table("layers.1.engram.wkv.weight")
+    assert not is_frozen_table("layers.4.ffn.gate.bias")
+
+
+def test_routing_agreement_counts_sets_per_layer_and_skips_last_positions():
+    r = np.zeros((5, 2, 2), np.int32)
+    r[:, 0] = [[1, 2]] * 5
+    r[:, 1] = [[3, 4]] * 5
+    mb = pack([sample(routed=r)], [0, 1], True)
+    own = {0: (torch.tensor([[2, 1]] * 5 + [[7, 7]]), None),   # same set, other order; the
+           1: (torch.tensor([[3, 4]] * 3 + [[3, 5]] * 3), None)}  # last row is never compared
+    got = routing_agreement(own, mb, [0, 1])
+    assert got.tolist() == [[5.0, 5.0], [3.0, 5.0]]
+    assert routing_agreement({0: own[0]}, mb, [0, 1]).tolist() == [[5.0, 5.0], [0.0, 0.0]]
 
 
 def test_grpo_and_ppo_advantages():
@@ -91,7 +122,7 @@ def test_pack_aligns_targets_masks_and_routing():
     r = np.arange(5 * 4 * 2, dtype=np.int32).reshape(5, 4, 2) % 8
     a, b = sample(1.0, n=6, routed=r), sample(0.0, n=4, gen=2, routed=r[:3])
     a.advantage, b.advantage = 2.0, -1.0
-    mb = pack([a, b], moe_layers=[1, 2], use_routing=True)
+    mb = pack([a, b], routed_layers=[1, 2], use_routing=True)
     assert mb.input_ids.tolist() == list(range(6)) + list(range(4))
     assert mb.hidden_index.tolist() == [0, 1, 2, 3, 4, 6, 7, 8]
     assert mb.targets.tolist() == [1, 2, 3, 4, 5, 1, 2, 3]
@@ -102,6 +133,8 @@ def test_pack_aligns_targets_masks_and_routing():
     assert ids[:5].tolist() == r[:, 1].tolist() and ids[5].tolist() == r[4, 1].tolist()
     with pytest.raises(ValueError, match="-1 rows"):
         pack([sample(routed=np.full((5, 4, 2), -1, np.int32))], [1], True)
+    with pytest.raises(ValueError, match="expected \\[positions"):
+        pack([sample(routed=r)], [4], True)  # the server returned 4 layers, layer 4 asked
     dummy = pack([], [1], True)
     assert dummy.num_samples == 0 and dummy.num_loss_tokens == 0
     assert [len(g) for g in split_by_token_budget([a, b, a], budget=10)] == [2, 1]

@@ -17,8 +17,9 @@ class Sample:
     rollout_logprobs: list[float]     # the server's logprob of each generated token, else 0
     reward: float
     group_id: int                     # GRPO: samples of one prompt share a group
-    # R3: the server's routing of positions 0..len-2, [len-1, num_layers, top_k]; -1 rows for
-    # dense layers. None when the server did not return it.
+    # R3: the server's routing of positions 0..len-2, [len-1, num_layers, top_k] (every V4 layer
+    # is routed: hash layers by tid2eid, the others by top-k). None when the server did not
+    # return it.
     routed_experts: np.ndarray | None = None
     routed_weights: np.ndarray | None = None
     prompt_tokens: int = 0            # summed over the episode's requests
@@ -84,17 +85,17 @@ class MicroBatch:
         return int(self.loss_mask.sum().item())
 
 
-def pack(samples: list[Sample], moe_layers: list[int], use_routing: bool, top_k: int = 1
+def pack(samples: list[Sample], routed_layers: list[int], use_routing: bool, top_k: int = 1
          ) -> MicroBatch:
     """Packs samples; an empty list gives a 2-token dummy with an all-zero mask (the micro-batch
     a rank runs when it has fewer than the others: every rank issues the same number of calls)."""
     if not samples:
         # With R3 the dummy replays a routing too: a rank whose router ran while the others
         # replayed would all-gather the router's FSDP group alone.
-        ids = np.tile(np.arange(top_k, dtype=np.int32), (1, max(moe_layers, default=0) + 1, 1))
+        ids = np.tile(np.arange(top_k, dtype=np.int32), (1, max(routed_layers, default=0) + 1, 1))
         dummy = Sample([0, 0], [0, 0], [0.0, 0.0], 0.0, -1, routed_experts=ids,
                        routed_weights=np.full(ids.shape, 1.0 / top_k, np.float32))
-        mb = pack([dummy], moe_layers, use_routing, top_k)
+        mb = pack([dummy], routed_layers, use_routing, top_k)
         mb.num_samples = 0
         return mb
     ids, hidden_index, targets, mask, adv, rlp = [], [], [], [], [], []
@@ -109,16 +110,23 @@ def pack(samples: list[Sample], moe_layers: list[int], use_routing: bool, top_k:
         rlp += s.rollout_logprobs[1:]
         start += n
     routing = None
-    if use_routing and moe_layers:
+    if use_routing and routed_layers:
         if any(s.routed_experts is None or s.routed_weights is None for s in samples):
             raise ValueError("R3 is on but a sample has no routed experts/weights from the server")
+        for s in samples:
+            if (s.routed_experts.ndim != 3 or s.routed_experts.shape[1] <= max(routed_layers)
+                    or s.routed_weights.shape != s.routed_experts.shape):
+                raise ValueError(f"the server's routing has shape {s.routed_experts.shape} "
+                                 f"(weights {s.routed_weights.shape}); expected [positions, "
+                                 f">{max(routed_layers)} layers, top_k] for both")
         routing = {}
-        for layer in moe_layers:
+        for layer in routed_layers:
             per_ids, per_w = [], []
             for s in samples:
                 e, w = s.routed_experts[:, layer], s.routed_weights[:, layer]
                 if (e < 0).any():
-                    raise ValueError(f"layer {layer} is MoE but the server's routing has -1 rows")
+                    raise ValueError(f"layer {layer} is routed but the server's routing has "
+                                     "-1 rows")
                 # The last position is never forwarded by the server and predicts nothing.
                 per_ids.append(np.concatenate([e, e[-1:]]))
                 per_w.append(np.concatenate([w, w[-1:]]))

@@ -1,6 +1,9 @@
 """Checkpoints that resume exactly: sharded model + optimizer state through
 torch.distributed.checkpoint, plus the LR schedule, the data position and every rank's RNG.
 
+The frozen tables (Engram, tid2eid) are not written: they come from the base checkpoint, and a
+V4.1-Flash Engram table alone is ~95 GiB.
+
 Layout: ``<dir>/step-000042/`` (DCP files, ``trainer_state.pt``, ``rng_rank<r>.pt``) written as
 ``<dir>/.step-000042.tmp`` and renamed once every rank has finished; then ``<dir>/latest`` is
 replaced atomically. A crash mid-save leaves only a ``.tmp`` directory, which is never loaded.
@@ -17,7 +20,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_state_dict)
+
+from .parallelize import is_frozen_table
 
 LATEST = "latest"
 
@@ -55,7 +61,7 @@ def save_checkpoint(root: str, step: int, model: torch.nn.Module, optimizer: tor
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = _trained_state(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
     torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
     if rank == 0:
@@ -101,16 +107,25 @@ def _complete(path: str) -> bool:
         os.path.join(path, ".metadata"))
 
 
+def _trained_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {k: v for k, v in model_sd.items() if not is_frozen_table(k)}, optim_sd
+
+
 def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     rank: int) -> dict[str, Any]:
     """Collective. Restores model, optimizer and this rank's RNG; returns the trainer state."""
     if not _complete(path):
         raise ValueError(f"{path} is not a complete checkpoint")
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = _trained_state(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+    missing = set_state_dict(model, optimizer, model_state_dict=state["model"],
+                             optim_state_dict=state["optim"],
+                             options=StateDictOptions(strict=False)).missing_keys
+    unexpected = [k for k in missing if not is_frozen_table(k)]
+    if unexpected:
+        raise ValueError(f"{path}: the model state lacks {unexpected[:5]}")
     rng_file = os.path.join(path, f"rng_rank{rank}.pt")
     if not os.path.isfile(rng_file):
         raise ValueError(f"{path} has no RNG state for rank {rank} (saved with fewer ranks?)")

@@ -1,16 +1,19 @@
 """TrainConfig: every knob of the trainer bridge, nested by component, plus the recipes.
 
 Recipes are functions returning a config (``tiny()`` is the debug flavour every test uses). A
-YAML file and ``section.field=value`` overrides are applied on top; unknown keys are errors.
+YAML file and ``section.field=value`` overrides are merged on top as OmegaConf structured
+configs (types checked, unknown keys refused), then ``__post_init__`` validates the values.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from .optimizer_offload import OFFLOAD_MODES
 
 
 @dataclass(kw_only=True)
@@ -26,6 +29,9 @@ class ModelConfig:
     # Also route with the trainer's own router and report the agreement with the server's
     # routing (one extra no-grad forward per micro-batch).
     check_routing: bool = False
+    # Compute what SGLang computes where it differs from plain math (V4.1's FP4-rounded indexer
+    # queries/keys and compressed KV; straight-through in the backward).
+    serving_numerics: bool = True
     # dtype the engines serve (weights are cast to it before a sync); auto: ask /get_model_info,
     # float32 when the engine does not say
     served_dtype: str = "auto"
@@ -88,8 +94,15 @@ class OptimConfig:
     warmup_steps: int = 0
     sink_frozen_frac: float = 0.1       # sinks frozen for this fraction of the steps,
     sink_ramp_frac: float = 0.4         # then their LR ramps linearly over this fraction
+    # none: Adam state on the device; fsdp: FSDP2 CPUOffloadPolicy (shards, grads and state on
+    # the host); chunked: state on the host, streamed through one pinned buffer of
+    # offload_chunk_mb (trainer_bridge/optimizer_offload.py)
+    optimizer_offload: str = "none"
+    offload_chunk_mb: float = 64.0
 
     def __post_init__(self) -> None:
+        _choice("optim.optimizer_offload", self.optimizer_offload, OFFLOAD_MODES)
+        _positive("optim", self, "offload_chunk_mb")
         if not (0 <= self.sink_frozen_frac and 0 <= self.sink_ramp_frac
                 and self.sink_frozen_frac + self.sink_ramp_frac <= 1):
             raise ValueError("optim.sink_frozen_frac and sink_ramp_frac must be >= 0 and sum <= 1")
@@ -150,57 +163,22 @@ def get_recipe(name: str) -> TrainConfig:
     return RECIPES[name]()
 
 
-def apply_overrides(cfg: TrainConfig, values: dict[str, Any]) -> TrainConfig:
-    """Nested dict / dotted keys -> a new validated config. Unknown keys raise ValueError."""
-    data = dataclasses.asdict(cfg)
-    for key, value in _flatten(values).items():
-        node, parts = data, key.split(".")
-        for p in parts[:-1]:
-            if not isinstance(node.get(p), dict):
-                raise ValueError(f"unknown config key {key!r}")
-            node = node[p]
-        if parts[-1] not in node:
-            raise ValueError(f"unknown config key {key!r}")
-        node[parts[-1]] = value
-    return _build(TrainConfig, data)
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    if "=" not in text:
-        raise ValueError(f"override {text!r} is not key=value")
-    key, raw = text.split("=", 1)
-    return key.strip(), yaml.safe_load(raw)
-
-
 def load_config(preset: str | None, config_file: str | None, overrides: list[str]) -> TrainConfig:
-    cfg = get_recipe(preset or "tiny")
-    if config_file:
-        with open(config_file) as f:
-            cfg = apply_overrides(cfg, yaml.safe_load(f) or {})
-    return apply_overrides(cfg, dict(parse_override(o) for o in overrides))
-
-
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and key.split(".")[-1] != "env_args":
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
-def _build(cls, data: dict[str, Any]):
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        v = data[f.name]
-        if dataclasses.is_dataclass(f.default_factory() if callable(f.default_factory) else None):
-            v = _build(type(f.default_factory()), v)
-        elif f.name == "betas":
-            v = tuple(v)
-        kwargs[f.name] = v
-    return cls(**kwargs)
+    """The recipe, then the YAML file, then ``section.key=value`` overrides (YAML values)."""
+    base = OmegaConf.structured(get_recipe(preset or "tiny"))
+    layers = []
+    try:
+        if config_file:
+            layers.append(OmegaConf.load(config_file))
+        for text in overrides:
+            if "=" not in text:
+                raise ValueError(f"override {text!r} is not key=value")
+        layers.append(OmegaConf.from_dotlist(overrides))
+        return OmegaConf.to_object(OmegaConf.merge(base, *layers))
+    except ConfigKeyError as e:
+        raise ValueError(f"unknown config key {e.full_key!r}") from None
+    except OmegaConfBaseException as e:
+        raise ValueError(f"config: {str(e).splitlines()[0]} (key {e.full_key!r})") from None
 
 
 def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:

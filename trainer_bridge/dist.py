@@ -49,6 +49,14 @@ def all_reduce_scalar(value: float, op: str = "sum", device: torch.device | None
     return float(t.item())
 
 
+def all_reduce_tensor(t: torch.Tensor) -> torch.Tensor:
+    """Sum of a small CPU tensor over ranks (metrics only)."""
+    t = t.clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
 def broadcast_object(obj, src: int = 0):
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return obj

@@ -11,7 +11,7 @@ import torch
 
 from .batch import Sample, pack
 from .dist import all_reduce_scalar, on_primary
-from .parallelize import is_sink_param
+from .parallelize import is_fp32_param
 from .rollout import decode_routing
 from .trainer import Trainer
 
@@ -23,6 +23,9 @@ class DryRunLimits:
     max_mismatch_abs_logp: float = 0.05       # bf16 GPU stacks sit at 0.01-0.02
     max_roundtrip_abs_logp: float = 1e-3      # after a sync, fp32 CPU is ~1e-6
     max_growth_bytes_per_step: float = 64 << 20
+    # Hash layers route from tid2eid on both sides: anything below 1 is a wrong table or layer
+    # map. Top-k layers count too when model.check_routing is on.
+    min_routing_agreement: float = 1.0
 
 
 def run_dry_run(trainer: Trainer, limits: DryRunLimits | None = None) -> list[str]:
@@ -43,18 +46,21 @@ def run_dry_run(trainer: Trainer, limits: DryRunLimits | None = None) -> list[st
         if not r["mismatch_abs_logp"] <= limits.max_mismatch_abs_logp:
             failures.append(f"step {i}: train-inference mismatch mean |dlogp| "
                             f"{r['mismatch_abs_logp']:.3g} > {limits.max_mismatch_abs_logp}")
+        worst = r.get("routing_agreement_min_layer")
+        if worst is not None and not worst >= limits.min_routing_agreement:
+            failures.append(f"step {i}: routing agreement with the server {worst:.4f} on the "
+                            f"worst layer < {limits.min_routing_agreement}")
     sinks = trainer.sink_grads()
-    if trainer.policy.config.use_attention_sinks:
-        norm = math.sqrt(sum(float(g.pow(2).sum()) for g in sinks.values()))
-        if not sinks or not math.isfinite(norm) or norm == 0.0:
-            failures.append(f"sink gradients are missing, zero or not finite (norm {norm})")
-        spread = all_reduce_scalar(norm, "max") - all_reduce_scalar(norm, "min")
-        if spread != 0.0:
-            failures.append(f"sink gradient norms differ across FSDP ranks by {spread:.3g}")
-        bad = [n for n, p in trainer.policy.trainable_parameters()
-               if is_sink_param(n) and p.dtype != torch.float32]
-        if bad:
-            failures.append(f"sinks are not fp32: {bad}")
+    norm = math.sqrt(sum(float(g.pow(2).sum()) for g in sinks.values()))
+    if not sinks or not math.isfinite(norm) or norm == 0.0:
+        failures.append(f"sink gradients are missing, zero or not finite (norm {norm})")
+    spread = all_reduce_scalar(norm, "max") - all_reduce_scalar(norm, "min")
+    if spread != 0.0:
+        failures.append(f"sink gradient norms differ across FSDP ranks by {spread:.3g}")
+    bad = [n for n, p in trainer.policy.trainable_parameters()
+           if is_fp32_param(n) and p.dtype != torch.float32]
+    if bad:
+        failures.append(f"sinks / mHC parameters are not fp32: {bad}")
     if trainer.syncer is not None:
         err = roundtrip_error(trainer)
         if not err <= limits.max_roundtrip_abs_logp:
@@ -83,7 +89,7 @@ def roundtrip_error(trainer: Trainer) -> float:
                       routed_weights=decode_routing(meta, "routed_expert_weights", np.float32))
 
     sample = on_primary(probe)
-    mb = pack([sample], trainer.policy.moe_layers, trainer.cfg.model.r3,
+    mb = pack([sample], trainer.policy.routed_layers, trainer.cfg.model.r3,
               trainer.policy.config.num_experts_per_tok)
     with torch.no_grad():
         logp = trainer.policy.forward(mb, replay=trainer.cfg.model.r3).logprobs.cpu()

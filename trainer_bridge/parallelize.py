@@ -1,16 +1,21 @@
-"""parallelize_policy: FSDP2 for the reference model, which itself knows nothing of it.
+"""parallelize_policy: FSDP2 for DSV4ForCausalLM, which itself knows nothing of it.
 
-Groups (innermost first, every one a ``fully_shard`` call):
-- fp32 groups (param_dtype fp32): each RMSNorm, each MoE router, each layer's sinks, and the
-  final ``[norm, lm_head]`` when lm_head_fp32 is set;
-- one compute-dtype group per decoder layer (attention and MLP weights);
-- the root (embeddings, lm_head when it is not fp32).
+Groups (torchtitan's order: every decoder layer, then ``[norm, head, hc_head_*]``, root last):
+- per layer, fp32 groups (param_dtype fp32) for what must be computed in fp32: the MoE router
+  (``ffn.gate``: weight and its fp32 correction bias, frozen for RL), the mHC parameters
+  (``hc_attn_*``, ``hc_ffn_*``) and the attention sinks (``attn.attn_sink``);
+- one compute-dtype group per decoder layer for everything else (attention, compressors,
+  indexer, experts, Engram's wkv/q/k);
+- ``[norm, head, hc_head_*]`` in fp32 when lm_head_fp32 (RL needs an fp32 head), else the
+  compute dtype; the root (the embedding) last.
 Master weights are fp32 everywhere (a group needs one original dtype); the policy casts to the
-compute dtype for the forward and reduces gradients in fp32. Sinks are a bare parameter of the
-attention module, so they move into a ``SinkHolder`` child that gets its own fp32 group; a
-forward pre-hook hands the unsharded fp32 tensor back to the attention as ``attn.sinks``. They
-are never in ``ignored_params`` (that would skip their gradient reduction). Frozen Engram
-tables are ignored: not sharded, not reduced, never synced.
+compute dtype for the forward and reduces gradients in fp32. The sinks and mHC parameters are
+bare parameters of the attention, the layer and the model, so they move into an ``Fp32Params``
+child (``<owner>.fp32_params.<name>``) that is its own fp32 group; a forward pre-hook hands the
+unsharded fp32 tensors back to the owner under their own names. They are never in
+``ignored_params`` (that would skip their gradient reduction). Frozen tables (Engram's
+``engram.embed.*`` and ``ffn.gate.tid2eid``) are buffers: never sharded, never in the
+optimizer, never sent (weight_sync) and never checkpointed (checkpoint.py).
 """
 
 from __future__ import annotations
@@ -20,100 +25,130 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from sglang_dsv41.model import DSV41ForCausalLM, is_engram_table
-from sglang_dsv41.model.layers import MoE, RMSNorm, Router
+from sglang_dsv41.loader.weight_sync_group import parse_dtype
+from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM
 
-SINK_HOLDER = "sink_holder"
+from .optimizer_offload import offload_policy_for
 
-
-class SinkHolder(nn.Module):
-    """Owns an attention layer's sinks so FSDP can keep them in an fp32 group of their own."""
-
-    def __init__(self, sinks: nn.Parameter):
-        super().__init__()
-        self.sinks = sinks
-
-    def forward(self) -> torch.Tensor:
-        return self.sinks
-
-
-def _give_sinks(attn: nn.Module, args) -> None:
-    attn.__dict__["sinks"] = getattr(attn, SINK_HOLDER)()
-
-
-def _take_sinks(attn: nn.Module, args, output) -> None:
-    attn.__dict__.pop("sinks", None)
-
-
-def move_sinks_to_holders(model: nn.Module) -> int:
-    """Replace every ``attn.sinks`` parameter by ``attn.sink_holder.sinks``; returns the count."""
-    count = 0
-    for layer in model.model.layers:
-        attn = layer.self_attn
-        sinks = attn._parameters.get("sinks")
-        if sinks is None:
-            continue
-        del attn._parameters["sinks"]
-        attn.add_module(SINK_HOLDER, SinkHolder(sinks))
-        attn.register_forward_pre_hook(_give_sinks)
-        attn.register_forward_hook(_take_sinks)
-        count += 1
-    return count
-
-
-def _touch_every_expert(moe: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
-    # FSDP2 reduce-scatters the gradients of the parameters that have one; an expert that got no
-    # token on one rank but some on another would make the ranks' collectives disagree. A zero
-    # term gives every expert a (zero) gradient on every rank.
-    touch = sum(p.sum() for p in moe.experts.parameters() if p.requires_grad)
-    return output + 0.0 * touch if torch.is_tensor(touch) else output
-
-
-def server_param_name(name: str) -> str:
-    """Trainer parameter name -> the checkpoint/server name."""
-    return name.replace(f".{SINK_HOLDER}.sinks", ".sinks")
+FP32_HOLDER = "fp32_params"
 
 
 def is_sink_param(name: str) -> bool:
-    return name.endswith("sinks")
+    return name.endswith("attn_sink")
+
+
+def is_fp32_param(name: str) -> bool:
+    """Sinks and mHC parameters: kept and computed in fp32 whatever the compute dtype."""
+    leaf = name.rsplit(".", 1)[-1]
+    return is_sink_param(name) or leaf.startswith("hc_")
+
+
+def is_frozen_table(name: str) -> bool:
+    """Engram hash tables (fp8 + e8m0 scale) and the hash-routed layers' tid2eid: frozen
+    checkpoint data, not weights the trainer changes."""
+    return ".engram.embed." in name or name.endswith("tid2eid")
+
+
+def server_param_name(name: str) -> str:
+    """Trainer name -> SGLang 0.5.23's flat checkpoint name (the model's own state_dict name)."""
+    return name.replace(f"{FP32_HOLDER}.", "")
+
+
+class Fp32Params(nn.Module):
+    """Owns some bare parameters of its parent so FSDP can keep them in an fp32 group; calling
+    it (in the parent's pre-hook) unshards them and returns {name: unsharded parameter}."""
+
+    def forward(self) -> dict[str, torch.Tensor]:
+        return dict(self._parameters)
+
+
+def _give_params(owner: nn.Module, args) -> None:
+    owner.__dict__.update(getattr(owner, FP32_HOLDER)())
+
+
+def _take_params(owner: nn.Module, args, output) -> None:
+    for name in getattr(owner, FP32_HOLDER)._parameters:
+        owner.__dict__.pop(name, None)
+
+
+def move_fp32_params(owner: nn.Module) -> Fp32Params | None:
+    """Move the owner's direct sink/mHC parameters into ``owner.fp32_params``."""
+    names = [n for n in owner._parameters if is_fp32_param(n)]
+    if not names:
+        return None
+    holder = Fp32Params()
+    for n in names:
+        holder.register_parameter(n, owner._parameters.pop(n))
+    owner.add_module(FP32_HOLDER, holder)
+    # FSDP prepends its own pre-hook, so the root's lazy init runs before this one.
+    owner.register_forward_pre_hook(_give_params)
+    owner.register_forward_hook(_take_params)
+    return holder
+
+
+def _in_own_group(name: str) -> bool:
+    return not (name.startswith(f"{FP32_HOLDER}.") or f".{FP32_HOLDER}." in name
+                or name.startswith("ffn.gate."))
+
+
+def _touch_every_parameter(layer: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+    # FSDP2 reduce-scatters the gradients of the parameters that have one; an expert (or a
+    # compressor) that got no token on one rank but some on another would make the ranks'
+    # collectives disagree. A zero term gives every parameter of the layer's own group a
+    # gradient on every rank (this hook runs before FSDP reshards that group; the fp32 child
+    # groups are used on every rank anyway).
+    touch = [p.sum() for n, p in layer.named_parameters() if p.requires_grad and _in_own_group(n)]
+    if not touch:
+        return output
+    streams, *rest = output if isinstance(output, tuple) else (output,)  # (streams, mHC pre)
+    streams = streams + 0.0 * torch.stack(touch).sum().to(streams.dtype)
+    return (streams, *rest) if isinstance(output, tuple) else streams
 
 
 def compute_dtype_for(device: torch.device, requested: str = "auto") -> torch.dtype:
     if requested == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[requested]
+    return parse_dtype(requested)
 
 
-def parallelize_policy(model: DSV41ForCausalLM, mesh: DeviceMesh, *,
+def parallelize_policy(model: DSV4ForCausalLM, mesh: DeviceMesh, *,
                        compute_dtype: torch.dtype, lm_head_fp32: bool = True,
-                       reshard_after_forward: bool = True) -> DSV41ForCausalLM:
-    """Shard ``model`` (fp32 master weights, any device) in place over the 1-D ``mesh``."""
+                       reshard_after_forward: bool = True,
+                       optimizer_offload: str = "none") -> DSV4ForCausalLM:
+    """Shard ``model`` (fp32 master weights, any device) in place over the 1-D ``mesh``;
+    ``optimizer_offload="fsdp"`` gives every group FSDP2's CPUOffloadPolicy (shards and
+    gradients on the host), the other modes keep them on the mesh's device."""
     for name, p in model.named_parameters():
         if p.requires_grad and p.dtype != torch.float32:
             raise ValueError(f"parameter {name} is {p.dtype}: build the trainer's model in fp32 "
                              "(master weights); the compute dtype comes from the FSDP policy")
-    move_sinks_to_holders(model)
-    for layer in model.model.layers:
-        if isinstance(layer.mlp, MoE):
-            layer.mlp.register_forward_hook(_touch_every_expert)
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
                                 cast_forward_inputs=False)
+    # The router's input arrives in the compute dtype: its logits are computed in fp32.
+    router = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                  cast_forward_inputs=True)
     low = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
                                cast_forward_inputs=False)
-    engram = {p for n, p in model.named_parameters() if is_engram_table(n)}
-    kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
-    for layer in model.model.layers:
-        for mod in layer.modules():
-            if isinstance(mod, (RMSNorm, Router)) and mod is not model.model.norm:
-                fully_shard(mod, mp_policy=fp32, **kw)
-            elif isinstance(mod, SinkHolder):
-                # Called in a pre-hook, used through the attention forward and backward: keep it
-                # unsharded until its post-backward (the root's final callback) reshards it.
-                fully_shard(mod, mp_policy=fp32, mesh=mesh, reshard_after_forward=False)
-        fully_shard(layer, mp_policy=low, ignored_params=engram & set(layer.parameters()), **kw)
+    offload = offload_policy_for(optimizer_offload, torch.device(mesh.device_type))
+    kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=offload)
+    # Called in a pre-hook, used through the owner's forward and backward: a holder stays
+    # unsharded until its post-backward (the root's final callback) reshards it.
+    held = dict(mesh=mesh, reshard_after_forward=False, offload_policy=offload)
+    for layer in model.layers:
+        for owner in (layer, layer.attn):
+            holder = move_fp32_params(owner)
+            if holder is not None:
+                fully_shard(holder, mp_policy=fp32, **held)
+        fully_shard(layer.ffn.gate, mp_policy=router, **kw)
+        layer.register_forward_hook(_touch_every_parameter)
+        fully_shard(layer, mp_policy=low, **kw)
+    hc_head = move_fp32_params(model)  # V4's hc_head_*; V4.1 has none (mhc_combine)
+    extra = [hc_head] if hc_head is not None else []
     if lm_head_fp32:
-        fully_shard([model.model.norm, model.lm_head], mp_policy=fp32, **kw)
+        fully_shard([model.norm, model.head, *extra], mp_policy=fp32, **held)
     else:
-        fully_shard(model.model.norm, mp_policy=fp32, **kw)
-    fully_shard(model, mp_policy=low, ignored_params=engram, **kw)
+        if extra:
+            fully_shard(hc_head, mp_policy=fp32, **held)
+        fully_shard([model.norm, model.head], mp_policy=low, **held)
+    fully_shard(model, mp_policy=low, **kw)
     return model

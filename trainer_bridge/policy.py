@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
+from collections.abc import MutableMapping
 from dataclasses import dataclass
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from sglang_dsv41.loader.checkpoint import ensure_checkpoint, load_model
-from sglang_dsv41.model import DSV41ForCausalLM, ForwardContext
+from sglang_dsv41.loader.serving import load_serving_model
+from sglang_dsv41.model.dsv4.context import DSV4Context
+from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM
 
 from .batch import MicroBatch
 from .config import ModelConfig
@@ -31,21 +34,53 @@ def resolve_device(requested: str) -> torch.device:
     return torch.device("cpu")
 
 
+def load_policy_model(model_path: str) -> DSV4ForCausalLM:
+    """The weights the server serves for ``model_path`` (a preset or a checkpoint directory),
+    in fp32 on the CPU: the trainer's master weights."""
+    return load_serving_model(model_path, torch.float32, "cpu").train()
+
+
 def build_policy(cfg: ModelConfig, mesh: DeviceMesh, device: torch.device, *,
-                 trainable: bool = True) -> "Policy":
-    """Loads the checkpoint the server serves (fp32 master weights) and shards it. The routing
-    bias is always frozen (the model builds it so); the router gate when cfg.freeze_router."""
-    path = ensure_checkpoint(cfg.model_path, cfg.checkpoint_cache_dir)
-    model = load_model(path, dtype=torch.float32, device="cpu")
+                 trainable: bool = True, optimizer_offload: str = "none") -> "Policy":
+    """Loads the checkpoint the server serves (fp32 master weights) and shards it. The router
+    gate is frozen when cfg.freeze_router (its correction bias and the frozen tables are
+    buffers, never trained)."""
+    model = load_policy_model(cfg.model_path)
     for name, p in model.named_parameters():
-        if not trainable or (cfg.freeze_router and name.endswith("mlp.gate.weight")):
+        if not trainable or (cfg.freeze_router and name.endswith("ffn.gate.weight")):
             p.requires_grad_(False)
     model.to(device)
     compute_dtype = compute_dtype_for(device, cfg.compute_dtype)
-    parallelize_policy(model, mesh, compute_dtype=compute_dtype, lm_head_fp32=cfg.lm_head_fp32)
+    parallelize_policy(model, mesh, compute_dtype=compute_dtype, lm_head_fp32=cfg.lm_head_fp32,
+                       optimizer_offload=optimizer_offload)
     if not trainable:
         model.eval()
-    return Policy(model, path, device, torch.float32 if cfg.lm_head_fp32 else compute_dtype)
+    return Policy(model, cfg.model_path, device, serving_numerics=cfg.serving_numerics)
+
+
+class ForwardState(MutableMapping):
+    """``DSV4Context.shared`` for a sharded forward: a mapping FSDP2 does not look into. Its
+    hooks rebuild every dict and dataclass among a module's inputs that holds a tensor requiring
+    grad (torch 2.13 ``replace_grad_tensors``), so a plain dict would give each decoder layer its
+    own copy, and V4.1's ratio-1/2 layers would not see their kv/index source's entries."""
+
+    def __init__(self) -> None:
+        self._items: dict[Any, Any] = {}
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._items[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._items[key] = value
+
+    def __delitem__(self, key: Any) -> None:
+        del self._items[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 @dataclass
@@ -55,30 +90,38 @@ class ForwardOut:
 
 
 class Policy:
-    def __init__(self, model: DSV41ForCausalLM, checkpoint_dir: str, device: torch.device,
-                 head_dtype: torch.dtype, attention_backend: str | None = None):
-        self.model, self.checkpoint_dir, self.device = model, checkpoint_dir, device
-        self.head_dtype, self.attention_backend = head_dtype, attention_backend
-        self.config = model.config
+    def __init__(self, model: DSV4ForCausalLM, model_path: str, device: torch.device, *,
+                 attention_backend: str | None = None, serving_numerics: bool = False):
+        self.model, self.model_path, self.device = model, model_path, device
+        self.attention_backend, self.serving_numerics = attention_backend, serving_numerics
+        self.config = model.cfg
 
     @property
-    def moe_layers(self) -> list[int]:
-        return [i for i in range(self.config.num_hidden_layers) if self.config.is_moe_layer(i)]
+    def routed_layers(self) -> list[int]:
+        """Every V4 layer is MoE: hash-routed (tid2eid) or top-k routed."""
+        return list(range(self.config.num_hidden_layers))
+
+    @property
+    def replayed_layers(self) -> list[int]:
+        """R3 replays the top-k layers; hash layers route from tid2eid (checked, not replayed)."""
+        return [i for i in self.routed_layers if not self.config.is_hash_layer(i)]
 
     def forward(self, mb: MicroBatch, *, replay: bool, record_routing: bool = False
                 ) -> ForwardOut:
         dev = self.device
         routing = None
         if replay and mb.routing is not None:
-            routing = {k: (i.to(dev), w.to(dev)) for k, (i, w) in mb.routing.items()}
-        ctx = ForwardContext.packed(mb.seq_lens, device=dev, routing_replay=routing,
-                                    record_routing=record_routing,
-                                    attention_backend=self.attention_backend)
-        hidden = self.model(mb.input_ids.to(dev), ctx)
-        rows = hidden.index_select(0, mb.hidden_index.to(dev))
-        # Call lm_head as a module (not compute_logits) so its FSDP group unshards for it.
-        logits = self.model.lm_head(rows.to(self.head_dtype)).float()
-        logp = logits.log_softmax(-1).gather(1, mb.targets.to(dev)[:, None]).squeeze(1)
+            routing = {k: (mb.routing[k][0].to(dev), mb.routing[k][1].to(dev))
+                       for k in self.replayed_layers}
+        ctx = DSV4Context.packed(mb.seq_lens, device=dev, routing_replay=routing,
+                                 record_routing=record_routing,
+                                 attention_backend=self.attention_backend,
+                                 serving_numerics=self.serving_numerics,
+                                 shared=ForwardState())
+        # Called as a module so every FSDP group unshards; the head is fp32 (lm_head_fp32).
+        logits = self.model(mb.input_ids.to(dev), ctx)
+        rows = logits.index_select(0, mb.hidden_index.to(dev)).float()
+        logp = rows.log_softmax(-1).gather(1, mb.targets.to(dev)[:, None]).squeeze(1)
         return ForwardOut(logp, ctx.routed)
 
     def trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:

@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 import numpy as np
+import psutil
 import torch
 
 from .batch import Sample
@@ -16,8 +17,7 @@ log = logging.getLogger("trainer_bridge")
 
 
 def host_rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return psutil.Process().memory_info().rss
 
 
 def memory_metrics(device: torch.device) -> dict[str, float]:
@@ -102,6 +102,7 @@ class Telemetry:
             log.info("matplotlib is not installed: plots skipped")
             return []
         panels = {"reward": ["reward_mean"], "mismatch": ["mismatch_abs_logp", "mismatch_k3"],
+                  "routing": ["routing_agreement", "routing_agreement_min_layer"],
                   "memory": ["mem_allocated_bytes", "mem_reserved_bytes", "host_rss_bytes"]}
         steps = [r["step"] for r in self.rows]
         paths = []

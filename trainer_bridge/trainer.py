@@ -18,9 +18,11 @@ from sglang_dsv41.tokenizer import ByteTokenizer
 from .batch import MicroBatch, Sample, pack, split_by_token_budget
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
-from .dist import all_reduce_scalar, close_distributed, init_distributed, on_primary
+from .dist import (all_reduce_scalar, all_reduce_tensor, close_distributed, init_distributed,
+                   on_primary)
 from .envs import make_env
 from .loss import compute_advantages, k3_kl, ppo_loss
+from .optimizer_offload import offload_optimizer
 from .parallelize import is_sink_param
 from .policy import Policy, build_policy, resolve_device
 from .rollout import OfflineRolloutSource, RolloutSource, ServerRolloutSource
@@ -40,11 +42,15 @@ class Trainer:
                 os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))))
         self.dist = init_distributed(self.device)
         self._seed(cfg.seed + self.dist.rank)
-        self.policy = build_policy(cfg.model, self.dist.mesh, self.device)
+        offload = cfg.optim.optimizer_offload
+        self.policy = build_policy(cfg.model, self.dist.mesh, self.device,
+                                   optimizer_offload=offload)
         self.ref_policy: Policy | None = None
         if cfg.loss.kl_coef > 0:
             self.ref_policy = build_policy(cfg.model, self.dist.mesh, self.device, trainable=False)
-        self.optimizer, self.scheduler = build_optimizer(self.policy, cfg.optim, cfg.steps)
+        self.optimizer, self.scheduler = offload_optimizer(
+            *build_optimizer(self.policy, cfg.optim, cfg.steps), offload,
+            cfg.optim.offload_chunk_mb)
         self.step = 0
         self.router = self.rollouts = None
         self.syncer: WeightSyncer | None = None
@@ -68,7 +74,7 @@ class Trainer:
 
         self.router = StickyRouter([server_url] if server_url else rc.server_urls,
                                    api_key=rc.api_key)
-        env = make_env(rc.env, ByteTokenizer.from_config(self.policy.config), rc.env_args)
+        env = make_env(rc.env, policy_tokenizer(self.policy), rc.env_args)
         self.rollouts = ServerRolloutSource(self.router, env, rc, self.cfg.model.r3,
                                             rc.offline_path)
         return self.rollouts
@@ -98,23 +104,34 @@ class Trainer:
             count = int(all_reduce_scalar(len(groups), "max"))
             groups += [[]] * (count - len(groups))
             top_k = self.policy.config.num_experts_per_tok
-            out.append([pack(g, self.policy.moe_layers, self.cfg.model.r3, top_k) for g in groups])
+            out.append([pack(g, self.policy.routed_layers, self.cfg.model.r3, top_k)
+                        for g in groups])
         return out
 
     @torch.no_grad()
     def reference_pass(self, mini_batches: list[list[MicroBatch]]) -> dict[str, float]:
         """old (pre-update) and reference logprobs; train-inference mismatch against the
-        rollout logprobs, reduced over ranks."""
-        abs_sum = k3_sum = tokens = agree = routed_rows = 0.0
+        rollout logprobs and routing agreement with the server, reduced over ranks."""
+        abs_sum = k3_sum = tokens = 0.0
+        layers = self.policy.routed_layers
+        agree = torch.zeros(len(layers), 2, dtype=torch.float64)  # (same rows, rows) per layer
         for mb in (m for mini in mini_batches for m in mini):
-            mb.old_logprobs = self.policy.forward(mb, replay=self.cfg.model.r3).logprobs.cpu()
+            out = self.policy.forward(mb, replay=self.cfg.model.r3, record_routing=True)
+            mb.old_logprobs = out.logprobs.cpu()
             if self.ref_policy is not None:
                 mb.ref_logprobs = self.ref_policy.forward(mb, replay=self.cfg.model.r3
                                                           ).logprobs.cpu()
-            if self.cfg.model.check_routing and mb.routing is not None:
-                same, rows = routing_agreement(self.policy, mb)
-                agree += same
-                routed_rows += rows
+            if mb.routing is not None:
+                # Hash layers are never replayed: their tid2eid routing is checked every step;
+                # the top-k layers' own router only on request (one more forward).
+                if not self.cfg.model.r3:
+                    own = out.routed
+                elif self.cfg.model.check_routing:
+                    own = self.policy.forward(mb, replay=False, record_routing=True).routed
+                else:  # a replayed layer records what it replayed: compare the hash layers
+                    replayed = set(self.policy.replayed_layers)
+                    own = {k: v for k, v in out.routed.items() if k not in replayed}
+                agree += routing_agreement(own, mb, layers)
             m = mb.loss_mask
             diff = mb.old_logprobs - mb.rollout_logprobs
             abs_sum += float((diff.abs() * m).sum())
@@ -126,9 +143,12 @@ class Trainer:
         out = {"mismatch_abs_logp": all_reduce_scalar(abs_sum) / max(tokens, 1.0),
                "mismatch_k3": all_reduce_scalar(k3_sum) / max(tokens, 1.0),
                "train_tokens": tokens}
-        if self.cfg.model.check_routing:
-            out["routing_agreement"] = all_reduce_scalar(agree) / max(
-                all_reduce_scalar(routed_rows), 1.0)
+        agree = all_reduce_tensor(agree)
+        checked = agree[:, 1] > 0
+        if checked.any():
+            out["routing_agreement"] = float(agree[checked, 0].sum() / agree[checked, 1].sum())
+            out["routing_agreement_min_layer"] = float((agree[checked, 0]
+                                                        / agree[checked, 1]).min())
         return out
 
     def forward_backward_step(self, mb: MicroBatch, global_tokens: float) -> dict[str, float]:
@@ -233,19 +253,30 @@ class Trainer:
         close_distributed()
 
 
-def routing_agreement(policy: Policy, mb: MicroBatch) -> tuple[float, float]:
-    """(rows where the trainer's own router picks the server's experts in the server's order,
-    rows compared) over every MoE layer and every position the server routed."""
-    own = policy.forward(mb, replay=False, record_routing=True).routed
+def policy_tokenizer(policy: Policy) -> ByteTokenizer:
+    cfg = policy.config
+    return ByteTokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+
+
+def routing_agreement(own: dict[int, tuple[torch.Tensor, torch.Tensor]], mb: MicroBatch,
+                      layers: list[int]) -> torch.Tensor:
+    """[len(layers), 2] float64: (rows where the trainer routed to the server's expert set,
+    rows compared) per layer, over every position the server routed; (0, 0) for a layer the
+    trainer did not record (a replayed layer without check_routing)."""
     last = torch.cumsum(torch.tensor(mb.seq_lens), 0) - 1  # the server never routed these
     valid = torch.ones(mb.input_ids.shape[0], dtype=torch.bool)
     valid[last] = False
-    same = rows = 0.0
-    for layer, (ids, _) in mb.routing.items():
-        eq = (own[layer][0].cpu() == ids).all(-1)[valid]
-        same += float(eq.sum())
-        rows += float(valid.sum())
-    return same, rows
+    out = torch.zeros(len(layers), 2, dtype=torch.float64)
+    if mb.num_samples == 0:  # a dummy micro-batch: its routing is made up
+        return out
+    for row, layer in enumerate(layers):
+        if layer not in own:
+            continue
+        mine = own[layer][0].cpu().long().sort(-1).values
+        theirs = mb.routing[layer][0].long().sort(-1).values
+        out[row, 0] = float((mine == theirs).all(-1)[valid].sum())
+        out[row, 1] = float(valid.sum())
+    return out
 
 
 def _full(t: Any) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """Push the trainer's weights to every engine after a step. transport "tensor":
 /update_weights_from_tensor with base64 safetensors buckets; "distributed": a process group
 with every scheduler rank (/init_weights_update_group once, then per sync
-/update_weights_from_distributed while rank 0 broadcasts the buckets). Engram tables are never
-sent, and each engine's Engram checksum (GET /engram_checksum) must be unchanged by the update.
+/update_weights_from_distributed while rank 0 broadcasts the buckets). Names are SGLang 0.5.23's
+flat checkpoint names (the model's own), so the same push drives a real SGLang server. The frozen
+tables (Engram ``engram.embed.*``, ``tid2eid``) are never sent, and each engine's Engram checksum
+(GET /engram_checksum) must be unchanged by the update.
 
 All ranks call ``sync`` (gathering the full state dict is a collective); rank 0 talks HTTP and
 broadcasts the outcome so every rank raises the same error.
@@ -20,24 +22,33 @@ import torch
 from safetensors.torch import save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from sglang_dsv41.model import DSV41ForCausalLM, is_engram_table
-from sglang_dsv41.model.model import DTYPES
+from sglang_dsv41.loader.serving import cast_for_serving_
+from sglang_dsv41.loader.weight_sync_group import parse_dtype
+from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM
 from sglang_dsv41.router import SessionRouter
 from sglang_dsv41.server_process import free_port
 
 from .dist import broadcast_object
-from .parallelize import server_param_name
+from .parallelize import is_frozen_table, server_param_name
 
 class WeightSyncError(RuntimeError):
     pass
 
 
-def served_dtypes(model: DSV41ForCausalLM, served_dtype: torch.dtype) -> dict[str, torch.dtype]:
-    """Each tensor's dtype in a server that loaded the model in ``served_dtype`` (sinks, the
-    routing bias and an fp32 lm_head stay fp32 there, as the model builds them)."""
+def served_dtypes(model: DSV4ForCausalLM, served_dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """Each tensor's dtype in a server that loaded the model in ``served_dtype``: the loader's
+    own rule (sinks, norms, mHC, compressor ape fp32; buffers such as the routing bias as
+    built)."""
     with torch.device("meta"):
-        meta = DSV41ForCausalLM(model.config, served_dtype)
-    return {n: p.dtype for n, p in meta.named_parameters()}
+        meta = DSV4ForCausalLM(model.cfg)
+    cast_for_serving_(meta, served_dtype)
+    return {n: t.dtype for n, t in meta.state_dict().items()}
+
+
+def pushed_tensors(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """The trainer's full state dict -> (SGLang name, tensor) to send: no frozen table."""
+    named = ((server_param_name(n), t) for n, t in state.items())
+    return [(n, t) for n, t in named if not is_frozen_table(n)]
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -60,7 +71,7 @@ class WeightSyncer:
         self.client = httpx.Client(timeout=timeout, headers=headers) if router else None
         self._dtypes: dict[str, torch.dtype] | None = None
 
-    def sync(self, model: DSV41ForCausalLM, version: str, is_primary: bool) -> dict[str, Any]:
+    def sync(self, model: DSV4ForCausalLM, version: str, is_primary: bool) -> dict[str, Any]:
         t0 = time.perf_counter()
         state = full_state_dict(model)
         outcome: dict[str, Any] = {}
@@ -81,7 +92,7 @@ class WeightSyncer:
         urls = self.router.engine_urls()
         if not urls:
             raise WeightSyncError("no live engine to update")
-        named = [(server_param_name(n), t) for n, t in state.items() if not is_engram_table(n)]
+        named = pushed_tensors(state)
         with self.router.paused():
             before = {u: self._get(u, "/engram_checksum") for u in urls}
             dtypes = self._served_dtypes(model, urls[0])
@@ -147,9 +158,11 @@ class WeightSyncer:
                 info = self._get(url, "/get_model_info")
                 name = info.get("dtype") or self._get(url, "/get_server_info").get("dtype")
                 name = name or "float32"
-            if name not in DTYPES:
-                raise WeightSyncError(f"unknown served dtype {name!r}")
-            self._dtypes = served_dtypes(model, DTYPES[name])
+            try:
+                dtype = parse_dtype(name)
+            except ValueError as e:
+                raise WeightSyncError(f"served dtype: {e}") from None
+            self._dtypes = served_dtypes(model, dtype)
         return self._dtypes
 
     def _get(self, url: str, path: str) -> dict[str, Any]:
