@@ -169,3 +169,22 @@ def test_readme_gpu_cluster_flags_exist_in_sglang_0_5_23_and_ours():
     assert {f for f in flags if f.startswith("--dsv41-")} - ours == set()
     table = set(re.findall(r"\| `(--dsv41-[a-z-]+)", section))
     assert table == {o for o in ours if o.startswith("--dsv41-")}
+
+
+def test_split_argv_sends_sglang_its_flags_and_keeps_ours():
+    import argparse
+
+    from sglang_cpu import import_sglang
+    from sglang_dsv41.sglang_backend.launcher import split_argv
+
+    parser = argparse.ArgumentParser()
+    import_sglang("sglang.srt.server_args").ServerArgs.add_cli_args(parser)
+    argv = ["--backend", "sglang", "--model-path", "/m", "--tp", "16", "--attn-dp-size=2",
+            "--stall-timeout", "9", "--dsv41-engram-layout", "private", "--mem-fraction-static",
+            "0.8", "--dsv41-allow-engram-update", "--port", "30000"]
+    sglang_argv, ours = split_argv(argv, parser)
+    assert sglang_argv == ["--model-path", "/m", "--tp-size", "16", "--attn-dp-size=2",
+                           "--mem-fraction-static", "0.8", "--port", "30000"]
+    assert ours == ["--dsv41-engram-layout", "private", "--dsv41-allow-engram-update"]
+    with pytest.raises(ValueError, match="unknown option --dsv41-nope"):
+        split_argv(["--dsv41-nope", "1"], parser)

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -131,7 +132,6 @@ def test_watchdog_names_the_waiting_rank_over_a_gloo_group(tmp_path):
     env = dict(SGLANG_DSV41_STALL_TIMEOUT="0.5", SGLANG_DSV41_RUN_DIR=str(run_dir))
     procs = [start_case("mlp_sync", r, port, 3.0, **env) for r in (0, 1)]
     report, deadline = None, 120
-    import time
     t0 = time.monotonic()
     while report is None and time.monotonic() - t0 < deadline and procs[0].poll() is None:
         path = run_dir / "stall-rank0.json"

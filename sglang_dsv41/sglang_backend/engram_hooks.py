@@ -94,6 +94,8 @@ def load_frozen_tables(model, ckpt_dir: str) -> list[str]:
 
     params = dict(model.named_parameters())
     wanted = {n for n in params if n.endswith(ENGRAM_TABLE_SUFFIXES + (TID2EID_SUFFIX,))}
+    if not wanted:
+        return []  # a model without Engram or hash routing: nothing frozen to read
     loaded: list[str] = []
     for path in checkpoint_files(ckpt_dir):
         with safe_open(path, framework="pt") as f:

@@ -43,8 +43,8 @@ def dsv41_parser() -> argparse.ArgumentParser:
 def split_argv(argv: list[str], sglang_parser: argparse.ArgumentParser
                ) -> tuple[list[str], list[str]]:
     """-> (SGLang's argv, our --dsv41-* argv). Flags only our embedded engine knows
-    (--backend, --stall-timeout, ...) were read already and are dropped; flags SGLang knows go
-    to SGLang, whatever our embedded parser also makes of them."""
+    (--backend, --stall-timeout, ...) were read already and are dropped, our short aliases
+    (--tp) take SGLang's spelling (--tp-size), and flags SGLang knows go to SGLang unchanged."""
     from ..launch_server import build_parser
 
     ours = dsv41_parser()._option_string_actions
@@ -60,7 +60,13 @@ def split_argv(argv: list[str], sglang_parser: argparse.ArgumentParser
                                  f"{sorted(o for o in ours if o.startswith('--dsv41'))}")
             action, sink = ours[name], dsv41_argv
         elif name in embedded and name not in theirs:
-            action, sink = embedded[name], []
+            action = embedded[name]
+            canonical = [o for o in action.option_strings if o in theirs]
+            if canonical:  # our short alias (--tp) of an SGLang flag (--tp-size)
+                sglang_argv.append(canonical[0] + tok[len(name):])
+                i += 1
+                continue
+            sink = []  # only the embedded engine reads it: dropped
         else:
             sglang_argv.append(tok)
             i += 1
