@@ -201,7 +201,7 @@ def test_make_checkpoint_cli_bf16_layout(tmp_path, capsys):
     assert len(set(index["weight_map"].values())) == 3
     assert "layers.0.attn.wq_a.weight" in index["weight_map"]
     cfg = json.loads(open(os.path.join(out, "config.json")).read())
-    assert cfg["model_type"] == "deepseek_v41" and cfg["num_nextn_predict_layers"] == 0
+    assert cfg["model_type"] == "deepseek_v4" and cfg["num_nextn_predict_layers"] == 0
     assert "quantization_config" not in cfg and "vision_config" not in cfg
     assert main(["--preset", "no-such", str(tmp_path / "x")]) == 1
     assert "unknown preset" in capsys.readouterr().err and not os.path.exists(tmp_path / "x")

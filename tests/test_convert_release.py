@@ -104,6 +104,27 @@ def test_config_flattened_as_sglang_and_loads(release, tmp_path):
     assert list(cfg.kv_source_layer_ids) == [3, 4]
 
 
+@pytest.mark.parametrize("preset", ["tiny", "tiny-v4"])
+def test_converted_config_is_the_presets(release, tmp_path, preset):
+    """The bf16 config rebuilds the model the release was made from: V4 stays deepseek_v4
+    (V4.1's router gate is keyed on model_type), V4.1 keeps every layer kind."""
+    from dataclasses import asdict
+
+    from sglang_dsv41.model.dsv4.config import DSV4Config
+
+    src = release
+    if preset != "tiny":
+        src = tmp_path / "release"
+        make_checkpoint(str(src), get_preset(preset), "release", seed=1, num_shards=2)
+    raw = json.load(open(src / "config.json"))
+    assert ("vision_config" in raw) == (preset == "tiny")
+    convert(str(src), str(tmp_path / "bf16"), progress=False)
+    got = asdict(DSV4Config.from_pretrained(str(tmp_path / "bf16")))
+    want = asdict(get_preset(preset))
+    got.pop("torch_dtype"), want.pop("torch_dtype")
+    assert got == want
+
+
 def test_corrupt_inputs_name_file_or_tensor(release, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(release, bad)

@@ -72,12 +72,15 @@ def normalize_v41_config(values: dict) -> dict:
 
 
 def text_config_from_release(release: dict) -> dict:
-    """Release config.json -> the text-only bf16 config: normalized as SGLang does, minus
+    """Release config.json -> the text-only bf16 config: normalized as SGLang does (V4.1), minus
     vision, quantization and draft keys, num_nextn_predict_layers 0, one compress ratio per
     text layer (the draft layers' ratios dropped with them)."""
     if not isinstance(release.get("text_config", {}), dict):
         raise ValueError("release config.json: text_config is not an object")
-    out = normalize_v41_config(release)
+    # SGLang normalizes only V4.1 configs (DeepseekV41Config); a flat deepseek_v4 config stays
+    # V4 (renaming it would switch the model to V4.1's router gate).
+    is_v4 = release.get("model_type") == "deepseek_v4" and "text_config" not in release
+    out = dict(release) if is_v4 else normalize_v41_config(release)
     for k in list(out):
         if k in VISION_KEYS or k.startswith(DRAFT_KEY_PREFIXES) or k in (
                 "quantization_config", "expert_dtype", "image_token_id"):

@@ -74,21 +74,30 @@ def release_tensors(cfg: DSV4Config, text: dict[str, torch.Tensor], block: list[
                 t, tuple(block), scale_fmt="ue8m0")
         else:
             out[name] = t
-        if name.endswith(".gate.bias"):
+        if name.endswith(".gate.bias") and cfg.is_v41:
             out[name[: -len("bias")] + "bias_vl"] = torch.randn(t.shape, generator=g)
-    extra = {"vision.blocks.0.attn.wqkv.weight": [3 * 32, 32], "vision.norm.weight": [32],
-             "aligner.w1.weight": [h, 9 * 32], "image_start": [h], "image_end": [h],
-             "image_newline": [h], "mtp.0.e_proj.weight": [h, h], "mtp.0.norm.weight": [h]}
+    extra = {"mtp.0.e_proj.weight": [h, h], "mtp.0.norm.weight": [h]}
+    if cfg.is_v41:  # the multimodal V4.1 release; V4 releases are text-only
+        extra.update({"vision.blocks.0.attn.wqkv.weight": [3 * 32, 32],
+                      "vision.norm.weight": [32], "aligner.w1.weight": [h, 9 * 32],
+                      "image_start": [h], "image_end": [h], "image_newline": [h]})
     for name, shape in extra.items():
         out[name] = torch.randn(shape, generator=g).to(torch.bfloat16)
     return out
 
 
 def release_config(cfg: DSV4Config, block: list[int], expert_dtype: str) -> dict:
+    """V4.1: nested text_config + vision_config (the multimodal release); V4 presets: one flat
+    config with model_type deepseek_v4, as DeepSeek-V4 releases ship it."""
+    quant = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+             "scale_fmt": "ue8m0", "weight_block_size": block, "expert_dtype": expert_dtype}
     text = cfg.to_dict()
-    text["model_type"] = "deepseek_v41_text"
-    text["compress_ratios"] = cfg.compress_ratios + [0]  # plus the DSpark draft layer's ratio
+    text["compress_ratios"] = cfg.compress_ratios + [0]  # plus the draft layer's ratio
     text.pop("architectures", None)
+    if not cfg.is_v41:
+        return {**text, "architectures": ["DeepseekV4ForCausalLM"],
+                "num_nextn_predict_layers": 1, "quantization_config": quant}
+    text["model_type"] = "deepseek_v41_text"
     return {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41",
             "text_config": text, "num_nextn_predict_layers": 1,
             "dspark_block_size": 2, "dspark_target_layer_ids": [cfg.num_hidden_layers - 1],
@@ -96,9 +105,7 @@ def release_config(cfg: DSV4Config, block: list[int], expert_dtype: str) -> dict
             "vision_config": {"model_type": "deepseek_v41_vision", "num_hidden_layers": 1,
                               "hidden_size": 32, "num_attention_heads": 2, "patch_size": 14,
                               "downsample_ratio": 3},
-            "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                    "fmt": "e4m3", "scale_fmt": "ue8m0",
-                                    "weight_block_size": block, "expert_dtype": expert_dtype}}
+            "quantization_config": quant}
 
 
 def write_tensors(out_dir: str, tensors: dict[str, torch.Tensor], config: dict,
