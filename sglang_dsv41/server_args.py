@@ -20,7 +20,9 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # SGLang's short spellings of a few flags.
 FLAG_ALIASES = {"tp_size": ("--tp",), "dp_size": ("--dp",), "ep_size": ("--ep",)}
 FLAG_HELP = {
-    "model_path": "checkpoint directory, or a preset name (tiny, small-1b) built on first use",
+    "model_path": "a preset name (tiny, tiny-v4, small: random weights), our bf16 layout (flat "
+                  "SGLang names, what convert.py writes) or a transformers DeepseekV4 directory",
+    "dtype": "serving dtype of the weights and the cache (sinks, norms, mHC stay float32)",
     "backend": "auto: sglang when it imports and a GPU is present, else the embedded engine",
     "host": "bind address (loopback unless set)",
     "api_key": "require 'Authorization: Bearer KEY' on every endpoint",
@@ -130,9 +132,9 @@ class ServerArgs:
 
     @property
     def resolved_engram_layout(self) -> str:
-        if self.engram_layout != "auto":
-            return self.engram_layout
-        return "private" if self.nnodes > 1 else "shared"
+        from .policies.engram_layout import choose_engram_layout
+
+        return choose_engram_layout(self.engram_layout, spans_nodes=self.nnodes > 1)
 
     def rank_to_dp(self, rank: int) -> tuple[int, int]:
         """Global TP rank -> (dp_rank, attn_tp_rank)."""
