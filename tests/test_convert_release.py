@@ -177,6 +177,12 @@ def test_logit_check_fails_on_a_wrong_dst(release, tmp_path):
     save_file(tensors, str(dst / "model-00001-of-00001.safetensors"))
     bad = verify_logits(plan, str(dst))
     assert not bad["ok"] and bad["mean_abs_diff"] > 2e-2 * bad["logit_spread"], bad
+    table = tensors["layers.1.engram.embed.weight"]
+    tensors["layers.1.engram.embed.weight"] = table.bfloat16()  # upcast: refused, not cast back
+    save_file(tensors, str(dst / "model-00001-of-00001.safetensors"))
+    with pytest.raises(ValueError, match=r"engram\.embed\.weight.* is torch\.bfloat16"):
+        verify_logits(plan, str(dst))
+    tensors["layers.1.engram.embed.weight"] = table
     del tensors["norm.weight"]
     save_file(tensors, str(dst / "model-00001-of-00001.safetensors"))
     with pytest.raises(ValueError, match=r"DST lacks \['norm\.weight'\]"):

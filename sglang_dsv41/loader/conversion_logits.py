@@ -23,7 +23,7 @@ VERIFY_MAX_PARAMS = 2 * 10**9  # above this the fp32 model is not built (v41-fla
 # bf16 tolerance. With e8m0 scales (V4.1) dequantization is exact in bf16 and the logits are
 # identical; with float32 scales each weight rounds by <= 2^-9, and on tiny that moved the mean
 # |logit diff| by < 1% of the logits' mean spread and the max (routing and top-k flips) by
-# ~2% of the largest logit. A wrong block scale or FP4 nibble order moves the mean by >= 4%.
+# ~2% of the largest logit; an FP4 nibble-order or e8m0 exponent bug moved the mean >= 4%.
 VERIFY_MEAN_RTOL = 2e-2  # mean |diff| / mean |logit - its row mean|
 VERIFY_MAX_RTOL = 1e-1  # max |diff| / max |logit|
 
@@ -84,6 +84,10 @@ def verify_logits(plan: ConversionPlan, dst: str, max_params: int = VERIFY_MAX_P
             if name not in state or state[name].shape != t.shape:
                 raise ValueError(f"{what}: tensor {name!r} {list(t.shape)} does not fit the "
                                  "model")
+            if not state[name].dtype.is_floating_point or state[name].element_size() == 1:
+                if t.dtype != state[name].dtype:  # Engram tables, tid2eid: byte-exact only
+                    raise ValueError(f"{what}: tensor {name!r} is {t.dtype}, expected "
+                                     f"{state[name].dtype} byte for byte")
             state[name].copy_(t)
             seen.add(name)
         if seen != set(state):
