@@ -36,7 +36,8 @@ def runner(tmp_path_factory):
     args = ServerArgs(model_path=path, device="cpu", page_size=PAGE, max_total_tokens=1024)
     run = ModelRunner(args, None, path, torch.device("cpu"))
     run.reference = model
-    return run
+    yield run
+    run.close()   # releases the shared-memory Engram tables
 
 
 def forward(runner, mode, reqs, chunks, attn_tp=1):

@@ -105,6 +105,9 @@ def test_tp4_dp2_serving(ref):
             torch.testing.assert_close(torch.from_numpy(t1.routed_weights[:, layer]),
                                        weights[:n1].float(), rtol=0, atol=1e-5)
 
+        # Engram: one shared-memory copy per node (the default on one node), full tables.
+        layout = [o.result for o in c.control("engram_info")]
+        assert all(i["layout"] == "shared" and i["shared_memory"] for i in layout)
         # Control ops run on every rank; a flush empties both DP groups' caches.
         info = c.control("get_model_info")
         assert [o.rank for o in info] == [0, 1, 2, 3] and all(o.ok for o in info)
@@ -159,10 +162,17 @@ def test_tp1_chunked_sampling_stops_abort(ref):
 
 
 @pytest.mark.timeout(180)
-def test_tp2_greedy_matches(ref):
-    with RankCluster(args_for(ref, tp_size=2)) as c:
+def test_tp2_greedy_matches_with_row_sharded_engram(ref):
+    # SGLang's per_rank layout: each rank holds half of every table's rows; lookups gather.
+    with RankCluster(args_for(ref, tp_size=2, engram_layout="private")) as c:
         assert all(m.ok for m in c.wait_ready(60))
         check_greedy("tp2", ref, c)
+        info = [o.result for o in c.control("engram_info")]
+        tables = {n: b.shape[0] for n, b in ref.named_buffers() if n.endswith("embed.weight")}
+        assert all(i["layout"] == "private" and not i["shared_memory"] for i in info)
+        for name, rows in tables.items():
+            held = [i["rows"][name.rsplit(".", 1)[0]] for i in info]
+            assert held == [rows // 2, rows - rows // 2]
         assert c.shutdown() == [0, 0]
 
 

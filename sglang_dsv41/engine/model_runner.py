@@ -8,10 +8,12 @@ feed the compressors their cached rows. Cache layout: docs/structures.md, "Cache
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING
 
 import torch
 
+from ..loader.engram_layouts import install_engram_layout
 from ..loader.serving import load_serving_config, load_serving_model
 from .batch import ForwardPlan
 from .forward_context import EngineForwardContext, cu_of
@@ -55,7 +57,13 @@ class ModelRunner:
         self.model = load_serving_model(model_dir, self.dtype, device, args.load_format)
         self.cfg = cfg
         self.hooks = ModelHooks(self.model)
-        self.engram_store = None
+        # SGLang's host layouts for the Engram tables, chosen by the shared policy. The ranks
+        # are the server process's children: its pid names the node's shared-memory namespace.
+        per_node = max(1, args.tp_size // args.nnodes)
+        rank = self.info.rank if self.info else 0
+        self.engram_store = install_engram_layout(self.model, args.resolved_engram_layout,
+                                                  groups, f"srv{os.getppid()}",
+                                                  local_rank=rank % per_node)
         self.page_size = args.page_size
         self.context_length = args.context_length or cfg.max_position_embeddings
         widths = cached_row_widths(self.model)
@@ -86,6 +94,8 @@ class ModelRunner:
 
     def close(self) -> None:
         self.hooks.remove()
+        if self.engram_store is not None:
+            self.engram_store.close()
 
     def compute_logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         head = self.model.head

@@ -165,6 +165,16 @@ def _apply_checksum(runner):
     return engram_checksums(runner.model)
 
 
+def _apply_engram_info(runner):
+    """Where this rank's Engram tables live: the layout and the rows it holds per table."""
+    from .engram_layouts import engram_tables
+
+    store = getattr(runner, "engram_store", None)
+    return {"layout": store.layout if store is not None else None,
+            "rows": {n: int(t.weight.shape[0]) for n, t in engram_tables(runner.model).items()},
+            "shared_memory": bool(store is not None and store.segments)}
+
+
 LOADER_CONTROL_OPS = {
     "update_weights_from_tensor": (_apply_tensor, _validate_tensor),
     "update_weights_from_disk": (_apply_disk, _validate_disk),
@@ -172,4 +182,5 @@ LOADER_CONTROL_OPS = {
     "update_weights_from_distributed": (_apply_distributed, None),
     "destroy_weights_update_group": (_apply_destroy, None),
     "engram_checksum": (_apply_checksum, None),
+    "engram_info": (_apply_engram_info, None),
 }
