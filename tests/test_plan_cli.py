@@ -11,9 +11,9 @@ TWO_NODES = ["--model", "v41-flash", "--nnodes", "2", "--gpus-per-node", "8", "-
 def test_refusals_name_the_rule(capsys):
     assert main(["--nnodes", "2", "--tp", "16"]) == 2
     err = capsys.readouterr().err
-    assert "o_groups=8" in err and "tp=16" in err
+    assert "o_groups=8" in err and "attention TP size 16" in err
     assert main(["--tp", "4", "--pp", "2", "--r3"]) == 2
-    assert "pp=2" in capsys.readouterr().err
+    assert "pp_size=2) with R3" in capsys.readouterr().err
     assert main(["--nnodes", "2", "--tp", "8", "--dp", "2", "--engram-layout", "shared"]) == 2
     assert "/proc/<pid>/fd" in capsys.readouterr().err
 

@@ -94,7 +94,7 @@ def test_flash_parameter_count():
 def test_layout_refusals_name_the_rule():
     with pytest.raises(PlanError, match="o_groups=8"):
         validate_parallel_layout(FLASH, 16, 1, None, 1, True, 2, 8)
-    with pytest.raises(PlanError, match="pp=2 with R3"):
+    with pytest.raises(PlanError, match=r"pp_size=2\) with R3"):
         validate_parallel_layout(FLASH, 4, 1, None, 2, True, 1, 8)
     with pytest.raises(PlanError, match="shared"):
         make_plan(PlanInput(nnodes=2, tp=8, dp=2, engram_layout="shared"))

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..model.dsv4.config import DSV4Config
+from ..policies.launch_guards import DeploymentRefused, check_attention_tp, check_pp_with_r3
 
 
 class PlanError(ValueError):
@@ -63,15 +64,11 @@ def validate_parallel_layout(cfg: DSV4Config, tp: int, dp: int, ep: int | None, 
         ep = tp * dp
     if not isinstance(ep, int) or ep < 1:
         raise PlanError(f"ep must be an integer >= 1, got {ep!r}")
-    if pp > 1 and r3:
-        raise PlanError(
-            f"pp={pp} with R3 (router replay) is refused: pipeline parallelism breaks the replay "
-            "of routed experts; use pp=1 or turn R3 off")
-    if tp > cfg.o_groups:
-        raise PlanError(
-            f"attention tp={tp} exceeds o_groups={cfg.o_groups}: the grouped output projection "
-            f"cannot be split more than o_groups ways; keep tp <= {cfg.o_groups} and add DP "
-            f"attention replicas instead (e.g. tp={cfg.o_groups}, dp={max(1, tp // cfg.o_groups)})")
+    try:  # the same rules the launchers apply (sglang_dsv41.policies.launch_guards)
+        check_pp_with_r3(pp, r3)
+        check_attention_tp(tp, cfg.o_groups)
+    except DeploymentRefused as e:
+        raise PlanError(str(e)) from None
     if cfg.num_attention_heads % tp:
         raise PlanError(f"attention tp={tp} must divide num_attention_heads="
                         f"{cfg.num_attention_heads}")
