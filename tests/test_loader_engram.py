@@ -1,4 +1,6 @@
-"""Engram store in one process: layouts, fp8 dequant, checksums, shared-memory lifecycle."""
+"""Engram host layouts in one process: the shared layout maps one shared-memory copy and serves
+the same rows; the layout policy by node count; shared-memory leases and crash reclaim. The
+row-sharded (per_rank) layout runs across ranks in tests/test_engine_core_ranks.py."""
 
 from __future__ import annotations
 
@@ -8,25 +10,12 @@ import signal
 
 import pytest
 import torch
-from loader_fixtures import tiny_cfg, write_checkpoint
 
-from sglang_dsv41.loader.engram_codec import shard_range, source_checksum, tensor_checksum
-from sglang_dsv41.loader.engram_source import ALIGN_ROWS, find_engram_tables
-from sglang_dsv41.loader.engram_store import install_engram_tables
-from sglang_dsv41.loader.fp8 import dequantize_fp8_blocks, scale_name
+from engine_core_harness import engine_test_model
+from sglang_dsv41.loader.engram_codec import tensor_checksum
+from sglang_dsv41.loader.engram_layouts import engram_tables, install_engram_layout
 from sglang_dsv41.loader.shm import ShmNamespace, reclaim_stale
-from sglang_dsv41.model import build_model
-from sglang_dsv41.model.engram import EngramTable, ParameterEngramTable
-
-TABLE = "model.layers.1.engram.table.weight"
-
-
-@pytest.fixture(scope="module", params=["bf16", "fp8"])
-def ckpt(request, tmp_path_factory):
-    cfg = tiny_cfg(engram_num_rows=1000)  # not a multiple of 128: a ragged last chunk
-    path = str(tmp_path_factory.mktemp(f"ckpt_{request.param}"))
-    tensors = write_checkpoint(path, cfg, request.param)
-    return cfg, path, tensors, request.param
+from sglang_dsv41.model.dsv4.context import DSV4Context
 
 
 @pytest.fixture
@@ -37,74 +26,36 @@ def shm_dir(tmp_path, monkeypatch):
     return d
 
 
-def _reference_table(cfg, tensors, mode) -> ParameterEngramTable:
-    """What a full load puts in a float32 model's parameter."""
-    w = tensors[TABLE]
-    full = (w.float() if mode == "bf16" else
-            dequantize_fp8_blocks(w, tensors[scale_name(TABLE)], dtype=torch.float32))
-    table = ParameterEngramTable(cfg.engram_num_rows, cfg.engram_dim)
-    table.weight.data.copy_(full)
-    return table
+def test_shared_layout_maps_one_copy_and_serves_the_same_rows(shm_dir):
+    _, model = engine_test_model()
+    ids = torch.tensor([(3 * i + 1) % 256 for i in range(30)])
+    with torch.no_grad():
+        want = model(ids, DSV4Context.packed([30]))
+    sums = {n: tensor_checksum(t.weight) for n, t in engram_tables(model).items()}
+    handle = install_engram_layout(model, "shared", None, "one")
+    segments = sorted(f for f in os.listdir(shm_dir) if ".seg-" in f)
+    assert len(segments) == 2 and handle.layout == "shared"
+    for name, table in engram_tables(model).items():
+        assert table.weight.untyped_storage().nbytes() == sum(  # a view of the whole segment
+            os.path.getsize(shm_dir / s) for s in segments if name.replace(".", "_") in s)
+        assert tensor_checksum(table.weight) == sums[name]
+    with torch.no_grad():
+        assert torch.equal(model(ids, DSV4Context.packed([30])), want)
+    handle.close()
+    assert os.listdir(shm_dir) == []   # the last lease removed the namespace
 
 
-def test_layouts_match_full_load_bitwise(ckpt, shm_dir):
-    cfg, path, tensors, mode = ckpt
-    ref = _reference_table(cfg, tensors, mode)
-    rows = torch.randint(0, cfg.engram_num_rows, (37, 4))
-    rows[0, 0], rows[-1, -1] = 0, cfg.engram_num_rows - 1
-    want = ref.lookup(rows)
-    for layout in ("shared", "private"):
-        model = build_model(cfg, torch.float32)
-        handle = install_engram_tables(model, path, layout, namespace="t1")
-        table = model.model.layers[1].engram.table
-        assert isinstance(table, EngramTable) and type(table).__name__.lower().startswith(layout)
-        got = table.lookup(rows)
-        assert got.dtype == torch.float32 and got.shape == (37, 4, cfg.engram_dim)
-        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), layout
-        assert table.lookup(rows[:0]).shape == (0, 4, cfg.engram_dim)
-        assert handle.report[0]["file"].endswith(".safetensors")
-        assert handle.report[0]["layout"] == layout
-        with pytest.raises(ValueError, match="outside"):
-            table.lookup(torch.tensor([cfg.engram_num_rows]))
-        handle.close()
-        with pytest.raises(RuntimeError, match="closed"):
-            table.lookup(rows)
-    assert os.listdir(shm_dir) == []
+def test_layout_policy_by_node_count():
+    from sglang_dsv41.policies.engram_layout import EngramLayoutError
+    from sglang_dsv41.server_args import ServerArgs
 
-
-def test_checksum_is_layout_and_storage_independent(ckpt, shm_dir):
-    cfg, path, tensors, mode = ckpt
-    source = find_engram_tables(path)[TABLE]
-    expect = tensor_checksum(tensors[TABLE], tensors.get(scale_name(TABLE)))
-    assert source_checksum(source, rows_per_read=ALIGN_ROWS * 3) == expect
-    for layout in ("shared", "private"):
-        model = build_model(cfg, torch.float32)
-        handle = install_engram_tables(model, path, layout, namespace="t2")
-        assert model.model.layers[1].engram.table.checksum() == expect
-        handle.close()
-    changed = tensors[TABLE].clone()
-    changed.view(torch.uint8).view(-1)[5] ^= 1
-    assert tensor_checksum(changed, tensors.get(scale_name(TABLE))) != expect
-
-
-def test_shard_ranges_cover_rows_once():
-    for rows in (1, 127, 128, 1000, 4096, 100_003):
-        for world in (1, 2, 3, 4, 8):
-            ranges = [shard_range(rows, r, world) for r in range(world)]
-            assert ranges[0][0] == 0 and ranges[-1][1] == rows
-            for (a, b), (c, _) in zip(ranges, ranges[1:]):
-                assert b == c and (a % ALIGN_ROWS == 0 or a == b)
-
-
-def test_install_refuses_mismatched_checkpoint(ckpt, tmp_path):
-    cfg, path, _, _ = ckpt
-    with pytest.raises(ValueError, match="model expects"):
-        install_engram_tables(build_model(tiny_cfg(engram_num_rows=2048)), path, "private")
-    with pytest.raises(ValueError, match="layers.2.engram.table.weight"):
-        install_engram_tables(build_model(tiny_cfg(engram_num_rows=1000, engram_layers=[1, 2])),
-                              path, "private")
-    with pytest.raises(ValueError, match="layout"):
-        install_engram_tables(build_model(cfg), path, "numa")
+    assert ServerArgs(tp_size=16, nnodes=2).resolved_engram_layout == "private"
+    assert ServerArgs(tp_size=8).resolved_engram_layout == "shared"
+    with pytest.raises((EngramLayoutError, ValueError), match="other nodes"):
+        ServerArgs(tp_size=16, nnodes=2, engram_layout="shared").resolved_engram_layout
+    _, model = engine_test_model()
+    with pytest.raises(ValueError, match="unknown Engram layout"):
+        install_engram_layout(model, "per_node", None, "x")
 
 
 def _hold_lease(directory, namespace, ready):
@@ -118,6 +69,7 @@ def _hold_lease(directory, namespace, ready):
     signal.pause()
 
 
+@pytest.mark.timeout(60)
 def test_segments_of_a_killed_owner_are_reclaimed(shm_dir):
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
@@ -146,12 +98,3 @@ def test_leases_count_references(shm_dir):
     assert not a.release_lease()  # b still holds it
     assert os.path.exists(a.segment_path("x"))
     assert b.release_lease() and os.listdir(shm_dir) == []
-
-
-def test_auto_layout_is_private_across_nodes():
-    from sglang_dsv41.loader.engram_store import resolve_layout
-    from sglang_dsv41.server_args import ServerArgs
-
-    assert resolve_layout("auto", 8, 8) == "shared" and resolve_layout("auto", 16, 8) == "private"
-    assert ServerArgs(tp_size=16, nnodes=2).resolved_engram_layout == "private"
-    assert ServerArgs(tp_size=8).resolved_engram_layout == "shared"
