@@ -23,20 +23,20 @@ BASELINE = os.path.join(os.path.dirname(__file__), "assets", "losses", "tiny_off
 @pytest.fixture(scope="module")
 def offline_rollouts(tmp_path_factory) -> str:
     """Two steps of rollouts sampled in-process from the tiny checkpoint (fixed seed)."""
-    from sglang_dsv41.loader.checkpoint import load_model
-    from sglang_dsv41.tokenizer import ByteTokenizer
     from trainer_bridge.config import RolloutConfig
     from trainer_bridge.envs import make_env
-    from trainer_bridge.local_sampler import LocalRolloutSource
+    from trainer_bridge.policy import load_policy_model
     from trainer_bridge.rollout import append_record
+    from trainer_bridge.trainer import byte_tokenizer
+    from trainer_local_sampler import LocalRolloutSource
 
     path = str(tmp_path_factory.mktemp("rollouts") / "tiny.jsonl")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # oversubscribed OpenMP threads make the token loop crawl
-    model = load_model("tiny", dtype=torch.float32)
+    model = load_policy_model("tiny")
     cfg = RolloutConfig(prompts_per_step=2, group_size=4, max_new_tokens=6)
-    src = LocalRolloutSource(model, make_env("byte_target", ByteTokenizer.from_config(
-        model.config)), cfg, seed=0)
+    src = LocalRolloutSource(model, make_env("byte_target", byte_tokenizer(model.cfg)), cfg,
+                             seed=0)
     for step in range(2):
         append_record(path, step, src.collect(step))
     torch.set_num_threads(threads)
@@ -102,14 +102,17 @@ def test_resume_continues_exactly(tmp_path, offline_rollouts):
     final = checkpoint_tensors(os.path.join(full, "checkpoints", "step-000004"))
     assert_same(final, checkpoint_tensors(os.path.join(resumed, "checkpoints", "step-000004")))
     # Sink warm-up: unchanged while frozen, trained after; fp32 throughout (optimizer state too).
-    from sglang_dsv41.loader.checkpoint import load_model
+    # Frozen tables (Engram, tid2eid) are not in the checkpoint.
+    from trainer_bridge.parallelize import is_frozen_table, server_param_name
+    from trainer_bridge.policy import load_policy_model
 
-    initial = load_model("tiny", dtype=torch.float32)
+    initial = load_policy_model("tiny")
+    assert not [k for k in final["model"] if is_frozen_table(k)]
     at2 = checkpoint_tensors(os.path.join(full, "checkpoints", "step-000002"))
-    sink_names = [k for k in final["model"] if k.endswith("sinks")]
-    assert len(sink_names) == initial.config.num_hidden_layers
+    sink_names = [k for k in final["model"] if k.endswith("attn_sink")]
+    assert len(sink_names) == initial.cfg.num_hidden_layers
     for name in sink_names:
-        start = initial.get_parameter(name.replace(".sink_holder.sinks", ".sinks")).detach()
+        start = initial.get_parameter(server_param_name(name)).detach()
         assert torch.equal(at2["model"][name], start), f"{name} moved while frozen"
         assert not torch.equal(final["model"][name], start), f"{name} never trained"
         assert final["model"][name].dtype == torch.float32

@@ -74,7 +74,7 @@ class Trainer:
 
         self.router = StickyRouter([server_url] if server_url else rc.server_urls,
                                    api_key=rc.api_key)
-        env = make_env(rc.env, policy_tokenizer(self.policy), rc.env_args)
+        env = make_env(rc.env, byte_tokenizer(self.policy.config), rc.env_args)
         self.rollouts = ServerRolloutSource(self.router, env, rc, self.cfg.model.r3,
                                             rc.offline_path)
         return self.rollouts
@@ -253,8 +253,8 @@ class Trainer:
         close_distributed()
 
 
-def policy_tokenizer(policy: Policy) -> ByteTokenizer:
-    cfg = policy.config
+def byte_tokenizer(cfg) -> ByteTokenizer:
+    """The byte tokenizer of a preset's DSV4Config (bos/eos from the config, default pad)."""
     return ByteTokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
 
 
