@@ -14,6 +14,7 @@ record the trainer reads.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import time
 import uuid
@@ -28,6 +29,9 @@ from .trajectory import Trajectory, Turn, routed_experts_of
 
 MAX_SESSIONS = 100_000   # the oldest finished sessions are forgotten past this
 MAX_BODY_BYTES = 16 << 20
+# A router without ``agenerate`` blocks a thread per turn in flight (asyncio's default pool,
+# cpu_count + 4 threads, capped the gateway at a handful of turns).
+ROUTER_THREADS = 32
 
 
 class GatewayError(Exception):
@@ -54,6 +58,7 @@ class Gateway:
         self.return_routed_experts = return_routed_experts
         self.sessions: OrderedDict[str, Trajectory] = OrderedDict()
         self._locks: dict[str, asyncio.Lock] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(ROUTER_THREADS, "gateway-router")
 
     def session(self, sid: str) -> Trajectory:
         traj = self.sessions.get(sid)
@@ -94,8 +99,11 @@ class Gateway:
             if self.return_routed_experts:
                 payload["return_routed_experts"] = True
             try:
-                out = await asyncio.to_thread(self.router.generate, sid, payload, len(ids)
-                                              + sampling["max_new_tokens"])
+                expected = len(ids) + sampling["max_new_tokens"]
+                agenerate = getattr(self.router, "agenerate", None)
+                out = await agenerate(sid, payload, expected) if agenerate else \
+                    await asyncio.get_running_loop().run_in_executor(
+                        self._pool, self.router.generate, sid, payload, expected)
             except NoEngineAvailable as e:
                 raise GatewayError(503, str(e)) from e
             except RouterError as e:

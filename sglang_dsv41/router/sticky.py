@@ -53,9 +53,12 @@ class StickyRouter(SessionRouter):
         if not engine_urls:
             raise ValueError("StickyRouter needs at least one engine url")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = client or httpx.Client(timeout=timeout, headers=headers)
+        self._client = client or httpx.Client(
+            timeout=timeout, headers=headers,
+            limits=httpx.Limits(max_connections=512, max_keepalive_connections=256))
         self._refresh_interval, self._max_attempts = refresh_interval, max_attempts
         self._max_in_flight = max_in_flight
+        self._async_client: httpx.AsyncClient | None = None
         self._cond = threading.Condition()
         self._slots: dict[Route, SlotState] = {}
         self._pins: dict[str, Route] = {}
@@ -77,19 +80,56 @@ class StickyRouter(SessionRouter):
     # ---- SessionRouter ----------------------------------------------------------------------
     def generate(self, session_id: str, payload: dict[str, Any],
                  expected_tokens: int = 0) -> dict[str, Any]:
+        attempt = self._attempts(session_id, payload, expected_tokens)
+        request = next(attempt)
+        while True:
+            route, body = request
+            try:
+                resp = self._client.post(route.url + "/generate", json=body)
+            except httpx.TransportError as e:
+                resp = e
+            try:
+                request = attempt.send(resp)
+            except StopIteration as done:
+                return done.value
+
+    async def agenerate(self, session_id: str, payload: dict[str, Any],
+                        expected_tokens: int = 0) -> dict[str, Any]:
+        """generate() for an event loop (the agent gateway): the same placement and retries,
+        the engine call on a shared httpx.AsyncClient."""
+        if self._async_client is None:
+            self._async_client = httpx.AsyncClient(
+                timeout=self._client.timeout, headers=self._client.headers,
+                limits=httpx.Limits(max_connections=512, max_keepalive_connections=256))
+        attempt = self._attempts(session_id, payload, expected_tokens)
+        request = next(attempt)
+        while True:
+            route, body = request
+            try:
+                resp = await self._async_client.post(route.url + "/generate", json=body)
+            except httpx.TransportError as e:
+                resp = e
+            try:
+                request = attempt.send(resp)
+            except StopIteration as done:
+                return done.value
+
+    def _attempts(self, session_id: str, payload: dict[str, Any], expected_tokens: int):
+        """The retry policy as a generator: yields (route, body) to send, receives the
+        response (or the transport error), returns the output or raises."""
         last_error: Exception | None = None
         for _ in range(self._max_attempts):
             route = self._acquire(session_id, expected_tokens)
             body = dict(payload, routed_dp_rank=route.dp_rank)
             body.pop("data_parallel_rank", None)
             try:
-                resp = self._client.post(route.url + "/generate", json=body)
-            except httpx.TransportError as e:
-                last_error = e
-                self._mark_dead(route.url, f"{type(e).__name__}: {e}")
-                continue
+                resp = yield route, body
             finally:
                 self._release(route)
+            if isinstance(resp, httpx.TransportError):
+                last_error = resp
+                self._mark_dead(route.url, f"{type(resp).__name__}: {resp}")
+                continue
             if resp.status_code >= 500 and not self._healthy(route.url):
                 last_error = RouterError(f"{route.url} answered {resp.status_code}: {resp.text}")
                 continue

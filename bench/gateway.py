@@ -1,0 +1,230 @@
+"""Agent-gateway benchmark.
+
+1. overhead: open-loop load at ``--rate`` requests/s (one-turn chat sessions) through the
+   gateway (its own process) to a stub engine that answers /generate at once (its own process),
+   against the same load sent straight to the stub's /generate; p50/p99 latency of both and the
+   difference (the gateway's cost: OpenAI conversion, DeepSeek V4.1 encoding, tokenization,
+   routing, response parsing, one more HTTP hop).
+2. prefix: multi-turn sessions through the gateway to a real embedded server (tiny, tp=2 dp=2):
+   prefix-cache hit ratio (sum cached_tokens / sum prompt_tokens, turns 2+) with the gateway's
+   sticky routing vs round robin over the DP ranks.
+
+    python bench/gateway.py [--rate 500] [--seconds 10] [--sessions 8] [--turns 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import multiprocessing as mp
+import random
+import statistics
+import time
+
+import httpx
+import psutil
+from fastapi import FastAPI, Request
+
+from sglang_dsv41.router.base import Route
+from sglang_dsv41.router.sticky import StickyRouter
+from sglang_dsv41.server_process import ServerProcess, free_port
+
+
+def run_stub(port: int) -> None:
+    """An engine that answers at once: SGLang's /generate shape, two DP ranks."""
+    import uvicorn
+
+    from sglang_dsv41.launch_server import bind_socket
+
+    app = FastAPI()
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        body = await request.json()
+        ids = [104, 105, 257]
+        return {"text": "hi", "output_ids": ids, "meta_info": {
+            "id": "x", "prompt_tokens": len(body["input_ids"]), "completion_tokens": 3,
+            "cached_tokens": 0, "dp_rank": body.get("routed_dp_rank") or 0,
+            "finish_reason": {"type": "stop", "matched": 257},
+            "output_token_logprobs": [[-0.1, t, None] for t in ids]}}
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def info():
+        return {"dp_size": 2, "enable_dp_attention": True, "rank_stats": {}}
+
+    @app.get("/model_info")
+    async def model_info():
+        return {"context_length": 4096}
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(
+        sockets=[bind_socket("127.0.0.1", port)])
+
+
+def run_gateway(engine_url: str, port: int) -> None:
+    from sglang_dsv41.gateway.__main__ import main
+
+    main(["--engine-urls", engine_url, "--model-path", "tiny", "--port", str(port)])
+
+
+def wait_ready(url: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(url)
+
+
+async def open_loop(url: str, bodies, rate: float, seconds: float, headers_of) -> list[float]:
+    """Send at a fixed rate regardless of answers (aiohttp: httpx's client alone could not
+    send 150/s here); latency of each, failures counted."""
+    import aiohttp
+
+    latencies: list[float] = []
+    errors: list[str] = []
+    # A bounded pool of keep-alive connections, as a rollout client has; a request waiting for
+    # a connection counts that wait in its latency.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64),
+                                     timeout=aiohttp.ClientTimeout(total=120)) as http:
+        async def one(i: int):
+            t0 = time.perf_counter()
+            try:
+                async with http.post(url, json=bodies(i), headers=headers_of(i)) as r:
+                    text = await r.text()
+                    if r.status != 200:
+                        errors.append(f"{r.status} {text[:200]}")
+                        return
+            except aiohttp.ClientError as e:
+                errors.append(type(e).__name__)
+                return
+            latencies.append(time.perf_counter() - t0)
+
+        tasks, start = [], time.perf_counter()
+        for i in range(int(rate * seconds)):
+            delay = start + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(i)))
+        sent = len(tasks) / (time.perf_counter() - start)
+        await asyncio.gather(*tasks)
+        took = time.perf_counter() - start
+    print(f"    {url}: {len(latencies)} ok, {len(errors)} failed {sorted(set(errors))[:3]}, "
+          f"offered {rate:.0f}/s, sent {sent:.0f}/s, answered {len(latencies) / took:.0f}/s")
+    return latencies
+
+
+def pct(xs: list[float], q: float) -> float:
+    return statistics.quantiles(xs, n=100)[q - 1] * 1e3
+
+
+def overhead(rate: float, seconds: float) -> None:
+    ctx = mp.get_context("spawn")
+    stub_port, gw_port = free_port(), free_port()
+    stub = ctx.Process(target=run_stub, args=(stub_port,), daemon=True)
+    stub.start()
+    wait_ready(f"http://127.0.0.1:{stub_port}/health")
+    gw = ctx.Process(target=run_gateway, args=(f"http://127.0.0.1:{stub_port}", gw_port),
+                     daemon=True)
+    gw.start()
+    wait_ready(f"http://127.0.0.1:{gw_port}/health")
+    try:
+        msgs = [{"role": "user", "content": "run the tests and report"}]
+        direct = asyncio.run(open_loop(
+            f"http://127.0.0.1:{stub_port}/generate",
+            lambda i: {"input_ids": list(range(1, 60)), "sampling_params": {"max_new_tokens": 3}},
+            rate, seconds, lambda i: {}))
+        cpu = psutil.Process(gw.pid)
+        cpu0 = sum(cpu.cpu_times()[:2])
+        through = asyncio.run(open_loop(
+            f"http://127.0.0.1:{gw_port}/v1/chat/completions",
+            lambda i: {"model": "tiny", "messages": msgs, "max_tokens": 3}, rate, seconds,
+            lambda i: {"X-Session-ID": f"s{i}"}))
+        cpu_per_request = (sum(cpu.cpu_times()[:2]) - cpu0) / len(through)
+    finally:
+        gw.terminate()
+        stub.terminate()
+    for name, xs in (("stub /generate direct", direct), ("through the gateway", through)):
+        print(f"  {name:24s} p50 {pct(xs, 50):7.2f} ms   p99 {pct(xs, 99):7.2f} ms")
+    print(f"  gateway overhead         p50 {pct(through, 50) - pct(direct, 50):7.2f} ms   "
+          f"p99 {pct(through, 99) - pct(direct, 99):7.2f} ms")
+    print(f"  gateway process CPU per request: {cpu_per_request * 1e3:.2f} ms "
+          f"(one free core: ~{1 / cpu_per_request:.0f} requests/s)")
+
+
+class RoundRobinRouter(StickyRouter):
+    """The baseline: every turn to the next DP rank, whatever its session."""
+
+    def _acquire(self, session_id: str, expected_tokens: int) -> Route:
+        with self._cond:
+            if not hasattr(self, "_rr"):
+                self._rr = itertools.cycle(sorted(self._slots))
+            route = next(self._rr)
+            self._slots[route].in_flight += 1
+            return route
+
+
+async def sessions_through(gateway, sessions: int, turns: int, rng: random.Random) -> float:
+    from sglang_dsv41.gateway.app import Gateway  # noqa: F401 - documents the type
+
+    cached = prompt = 0
+
+    async def session(s: int):
+        nonlocal cached, prompt
+        system = "You are an agent in a repository. " + "".join(
+            rng.choice("abcdefghij ") for _ in range(1500))
+        msgs = [{"role": "system", "content": system}]
+        for t in range(turns):
+            msgs.append({"role": "user", "content": f"step {t}: " + "".join(
+                rng.choice("klmnop ") for _ in range(40))})
+            body = {"model": "tiny", "messages": msgs, "max_tokens": 16, "temperature": 0}
+            conv, turn, out = await gateway.chat(f"bench-{id(gateway)}-{s}", body)
+            msgs.append({"role": "assistant", "content": gateway.tokenizer.decode(
+                turn.output_ids)})
+            if t:
+                cached += turn.cached_tokens
+                prompt += len(turn.prompt_ids)
+
+    await asyncio.gather(*(session(s) for s in range(sessions)))
+    return cached / prompt
+
+
+def prefix(sessions: int, turns: int) -> None:
+    from sglang_dsv41.gateway.__main__ import build_gateway
+
+    layout = ["--model-path", "tiny", "--tp-size", "2", "--dp-size", "2",
+              "--enable-dp-attention", "--context-length", "4096"]
+    with ServerProcess(layout) as server:
+        for name, router_cls in (("gateway (sticky)", StickyRouter),
+                                 ("round robin", RoundRobinRouter)):
+            server_flush = httpx.post(server.url + "/flush_cache")
+            assert server_flush.status_code == 200, server_flush.text
+            gw = build_gateway([server.url], "tiny")
+            gw.router = router_cls([server.url])
+            ratio = asyncio.run(sessions_through(gw, sessions, turns, random.Random(0)))
+            print(f"  {name:18s} prefix hit ratio (turns 2-{turns}): {ratio:.3f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rate", type=float, default=500)
+    p.add_argument("--seconds", type=float, default=10)
+    p.add_argument("--sessions", type=int, default=8)
+    p.add_argument("--turns", type=int, default=5)
+    a = p.parse_args()
+    print(f"1. overhead at {a.rate:.0f} requests/s for {a.seconds:.0f} s (stub engine)")
+    overhead(a.rate, a.seconds)
+    print(f"2. prefix hit ratio, {a.sessions} sessions x {a.turns} turns, tiny tp=2 dp=2")
+    prefix(a.sessions, a.turns)
+
+
+if __name__ == "__main__":
+    main()
