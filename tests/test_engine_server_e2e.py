@@ -1,6 +1,6 @@
 """End to end: ``python -m sglang_dsv41.launch_server`` with real scheduler processes, the real
-model's tiny preset (DeepSeek V4.1 layer kinds, Engram), tp=4 dp=2 with DP attention (attn_tp=2), over HTTP. One server is shared by the checks;
-a second one, with prefill padding off, shows the crash the padding plugin prevents."""
+model's tiny preset (DeepSeek V4.1 layer kinds, Engram), tp=4 dp=2 with DP attention
+(attn_tp=2), over HTTP. One server is shared by the checks; a second one, with prefill padding off, shows the crash the padding plugin prevents."""
 
 from __future__ import annotations
 

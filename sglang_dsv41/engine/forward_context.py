@@ -95,7 +95,7 @@ class EngineForwardContext(DSV4Context):
             return
         plan, dev = self.plan, self.positions.device
         cache_rows, query_rows, lens, at = [], [], [], 0
-        for (c0, c1), start, n in zip(self.context_bounds, self._seq_start, plan.extend_lens):
+        for (_, c1), start, n in zip(self.context_bounds, self._seq_start, plan.extend_lens):
             tail = min(window - 1, start)
             cache_rows.append(torch.arange(c1 - n - tail, c1))
             query_rows.append(torch.arange(at + tail, at + tail + n))

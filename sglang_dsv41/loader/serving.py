@@ -25,7 +25,7 @@ from ..jsonio import read_json_object
 from ..model.dsv4.config import CONFIG_FILE, V4, DSV4Config
 from ..model.dsv4.model import DSV4ForCausalLM, init_weights
 from ..model.dsv4.presets import PRESETS, get_preset
-from .dummy import DUMMY_SEED, dummy_init_
+from .dummy import DUMMY_SEED, dummy_init_, is_engram_table
 
 logger = logging.getLogger("sglang_dsv41.loader")
 LAYOUTS = ("preset", "flat", "transformers")
@@ -58,8 +58,8 @@ def config_from_transformers(raw: dict) -> DSV4Config:
             "num_attention_heads", "head_dim", "q_lora_rank", "num_experts_per_tok",
             "n_routed_experts", "n_shared_experts", "scoring_func", "norm_topk_prob",
             "routed_scaling_factor", "max_position_embeddings", "hc_mult", "hc_sinkhorn_iters",
-            "hc_eps", "swiglu_limit", "o_groups", "o_lora_rank", "index_n_heads", "index_head_dim", "index_topk",
-            "rms_norm_eps", "bos_token_id", "eos_token_id")
+            "hc_eps", "swiglu_limit", "o_groups", "o_lora_rank", "index_n_heads",
+            "index_head_dim", "index_topk", "rms_norm_eps", "bos_token_id", "eos_token_id")
     d = {k: raw[k] for k in keys if raw.get(k) is not None}
     d.update(model_type=V4, compress_ratios=[ratios[t] for t in raw["layer_types"]],
              window_size=raw["sliding_window"], rope_scaling=rope, rope_theta=rope_theta,
@@ -168,10 +168,10 @@ def load_serving_model(model_path: str, dtype: torch.dtype, device,
     else:
         state = read_model_tensors(model_path)
         if load_format == "dummy":   # keep what dummy weights must not replace
-            state = {n: t for n, t in state.items() if n.endswith("tid2eid") or ".engram.embed." in n}
-        result = model.load_state_dict(state, strict=load_format != "dummy")
+            state = {n: t for n, t in state.items()
+                     if n.endswith("tid2eid") or is_engram_table(n)}
+        model.load_state_dict(state, strict=load_format != "dummy")
         logger.info("loaded %d tensors from %s (%s layout)", len(state), model_path, layout)
-        del result
     if load_format == "dummy":
         dummy_init_(model, seed=DUMMY_SEED)
     cast_for_serving_(model, dtype)
