@@ -1,8 +1,11 @@
 """Training-step throughput: tokens/s and MFU of the policy (FSDP2 wrapping, mixed precision,
 PPO loss, AdamW step) with our sink-attention kernel vs the eager torch reference, same run.
 
-GPU (the real measurement): python bench/train.py --preset small-1b --seq 4096
+GPU (the real measurement): python bench/train.py --preset small --seq 4096
 CPU smoke check:            python bench/train.py --preset tiny --seq 64 --steps 2
+
+The real DSV4 model (sglang_dsv41/model/dsv4), sharded by trainer_bridge.parallelize; the
+attention backend goes through DSV4Context.attention_backend.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sglang_dsv41.model import DSV41Config, build_model, get_preset  # noqa: E402
+from sglang_dsv41.model.dsv4 import DSV4Config, get_preset  # noqa: E402
+from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM, init_weights  # noqa: E402
 from trainer_bridge.batch import Sample, pack  # noqa: E402
 from trainer_bridge.config import LossConfig, OptimConfig  # noqa: E402
 from trainer_bridge.dist import close_distributed, init_distributed  # noqa: E402
@@ -29,37 +33,44 @@ from trainer_bridge.schedule import build_optimizer  # noqa: E402
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 
 
-def active_params(cfg: DSV41Config) -> int:
-    """Parameters one token passes through (top-k of the routed experts, no Engram table)."""
-    total = cfg.num_parameters(include_engram=False)
+def active_params(cfg: DSV4Config) -> int:
+    """Matmul parameters one token passes through: everything but the embedding, the idle
+    routed experts and the Engram tables (buffers, looked up, not multiplied)."""
+    with torch.device("meta"):
+        model = DSV4ForCausalLM(cfg)
+    total = sum(p.numel() for n, p in model.named_parameters() if n != "embed.weight")
     per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
     idle = cfg.n_routed_experts - cfg.num_experts_per_tok
-    total -= cfg.num_moe_layers * idle * per_expert
-    return total - cfg.vocab_size * cfg.hidden_size  # the embedding lookup is not a matmul
+    return total - cfg.num_hidden_layers * idle * per_expert
 
 
-def step_flops(cfg: DSV41Config, seq: int, batch: int) -> float:
-    """6 N T for the matmuls plus 3 x forward attention (4 Hq D per query-key pair)."""
+def step_flops(cfg: DSV4Config, seq: int, batch: int) -> float:
+    """6 N T for the matmuls plus 3 x forward attention (4 H D per query-key pair): the window,
+    plus on compressed layers the selected entries (index_topk on ratio 4, every visible entry
+    on 128, the shared top-k selection on 1/2)."""
     pairs = 0
     for layer in range(cfg.num_hidden_layers):
-        w = cfg.window_for_layer(layer) or seq
-        pairs += sum(min(i + 1, w) for i in range(seq))
+        ratio = cfg.compress_ratio(layer)
+        for i in range(seq):
+            pairs += min(i + 1, cfg.window_size)
+            if ratio:
+                seen = (i + 1) // ratio
+                pairs += seen if ratio == 128 else min(seen, cfg.index_topk)
     attn = 3 * 4 * cfg.num_attention_heads * cfg.head_dim * pairs * batch
     return 6.0 * active_params(cfg) * seq * batch + attn
 
 
-def run_backend(backend: str, cfg: DSV41Config, args, mesh, device) -> dict:
+def run_backend(backend: str, cfg: DSV4Config, args, mesh, device) -> dict:
     torch.manual_seed(0)
-    with torch.device("cpu"):
-        model = build_model(cfg, torch.float32, "cpu", seed=0)
+    model = DSV4ForCausalLM(cfg)
+    init_weights(model, seed=0)
     for name, p in model.named_parameters():
-        if name.endswith("mlp.gate.weight"):
+        if name.endswith("ffn.gate.weight"):
             p.requires_grad_(False)
     model.to(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    parallelize_policy(model, mesh, compute_dtype=dtype, lm_head_fp32=cfg.lm_head_fp32)
-    policy = Policy(model, "bench", device, torch.float32 if cfg.lm_head_fp32 else dtype,
-                    attention_backend=backend)
+    parallelize_policy(model, mesh, compute_dtype=dtype, lm_head_fp32=True)
+    policy = Policy(model, "bench", device, attention_backend=backend)
     opt, _ = build_optimizer(policy, OptimConfig(lr=1e-5, sink_frozen_frac=0, sink_ramp_frac=0), 1)
     gen = torch.Generator().manual_seed(0)
     samples = []
@@ -68,7 +79,7 @@ def run_backend(backend: str, cfg: DSV41Config, args, mesh, device) -> dict:
         s = Sample(toks, [0] + [1] * (args.seq - 1), [0.0] * args.seq, 1.0, i)
         s.advantage = 1.0
         samples.append(s)
-    mb = pack(samples, policy.moe_layers, use_routing=False)
+    mb = pack(samples, policy.routed_layers, use_routing=False)
     mb.old_logprobs = torch.zeros(mb.targets.shape[0])
     times = []
     prof = None
@@ -116,7 +127,7 @@ def _profiler_activities(device: torch.device) -> list:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--preset", default="small-1b")
+    p.add_argument("--preset", default="small")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=5)
