@@ -173,8 +173,6 @@ class RoundRobinRouter(StickyRouter):
 
 
 async def sessions_through(gateway, sessions: int, turns: int, rng: random.Random) -> float:
-    from sglang_dsv41.gateway.app import Gateway  # noqa: F401 - documents the type
-
     cached = prompt = 0
 
     async def session(s: int):

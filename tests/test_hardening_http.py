@@ -19,7 +19,7 @@ from engine_server_fakes import QueueDrainer
 from sglang_dsv41.engine.api_models import RequestLimits
 from sglang_dsv41.engine.dp_controller import DPController
 from sglang_dsv41.engine.http_server import ServerState, create_app
-from sglang_dsv41.engine.messages import AbortReq, GenerateReq, SamplingParams
+from sglang_dsv41.engine.messages import AbortReq, SamplingParams
 from sglang_dsv41.engine.sampling import sample_token
 from sglang_dsv41.loader import weight_sync_group
 from sglang_dsv41.model.config import get_preset

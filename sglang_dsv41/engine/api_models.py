@@ -43,7 +43,7 @@ def _as_list(v: Any) -> list:
     return [] if v is None else (list(v) if isinstance(v, list) else [v])
 
 
-class _Schema(BaseModel):
+class ApiSchema(BaseModel):
     # Null means "the default" for every field, as in SGLang's generated decoders.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=False)
 
@@ -57,7 +57,7 @@ class _Schema(BaseModel):
         return data
 
 
-class SamplingParamsIn(_Schema):
+class SamplingParamsIn(ApiSchema):
     """``sampling_params`` of /generate: every field of SGLang 0.5.23's SamplingParams."""
     max_new_tokens: int = Field(128, ge=0)
     stop: Union[str, list[str], None] = None
@@ -162,7 +162,7 @@ class SamplingParamsIn(_Schema):
         return self.temperature < SAMPLING_EPS or self.top_k == 1
 
 
-class SessionParams(_Schema):
+class SessionParams(ApiSchema):
     id: str = Field(min_length=1, max_length=256)
     rid: str | None = None
     offset: int | None = None
@@ -175,7 +175,7 @@ _Bool = Union[bool, list[bool]]
 _Int = Union[int, list[int]]
 
 
-class GenerateRequest(_Schema):
+class GenerateRequest(ApiSchema):
     """The /generate body. Fields that would change the result but mean nothing for a text-only
     model on this backend (images, LoRA, hidden states, custom logit processors) are refused
     when set; routing hints for other deployments (bootstrap_*, priority, ...) are ignored."""
@@ -260,63 +260,13 @@ class GenerateRequest(_Schema):
         return v
 
 
-class AbortRequest(_Schema):
-    rid: str = ""
-    abort_all: bool = False
-
-
-class OpenSessionRequest(_Schema):
+class OpenSessionRequest(ApiSchema):
     capacity_of_str_len: int = Field(1 << 16, ge=1)
     session_id: str | None = Field(None, min_length=1, max_length=256)
 
 
-class CloseSessionRequest(_Schema):
+class CloseSessionRequest(ApiSchema):
     session_id: str = Field(min_length=1, max_length=256)
-
-
-class PauseGenerationRequest(_Schema):
-    mode: str = Field("abort", pattern="^(abort|retract|in_place)$")
-
-
-class UpdateWeightsFromTensorRequest(_Schema):
-    serialized_named_tensors: str  # base64 of safetensors bytes
-    flush_cache: bool = True
-    weight_version: str | None = None
-    abort_all_requests: bool = False
-    allow_engram_update: bool = False  # force overwriting frozen Engram tables (else refused)
-
-
-class UpdateWeightsFromDiskRequest(_Schema):
-    model_path: str
-    flush_cache: bool = True  # accepted as SGLang does; a disk update always flushes
-    weight_version: str | None = None
-    abort_all_requests: bool = False
-
-
-class InitWeightsUpdateGroupRequest(_Schema):
-    master_address: str
-    master_port: int = Field(gt=0, lt=65536)
-    rank_offset: int = Field(ge=0)
-    world_size: int = Field(ge=1)
-    group_name: str = "weight_update_group"
-    backend: str = "gloo"
-
-
-class UpdateWeightsFromDistributedRequest(_Schema):
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
-    group_name: str = "weight_update_group"
-    flush_cache: bool = True
-    weight_version: str | None = None
-    abort_all_requests: bool = False
-    allow_engram_update: bool = False  # force overwriting frozen Engram tables (else refused)
-
-    @model_validator(mode="after")
-    def _same_lengths(self) -> "UpdateWeightsFromDistributedRequest":
-        if not len(self.names) == len(self.dtypes) == len(self.shapes):
-            raise ValueError("names, dtypes and shapes must have the same length")
-        return self
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import Field, model_validator
 
-from .api_models import (AbortRequest, InitWeightsUpdateGroupRequest, PauseGenerationRequest,
-                         UpdateWeightsFromDiskRequest, UpdateWeightsFromDistributedRequest,
-                         UpdateWeightsFromTensorRequest)
+from .api_models import ApiSchema
 from .dp_controller import ControlError, EngineUnavailable
 
 if TYPE_CHECKING:
@@ -42,6 +42,56 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, err_type: str = "BadRequest"):
         super().__init__(message)
         self.status, self.message, self.err_type = status, message, err_type
+
+
+class AbortRequest(ApiSchema):
+    rid: str = ""
+    abort_all: bool = False
+
+class PauseGenerationRequest(ApiSchema):
+    mode: str = Field("abort", pattern="^(abort|retract|in_place)$")
+
+class UpdateWeightsFromTensorRequest(ApiSchema):
+    serialized_named_tensors: str  # base64 of safetensors bytes
+    flush_cache: bool = True
+    weight_version: str | None = None
+    abort_all_requests: bool = False
+    allow_engram_update: bool = False  # force overwriting frozen Engram tables (else refused)
+
+class UpdateWeightsFromDiskRequest(ApiSchema):
+    model_path: str
+    flush_cache: bool = True  # accepted as SGLang does; a disk update always flushes
+    weight_version: str | None = None
+    abort_all_requests: bool = False
+
+class InitWeightsUpdateGroupRequest(ApiSchema):
+    master_address: str
+    master_port: int = Field(gt=0, lt=65536)
+    rank_offset: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    group_name: str = "weight_update_group"
+    backend: str = "gloo"
+
+class UpdateWeightsFromDistributedRequest(ApiSchema):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    weight_version: str | None = None
+    abort_all_requests: bool = False
+    allow_engram_update: bool = False  # force overwriting frozen Engram tables (else refused)
+
+    @model_validator(mode="after")
+    def _same_lengths(self) -> "UpdateWeightsFromDistributedRequest":
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError("names, dtypes and shapes must have the same length")
+        return self
+
+
+def error_response(status: int, message: str, err_type: str = "BadRequest") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": err_type, "code": status}},
+                        status_code=status)
 
 
 def refuse_cross_site(request: Request, non_loopback_without_key: bool) -> str | None:

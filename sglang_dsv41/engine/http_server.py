@@ -14,20 +14,20 @@ import hmac
 import ipaddress
 import json
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .api_models import (CloseSessionRequest, GenerateRequest, OpenSessionRequest, RequestLimits,
                          SamplingParamsIn)
 from .dp_controller import DPController, EngineFailure, EngineUnavailable
-from .http_admin import ADMIN_PATHS, ApiError, admin_router, refuse_cross_site
-from .messages import GenerateReq, SamplingParams
+from .http_admin import ADMIN_PATHS, ApiError, admin_router, error_response, refuse_cross_site
+from .http_info import info_router
+from .messages import GenerateReq
 from .metrics import ServerMetrics
 from .output import OutputAssembler, OutputOptions
 from .sessions import SessionStore
@@ -53,11 +53,6 @@ class ServerState:
     running: asyncio.Event | None = None  # cleared by /pause_generation; set by create_app
     pending_setup: dict[str, float] = field(default_factory=dict)  # op -> start (fails /health)
     draining: bool = False                # SIGTERM: finish in-flight requests, refuse new ones
-
-
-def error_response(status: int, message: str, err_type: str = "BadRequest") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": err_type, "code": status}},
-                        status_code=status)
 
 
 def _is_loopback(host: str | None) -> bool:
@@ -258,107 +253,3 @@ async def _stream(state: ServerState, req: GenerateReq, chunks: asyncio.Queue,
 
 def _sse(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
-
-
-def info_router(state: ServerState) -> APIRouter:
-    router = APIRouter()
-
-    @router.get("/health")
-    async def health():
-        reason = health_failure(state)
-        if reason:
-            return error_response(503, reason, "Unhealthy")
-        return Response(status_code=200)
-
-    @router.get("/health_generate")
-    async def health_generate():
-        ok, reason = await run_health_check(state)
-        if not ok:
-            return error_response(503, reason, "Unhealthy")
-        return Response(status_code=200)
-
-    @router.get("/model_info")
-    @router.get("/get_model_info")
-    async def model_info():
-        cfg = state.model_config
-        return {"model_path": state.model_path, "tokenizer_path": state.model_path,
-                "weight_version": state.weight_version, "is_generation": True,
-                "vocab_size": cfg.vocab_size, "num_hidden_layers": cfg.num_hidden_layers,
-                "num_experts_per_tok": cfg.num_experts_per_tok,
-                "context_length": state.limits.context_length}
-
-    @router.get("/server_info")
-    @router.get("/get_server_info")
-    async def server_info():
-        a = state.server_args
-        infos = list(state.ready_info.values())
-        return {
-            "backend": "embedded", "model_path": state.model_path, "tp_size": a.tp_size,
-            "dp_size": a.dp_size, "attn_tp_size": a.attn_tp_size,
-            "enable_dp_attention": a.enable_dp_attention, "page_size": a.page_size,
-            "max_total_tokens": infos[0].get("max_total_tokens") if infos else a.max_total_tokens,
-            "context_length": state.limits.context_length,
-            "max_new_tokens_limit": a.max_new_tokens_limit,
-            "load_balance_method": a.load_balance_method, "load_format": a.load_format,
-            "enable_prefill_padding": a.enable_prefill_padding,
-            "enable_idle_batch": a.enable_idle_batch, "stall_timeout": a.stall_timeout,
-            "engram_layout": a.resolved_engram_layout,
-            "enable_return_routed_experts": a.enable_return_routed_experts,
-            "weight_version": state.weight_version, "healthy": state.controller.healthy,
-            "ready_info": {str(r): i for r, i in sorted(state.ready_info.items())},
-            "rank_stats": {str(d): vars(s) for d, s in sorted(state.controller.stats.items())},
-            "in_flight": state.controller.num_in_flight(),
-            "paused": not state.running.is_set(),
-        }
-
-    @router.get("/get_weight_version")
-    async def get_weight_version():
-        return {"weight_version": state.weight_version}
-
-    @router.get("/metrics")
-    async def metrics():
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
-
-    return router
-
-
-def health_failure(state: ServerState) -> str:
-    """Why /health fails, or "" when it passes."""
-    if not state.controller.healthy:
-        return state.controller.failure_reason()
-    if state.draining:
-        return "the server is shutting down"
-    now = time.monotonic()
-    return "; ".join(f"{op} pending for {now - t0:.1f}s (the ranks are blocked in it)"
-                     for op, t0 in state.pending_setup.items())
-
-
-async def run_health_check(state: ServerState) -> tuple[bool, str]:
-    """As SGLang: one 1-token request with input_ids [0] and no DP rank, under a timeout."""
-    c = state.controller
-    reason = health_failure(state)
-    if reason:
-        return False, reason
-    timeout = state.server_args.health_check_timeout
-    req = GenerateReq(rid=f"HEALTH_CHECK_{time.time()}", input_ids=[0],
-                      sampling=SamplingParams(max_new_tokens=1))
-    try:
-        dp_rank, chunks = c.submit(req, asyncio.get_running_loop())
-    except EngineUnavailable as e:
-        return False, str(e)
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            item = await asyncio.wait_for(chunks.get(), max(0.0, deadline - time.monotonic()))
-            if isinstance(item, EngineFailure):
-                return False, item.reason
-            if item.error:
-                return False, f"health check refused on dp_rank {dp_rank}: {item.error}"
-            if item.finished:
-                return True, ""
-    except asyncio.TimeoutError:
-        c.release(req.rid)
-        # A rank that just died may be noticed by the monitor a moment later: say so if it was.
-        await asyncio.sleep(0.5)
-        extra = f" ({c.failure_reason()})" if not c.healthy else ""
-        return False, f"health check got no answer from dp_rank {dp_rank} in {timeout}s{extra}"
