@@ -63,26 +63,31 @@ def write_flat_checkpoint(path: str, cfg, model) -> str:
     return path
 
 
-def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """Whole-sequence recompute per token (no cache)."""
+def reference_greedy(model, prompt: list[int], n: int, serving_numerics: bool = True
+                     ) -> list[int]:
+    """Whole-sequence recompute per token (no cache), with the server's numerics (ServerArgs
+    serving_numerics defaults on)."""
     import torch
 
     from sglang_dsv41.model.dsv4.context import DSV4Context
 
     seq = list(prompt)
     for _ in range(n):
-        logits = model(torch.tensor(seq), DSV4Context.packed([len(seq)]))
+        logits = model(torch.tensor(seq), DSV4Context.packed(
+            [len(seq)], serving_numerics=serving_numerics))
         seq.append(int(logits[-1].argmax()))
     return seq[len(prompt):]
 
 
-def reference_logprobs(model, seqs: list[list[int]], record_routing: bool = False):
+def reference_logprobs(model, seqs: list[list[int]], record_routing: bool = False,
+                       serving_numerics: bool = True):
     """[per sequence: logprob of token t+1 at row t] and the context (routing when asked)."""
     import torch
 
     from sglang_dsv41.model.dsv4.context import DSV4Context
 
-    ctx = DSV4Context.packed([len(s) for s in seqs], record_routing=record_routing)
+    ctx = DSV4Context.packed([len(s) for s in seqs], record_routing=record_routing,
+                             serving_numerics=serving_numerics)
     logp = torch.log_softmax(model(torch.tensor([t for s in seqs for t in s]), ctx).float(), -1)
     out, at = [], 0
     for s in seqs:

@@ -1,7 +1,8 @@
 """The engine's cache in one process (ModelRunner without a world): chunked prefill with padding
 rows, mixed extend/decode batches and a prefix restored at a page boundary inside compression
 blocks all give the logits of a whole-sequence recompute of the reference model (tiny: every
-V4.1 layer kind, Engram with its n-gram history); model loading and --dtype."""
+V4.1 layer kind, Engram with its n-gram history), with SGLang's serving numerics and without;
+model loading and --dtype."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def runner(tmp_path_factory):
+@pytest.fixture(scope="module", params=[True, False], ids=["sglang_numerics", "plain"])
+def runner(request, tmp_path_factory):
     from sglang_dsv41.engine.model_runner import ModelRunner
     from sglang_dsv41.server_args import ServerArgs
 
@@ -35,6 +36,8 @@ def runner(tmp_path_factory):
     path = write_flat_checkpoint(str(tmp_path_factory.mktemp("tiny")), cfg, model)
     args = ServerArgs(model_path=path, device="cpu", page_size=PAGE, max_total_tokens=1024)
     run = ModelRunner(args, None, path, torch.device("cpu"))
+    assert run.serving_numerics   # our layout: SGLang's numerics
+    run.serving_numerics = request.param
     run.reference = model
     yield run
     run.close()   # releases the shared-memory Engram tables
@@ -52,7 +55,8 @@ def forward(runner, mode, reqs, chunks, attn_tp=1):
 
 def recompute(runner, seq) -> torch.Tensor:
     with torch.no_grad():
-        return runner.reference(torch.tensor(seq), DSV4Context.packed([len(seq)]))[-1]
+        ctx = DSV4Context.packed([len(seq)], serving_numerics=runner.serving_numerics)
+        return runner.reference(torch.tensor(seq), ctx)[-1]
 
 
 def close(got, want):

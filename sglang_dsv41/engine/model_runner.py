@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..loader.engram_layouts import install_engram_layout
-from ..loader.serving import load_serving_config, load_serving_model
+from ..loader.serving import load_serving_config, load_serving_model, serving_numerics_for
 from .batch import ForwardPlan
 from .forward_context import EngineForwardContext, cu_of
 from .kv_cache import TokenRowPool, default_max_total_tokens, row_bytes_per_token
@@ -56,6 +56,7 @@ class ModelRunner:
                              f"(tp_size {args.tp_size} / dp_size {args.effective_dp_size})")
         self.model = load_serving_model(model_dir, self.dtype, device, args.load_format)
         self.cfg = cfg
+        self.serving_numerics = serving_numerics_for(model_dir)
         self.hooks = ModelHooks(self.model)
         # SGLang's host layouts for the Engram tables, chosen by the shared policy. The ranks
         # are the server process's children: its pid names the node's shared-memory namespace.
@@ -86,7 +87,8 @@ class ModelRunner:
         is_leader = self.info.is_leader if self.info else True
         ctx = EngineForwardContext(
             cu_seqlens=cu_of(plan.extend_lens, dev), positions=plan.positions.to(dev),
-            record_routing=plan.record_routing and is_leader, plan=plan, pool=self.pool,
+            record_routing=plan.record_routing and is_leader,
+            serving_numerics=self.serving_numerics, plan=plan, pool=self.pool,
             groups=self.groups, dp_tokens=dp_tokens)
         with torch.no_grad(), self.hooks.active(ctx):
             hidden = self.model.hidden(plan.input_ids.to(dev), ctx)

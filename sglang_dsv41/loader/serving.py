@@ -10,6 +10,8 @@
                     ``layer_types``, ``model.layers...`` names from save_pretrained): the config
                     is mapped back to ours and the names through names.from_transformers.
 A tokenizer is optional: requests with input_ids need none (``has_tokenizer`` says which).
+Numerics: SGLang's inference rounding, except for a transformers checkpoint
+(``serving_numerics_for``).
 """
 
 from __future__ import annotations
@@ -101,6 +103,14 @@ def load_serving_config(model_path: str) -> DSV4Config:
         return get_preset(model_path)
     raw = read_json_object(os.path.join(model_path, CONFIG_FILE), "model config")
     return config_from_transformers(raw) if layout == "transformers" else DSV4Config.from_dict(raw)
+
+
+def serving_numerics_for(model_path: str) -> bool:
+    """Whether the engine computes SGLang 0.5.23's inference rounding (fp8 KV-cache round trip,
+    FP4 V4.1 indexer and compressed KV; DSV4Context.serving_numerics, the trainer's default).
+    A transformers checkpoint is served with transformers' plain math, which defines it; every
+    other layout as SGLang serves it."""
+    return model_layout(model_path) != "transformers"
 
 
 def has_tokenizer(model_path: str) -> bool:
