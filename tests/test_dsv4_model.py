@@ -76,8 +76,8 @@ def test_triton_attention_gives_the_reference_logits_and_gradients(model):
                       if p.grad is not None})
     torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
     assert grads[0].keys() == grads[1].keys()
-    for k, ref in grads[0].items():  # fp32 sums in another order: relative to the tensor's scale
-        assert (grads[1][k] - ref).abs().max() <= 1e-4 * ref.abs().max().clamp_min(1e-6), k
+    for k, ref in grads[0].items():  # fp32 sums in another order; the kernel tests bound 1e-3
+        assert (grads[1][k] - ref).abs().max() <= 1e-3 * ref.abs().max().clamp_min(1e-6), k
     model.zero_grad()
 
 
@@ -96,3 +96,17 @@ def test_r3_replay_reproduces_and_uses_the_given_weights(model):
             assert torch.equal(ids_l, gate.tid2eid[ids].long())
     flipped = {k: (i, w.flip(-1)) for k, (i, w) in rec.routed.items()}
     assert not torch.equal(model(ids, DSV4Context.packed([64], routing_replay=flipped)), ref)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-v4"])
+def test_every_prefix_gives_the_full_sequences_logits(preset):
+    """Causality, selection ties included: a decode step sees a prefix, the trainer the whole
+    sequence; the logits of position p must not depend on what follows it."""
+    m = DSV4ForCausalLM(get_preset(preset))
+    init_weights(m, seed=5, std=0.08)
+    n = 41
+    ids = torch.randint(0, m.cfg.vocab_size, (n,))
+    full = m(ids, DSV4Context.packed([n]))
+    for p in (8, 17, 24, 33, 40):
+        prefix = m(ids[:p + 1], DSV4Context.packed([p + 1]))
+        assert (prefix[p] - full[p]).abs().max() <= 1e-5 * full.abs().max(), p

@@ -26,13 +26,17 @@ SEQS = [37, 20]          # packed; M below keeps each request's slots 2-aligned
 M = 64
 BF16 = torch.bfloat16
 
+# 16 indexer heads: a score is an exact zero (every head's relu at 0) with probability 2^-16,
+# so no tie straddles the top-k boundary. Ties are where our selection is deliberately defined
+# (lowest entry first, the same for a prefix and the whole sequence) and SGLang's torch.topk is
+# not; elsewhere the two must agree bit for bit.
 CFG = DSV4Config(
     model_type="deepseek_v41", vocab_size=64, hidden_size=64, num_hidden_layers=5,
     num_attention_heads=4, head_dim=64, qk_rope_head_dim=16, q_lora_rank=32, o_groups=2,
     o_lora_rank=16, window_size=8, max_position_embeddings=256,
     rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
                   "beta_fast": 32, "beta_slow": 1},
-    index_n_heads=4, index_head_dim=32, index_topk=6, n_routed_experts=4,
+    index_n_heads=16, index_head_dim=32, index_topk=6, n_routed_experts=4,
     num_experts_per_tok=2, moe_intermediate_size=16, num_hash_layers=0,
     compress_ratios=[1, 2, 1, 2, 1], kv_source_layer_ids=[0, 1],
     index_source_layer_ids=[0, 1, 4], candidate_source_layer_id=0, candidate_topk_blocks=2,

@@ -60,6 +60,18 @@ class Compressor(nn.Module):
         return out, cu
 
 
+def stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of the k largest per row, equal scores broken toward the lower index.
+
+    torch.topk breaks ties differently for rows of different lengths, and relu'd indexer scores
+    tie often (exact zeros): a decode step (entries so far) and a recompute of the whole
+    sequence (future entries masked) must pick the same entries, so the rule must not depend
+    on the masked tail.
+    """
+    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
 def visible_entries(positions: torch.Tensor, ratio: int) -> torch.Tensor:
     """[T] number of compressed entries a query may see (their span ended at or before it)."""
     return torch.div(positions + 1, ratio, rounding_mode="floor")
@@ -112,7 +124,7 @@ class Indexer(nn.Module):
             scores = (F.relu(scores) * self.head_dim ** -0.5 * w[start:end, :, None]).sum(dim=1)
             seen = visible_entries(positions[start:end], self.ratio)
             future = torch.arange(n, device=x.device)[None, :] >= seen[:, None]
-            picks = scores.masked_fill(future, float("-inf")).topk(min(self.topk, n), dim=-1).indices
+            picks = stable_topk(scores.masked_fill(future, float("-inf")), min(self.topk, n))[1]
             picks = torch.where(picks < seen[:, None], picks + cu_entries[s], torch.full_like(picks, -1))
             out[start:end, :picks.shape[1]] = picks.to(torch.int32)
         return out

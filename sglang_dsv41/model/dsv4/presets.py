@@ -43,7 +43,10 @@ PRESETS: dict[str, DSV4Config] = {
         **_TINY_COMMON),
     "tiny-v4": DSV4Config(
         model_type=V4, num_hidden_layers=4, compress_ratios=[0, 4, 128, 4],
-        q_head_norm=True, hc_pre_from_prev_sublayer=False, **_TINY_COMMON),
+        q_head_norm=True, hc_pre_from_prev_sublayer=False,
+        # 16 indexer heads: exact-zero score ties (all relus at 0) become improbable, so the
+        # indexer's top-k does not depend on how ties are broken (transformers' torch.topk).
+        **{**_TINY_COMMON, "index_n_heads": 16}),
     "small": DSV4Config(
         model_type=V41, vocab_size=32000, hidden_size=1024, num_hidden_layers=12,
         num_attention_heads=16, head_dim=512, qk_rope_head_dim=64, q_lora_rank=512,

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .compressor import stable_topk
 from .config import DSV4Config
 from .norm import RMSNorm
 from .rope import apply_rope, layer_inv_freq
@@ -238,7 +239,7 @@ def _select(cfg: DSV4Config, layer_id: int, indexer: V41Indexer, x: torch.Tensor
             idx = topk_among_blocks(scores, lens_s, blocks[a:b], k, cfg.candidate_block_size)
             idx = idx.masked_fill(idx < 0, lc)
         else:
-            idx = scores.topk(k, dim=-1, sorted=False).indices
+            idx = stable_topk(scores, k)[1]
         if publishes:
             published.append((a, b, select_candidate_block_ids(
                 scores, lens_s[:, None], cfg.candidate_topk_blocks, cfg.candidate_block_size)))
@@ -263,8 +264,8 @@ def select_candidate_block_ids(scores: torch.Tensor, lens: torch.Tensor, topk_bl
     n = blocks.shape[-1]
     newest = (lens - 1) // block_size
     blocks = blocks.masked_fill(torch.arange(n, device=scores.device) == newest, torch.inf)
-    top = blocks.topk(min(topk_blocks, n), dim=-1)
-    return top.indices.to(torch.int32).masked_fill_(~(top.values > -torch.inf), -1)
+    values, indices = stable_topk(blocks, min(topk_blocks, n))
+    return indices.to(torch.int32).masked_fill_(~(values > -torch.inf), -1)
 
 
 def topk_among_blocks(scores: torch.Tensor, lens: torch.Tensor, blocks: torch.Tensor, k: int,
@@ -285,8 +286,9 @@ def topk_among_blocks(scores: torch.Tensor, lens: torch.Tensor, blocks: torch.Te
     drop = (offs[None, None, :] >= (lens[:, None] - ids * block_size)[:, :, None]) | \
         (ids < 0)[:, :, None]
     flat = cand.masked_fill(drop, -torch.inf).flatten(1)
-    top = flat.topk(min(k, flat.shape[1]), dim=-1, sorted=False)
-    block_of = top.indices // block_size
-    picked = ids.gather(1, block_of) * block_size + (top.indices - block_of * block_size)
-    picked = picked.masked_fill(top.values == -torch.inf, -1)
+    # Candidates in entry order, so ties break toward the lower entry as in the full top-k.
+    entry = (ids.clamp_min(0)[:, :, None] * block_size + offs[None, None, :]).flatten(1)
+    order = entry.masked_fill(drop.flatten(1), torch.iinfo(entry.dtype).max).argsort(dim=-1)
+    values, top = stable_topk(flat.gather(1, order), min(k, flat.shape[1]))
+    picked = entry.gather(1, order.gather(1, top)).masked_fill(values == -torch.inf, -1)
     return F.pad(picked, (0, k - picked.shape[1]), value=-1) if picked.shape[1] < k else picked
