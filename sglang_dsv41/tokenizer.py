@@ -43,9 +43,10 @@ class ByteTokenizer:
 
     @classmethod
     def from_config(cls, cfg: "DSV41Config | dict[str, Any]") -> "ByteTokenizer":
-        get = cfg.get if isinstance(cfg, dict) else lambda k: getattr(cfg, k)
+        get = cfg.get if isinstance(cfg, dict) else lambda k: getattr(cfg, k, None)
+        pad = get("pad_token_id")  # DSV4Config has none: the byte tokenizer's default
         return cls(get("vocab_size"), get("bos_token_id"), get("eos_token_id"),
-                   get("pad_token_id"))
+                   258 if pad is None else pad)
 
     @property
     def all_special_ids(self) -> list[int]:

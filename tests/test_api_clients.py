@@ -21,9 +21,8 @@ LAYOUT = ["--model-path", "tiny", "--tp-size", "2", "--dp-size", "2", "--enable-
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    ckpt = str(tmp_path_factory.mktemp("ckpt"))
-    with ServerProcess([*LAYOUT, "--checkpoint-cache-dir", ckpt], startup_timeout=150) as s:
+def server():
+    with ServerProcess(LAYOUT, startup_timeout=150) as s:
         s.http = httpx.Client(base_url=s.url, timeout=60)
         yield s
         s.http.close()

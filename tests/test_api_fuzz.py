@@ -96,9 +96,8 @@ def request(rng: random.Random) -> tuple[str, str, bytes | None, dict]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    ckpt = str(tmp_path_factory.mktemp("ckpt"))
-    with ServerProcess([*LAYOUT, "--checkpoint-cache-dir", ckpt], startup_timeout=150) as s:
+def server():
+    with ServerProcess(LAYOUT, startup_timeout=150) as s:
         yield s
 
 

@@ -24,10 +24,9 @@ LAYOUT = ["--model-path", "tiny", "--context-length", "1024", "--max-new-tokens-
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    ckpt = ["--checkpoint-cache-dir", str(tmp_path_factory.mktemp("ckpt"))]
-    with ServerProcess([*LAYOUT, *ckpt], startup_timeout=150) as a, \
-            ServerProcess([*LAYOUT, *ckpt], startup_timeout=150) as b:
+def engines():
+    with ServerProcess(LAYOUT, startup_timeout=150) as a, \
+            ServerProcess(LAYOUT, startup_timeout=150) as b:
         yield {a.url: a, b.url: b}
 
 

@@ -17,12 +17,7 @@ from sglang_dsv41.server_process import ServerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 LAYOUT = ["--model-path", "tiny", "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention",
-          "--context-length", "1100", "--max-new-tokens-limit", "1000"]
-
-
-@pytest.fixture
-def ckpt(tmp_path_factory):
-    return ["--checkpoint-cache-dir", str(tmp_path_factory.getbasetemp() / "ckpt")]
+          "--context-length", "512", "--max-new-tokens-limit", "200"]
 
 
 def group_processes(server: ServerProcess) -> list[psutil.Process]:
@@ -36,8 +31,8 @@ def scheduler_ranks(server: ServerProcess) -> list[psutil.Process]:
                 p.cmdline())]
 
 
-def test_listens_on_loopback_only_and_sigterm_drains(ckpt):
-    with ServerProcess([*LAYOUT, *ckpt], startup_timeout=150) as server:
+def test_listens_on_loopback_only_and_sigterm_drains():
+    with ServerProcess(LAYOUT, startup_timeout=150) as server:
         listening = [(p.pid, c.laddr) for p in group_processes(server)
                      for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN]
         assert listening and all(addr.ip in ("127.0.0.1", "::1") for _, addr in listening), \
@@ -47,7 +42,7 @@ def test_listens_on_loopback_only_and_sigterm_drains(ckpt):
         def long_request():
             r = httpx.post(server.url + "/generate", timeout=120, json={
                 "input_ids": [1, 2, 3], "sampling_params": {
-                    "max_new_tokens": 1000, "ignore_eos": True, "temperature": 0}})
+                    "max_new_tokens": 200, "ignore_eos": True, "temperature": 0}})
             result["status"], result["body"] = r.status_code, r.json()
 
         t = threading.Thread(target=long_request)
@@ -56,16 +51,16 @@ def test_listens_on_loopback_only_and_sigterm_drains(ckpt):
         while httpx.get(server.url + "/server_info").json()["in_flight"] == [0, 0]:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        # ~13 s of decoding on 2 cores: longer than uvicorn's old 5 s grace, within ours.
+        # ~10 s of decoding on 2 cores (tiny DSV4): past uvicorn's old 5 s grace, within our 30 s.
         os.kill(server.proc.pid, signal.SIGTERM)
         t.join(120)
         assert result.get("status") == 200, result
-        assert result["body"]["meta_info"]["completion_tokens"] == 1000
+        assert result["body"]["meta_info"]["completion_tokens"] == 200
         assert server.proc.wait(60) == 0, server.log_text()[-2000:]
 
 
-def test_dead_rank_makes_the_server_exit_nonzero(ckpt):
-    with ServerProcess([*LAYOUT, *ckpt], startup_timeout=150) as server:
+def test_dead_rank_makes_the_server_exit_nonzero():
+    with ServerProcess(LAYOUT, startup_timeout=150) as server:
         ranks = scheduler_ranks(server)
         assert len(ranks) == 2, [p.cmdline() for p in group_processes(server)]
         ranks[1].kill()

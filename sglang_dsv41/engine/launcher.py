@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
 
-from ..model.config import PRESETS, DSV41Config
+from ..model.dsv4.config import DSV4Config
 from ..server_args import ServerArgs
 from .dp_controller import DPController
 from .messages import ReadyMsg
@@ -74,19 +74,15 @@ class EngineStartError(RuntimeError):
 
 
 def resolve_model_dir(server_args: ServerArgs) -> str:
-    """A preset name builds (once) a checkpoint for it; anything else must be a model dir."""
-    path = server_args.model_path
-    if path in PRESETS and not os.path.isdir(path):
-        from ..loader.checkpoint import ensure_checkpoint
+    """A preset name (random weights, built by each rank) or a model directory; the ranks load
+    either through loader/serving. Fails here, before anything is spawned, if it is neither."""
+    from ..loader.serving import model_layout
 
-        return ensure_checkpoint(path, server_args.checkpoint_cache_dir)
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"--model-path {path!r} is neither a preset ({sorted(PRESETS)}) nor a "
-                         "directory with a config.json")
-    return path
+    model_layout(server_args.model_path)
+    return server_args.model_path
 
 
-def context_length_for(server_args: ServerArgs, config: DSV41Config) -> int:
+def context_length_for(server_args: ServerArgs, config: DSV4Config) -> int:
     limit = config.max_position_embeddings
     if server_args.context_length is None:
         return limit
@@ -155,7 +151,7 @@ def _scheduler_main(log_path: str, server_args: ServerArgs, rank: int, model_dir
 class Engine:
     server_args: ServerArgs
     model_dir: str
-    config: DSV41Config
+    config: DSV4Config
     processes: list[mp.Process]
     controller: DPController
     ready_info: dict[int, dict]
@@ -237,8 +233,10 @@ def _kill_all(processes: list[mp.Process]) -> None:
 
 
 def launch_engine(server_args: ServerArgs, echo_logs: bool = True) -> Engine:
+    from ..loader.serving import load_serving_config
+
     model_dir = resolve_model_dir(server_args)
-    config = DSV41Config.from_pretrained(model_dir)
+    config = load_serving_config(model_dir)
     context_length_for(server_args, config)  # fail before spawning anything
     ctx = mp.get_context("spawn")
     a = server_args

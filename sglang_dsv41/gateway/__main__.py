@@ -14,11 +14,11 @@ import httpx
 
 def load_tokenizer(model_path: str):
     """The served model's tokenizer (our byte tokenizer for presets and converted checkpoints)."""
-    from ..model.config import PRESETS, get_preset
+    from ..loader.serving import load_serving_config, model_layout
     from ..tokenizer import ByteTokenizer
 
-    if model_path in PRESETS and not os.path.isdir(model_path):
-        return ByteTokenizer.from_config(get_preset(model_path))
+    if model_layout(model_path) == "preset":
+        return ByteTokenizer.from_config(load_serving_config(model_path))
     return ByteTokenizer.from_pretrained(model_path)
 
 
