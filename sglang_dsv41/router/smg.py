@@ -18,6 +18,7 @@ import argparse
 import os
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -98,16 +99,24 @@ class SMGSessionRouter(SessionRouter):
         self._client = httpx.Client(timeout=timeout)
         self._routes: dict[str, Route] = {}
         self._paused = False
+        self._in_flight = 0
+        self._cond = threading.Condition()
 
     def generate(self, session_id: str, payload: dict[str, Any],
                  expected_tokens: int = 0) -> dict[str, Any]:
-        if self._paused:
-            raise RouterError("paused: the router does not hold turns back; resume first")
+        with self._cond:
+            while self._paused:
+                self._cond.wait()
+            self._in_flight += 1
         try:
             r = self._client.post(self.router_url + "/generate", json=payload,
                                   headers={ROUTING_KEY_HEADER: session_id})
         except httpx.HTTPError as e:
             raise NoEngineAvailable(f"sglang-router at {self.router_url}: {e}") from e
+        finally:
+            with self._cond:
+                self._in_flight -= 1
+                self._cond.notify_all()
         if r.status_code != 200:
             raise RouterError(f"sglang-router answered {r.status_code}: {r.text[:500]}")
         out = r.json()
@@ -123,13 +132,17 @@ class SMGSessionRouter(SessionRouter):
         self._routes.pop(session_id, None)
 
     def pause(self) -> None:
-        self._paused = True
+        with self._cond:
+            self._paused = True
 
     def resume(self) -> None:
-        self._paused = False
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
 
     def drain(self, timeout: float) -> bool:
-        return True  # generate() is synchronous: nothing of ours is in flight between calls
+        with self._cond:
+            return self._cond.wait_for(lambda: self._in_flight == 0, timeout)
 
     def engine_urls(self) -> list[str]:
         return list(self._engines)
