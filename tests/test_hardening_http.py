@@ -207,3 +207,15 @@ def test_checkpoint_index_entries_stay_inside_the_directory(tmp_path, entry):
     (ckpt / "model-00001.safetensors").write_bytes(b"x")
     with pytest.raises(ValueError, match="outside the checkpoint directory"):
         checkpoint_files(str(ckpt))
+
+
+def test_pushed_weights_are_range_checked_against_the_current_scale():
+    from sglang_dsv41.loader.weight_update import WeightUpdateError, validate_named_tensors
+
+    model = torch.nn.Linear(4, 4)
+    w = model.weight.detach().clone()
+    validate_named_tensors(model, [("weight", w * 3 + 0.5)])  # a large but sane step
+    with pytest.raises(WeightUpdateError, match="current tensor's scale"):
+        validate_named_tensors(model, [("weight", torch.full_like(w, 1e30))])
+    with pytest.raises(WeightUpdateError, match="NaN or inf"):
+        validate_named_tensors(model, [("bias", torch.full((4,), float("inf")))])

@@ -17,6 +17,11 @@ from .dummy import is_engram_table
 from .engram_codec import tensor_checksum
 
 NamedTensors = list[tuple[str, torch.Tensor]]
+# A pushed tensor may not exceed SCALE_LIMIT x the current one's largest magnitude (at least
+# SCALE_FLOOR): finite but huge weights overflow the forward and take the engine down, and no
+# training step moves weights by three orders of magnitude.
+SCALE_LIMIT = 1e3
+SCALE_FLOOR = 1.0
 
 
 class WeightUpdateError(ValueError):
@@ -37,9 +42,11 @@ def served_specs(model) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
 def validate_named_tensors(model, named: Iterable[tuple[str, torch.Tensor]],
                            allow_engram: bool = False) -> None:
     """Raise WeightUpdateError naming the first bad tensor: unknown name, shape or dtype
-    mismatch, a duplicate, a non-finite value, or an Engram table when not allowed."""
+    mismatch, a duplicate, a non-finite value, a value far beyond the current tensor's scale,
+    or an Engram table when not allowed."""
     seen: set[str] = set()
     specs = served_specs(model)
+    targets = _targets(model)
     for i, item in enumerate(named):
         if not (isinstance(item, (tuple, list)) and len(item) == 2
                 and isinstance(item[0], str) and isinstance(item[1], torch.Tensor)):
@@ -64,8 +71,17 @@ def validate_named_tensors(model, named: Iterable[tuple[str, torch.Tensor]],
                                     f"not match the served dtype "
                                     f"{str(dtype).replace('torch.', '')}")
         if (t.is_floating_point() and t.dtype.itemsize > 1 and t.device.type != "meta"
-                and not bool(torch.isfinite(t).all())):
-            raise WeightUpdateError(f"{name}: holds NaN or inf values")
+                and t.numel()):
+            if not bool(torch.isfinite(t).all()):
+                raise WeightUpdateError(f"{name}: holds NaN or inf values")
+            current = targets[name]
+            if current.device.type != "meta" and current.numel():
+                limit = SCALE_LIMIT * max(float(current.detach().abs().max()), SCALE_FLOOR)
+                largest = float(t.detach().abs().max())
+                if largest > limit:
+                    raise WeightUpdateError(
+                        f"{name}: largest magnitude {largest:.3g} exceeds {SCALE_LIMIT:g} x the "
+                        f"current tensor's scale (limit {limit:.3g})")
 
 
 @torch.no_grad()
