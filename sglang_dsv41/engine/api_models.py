@@ -17,6 +17,7 @@ from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ..policies.dp_rank_pin import resolve_dp_rank_pin
 from .messages import GenerateReq, SamplingParams
 
 # SGLang's defaults (sampling_params.py): top_k "off" is 1 << 30; temperatures below the eps
@@ -279,27 +280,9 @@ class RequestLimits:
     dp_size: int
 
     def pick_dp_rank(self, body: GenerateRequest, header: str | None) -> int | None:
-        """routed_dp_rank, its older name data_parallel_rank and the X-Data-Parallel-Rank header
-        must agree; a rank outside [0, dp_size) is an error, never a silent round robin."""
-        given: dict[str, int] = {}
-        if body.routed_dp_rank is not None:
-            given["routed_dp_rank"] = body.routed_dp_rank
-        if body.data_parallel_rank is not None:
-            given["data_parallel_rank"] = body.data_parallel_rank
-        if header is not None and header.strip() != "":
-            try:
-                given["X-Data-Parallel-Rank"] = int(header)
-            except ValueError:
-                raise ValueError(f"X-Data-Parallel-Rank must be an integer, got {header!r}")
-        if not given:
-            return None
-        if len(set(given.values())) > 1:
-            raise ValueError(f"conflicting DP ranks: {given}")
-        name, rank = next(iter(given.items()))
-        if not 0 <= rank < self.dp_size:
-            raise ValueError(f"{name}={rank} out of range: dp_size is {self.dp_size}, "
-                             f"valid ranks are [0, {self.dp_size})")
-        return rank
+        """The one DP-rank pin rule (policies/dp_rank_pin), shared with the SGLang plugin."""
+        return resolve_dp_rank_pin(body.routed_dp_rank, body.data_parallel_rank, header,
+                                   self.dp_size)
 
     def check_prompt(self, ids: list[int], sp: SamplingParamsIn) -> None:
         if not ids:
