@@ -163,3 +163,11 @@ def test_sglang_router_dp_aware_manual_policy(server):
         assert all(len(r) == 1 for r in ranks.values()), ranks
         assert {r for rs in ranks.values() for r in rs} == {0, 1}
         assert httpx.get(smg.url + "/health", timeout=10).status_code == 200
+
+
+def test_routing_key_keeps_unpinned_turns_on_one_rank(server):
+    ranks = {k: {gen(server, input_ids=[1, 2, 3], routing_key=k,
+                     sampling_params={"max_new_tokens": 1})["meta_info"]["dp_rank"]
+                 for _ in range(3)} for k in ("a", "b", "c", "d")}
+    assert all(len(r) == 1 for r in ranks.values()), ranks
+    assert {r for rs in ranks.values() for r in rs} == {0, 1}

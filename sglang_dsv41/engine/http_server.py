@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..policies.sticky_dispatch import StickyDispatch
 from .api_models import (CloseSessionRequest, GenerateRequest, OpenSessionRequest, RequestLimits,
                          SamplingParamsIn)
 from .dp_controller import DPController, EngineFailure, EngineUnavailable
@@ -52,6 +53,7 @@ class ServerState:
     sessions: SessionStore = field(default_factory=SessionStore)
     running: asyncio.Event | None = None  # cleared by /pause_generation; set by create_app
     pending_setup: dict[str, float] = field(default_factory=dict)  # op -> start (fails /health)
+    sticky: StickyDispatch = field(default_factory=StickyDispatch)  # routing_key -> DP rank
     draining: bool = False                # SIGTERM: finish in-flight requests, refuse new ones
 
 
@@ -143,6 +145,13 @@ def generate_router(state: ServerState) -> APIRouter:
                                                   request.headers.get("x-data-parallel-rank"))
         except ValueError as e:
             raise ApiError(400, str(e)) from e
+        if body.routing_key is not None and pairs[0][0].routed_dp_rank is None:
+            # Unpinned turns of one routing key stay on one DP rank (its prefix cache), by the
+            # rule the SGLang plugin applies; sglang-router's own pin, when present, wins.
+            rank = state.sticky.rank_for(body.routing_key, list(range(state.limits.dp_size)),
+                                         state.controller.num_in_flight())
+            for req, _ in pairs:
+                req.routed_dp_rank = rank
         await state.running.wait()
         options = [_options(body, sp) for _, sp in pairs]
         if body.stream:
