@@ -60,7 +60,11 @@ def hf_greedy(model, prompt: list[int]) -> list[int]:
 def test_transformers_checkpoint_served_like_transformers(hf):
     import os
 
+    from sglang_dsv41.loader.serving import has_tokenizer, model_layout, serving_numerics_for
+
     assert not os.path.exists(os.path.join(hf.path, "tokenizer.json"))
+    assert model_layout(hf.path) == "transformers" and not has_tokenizer(hf.path)
+    assert not serving_numerics_for(hf.path)   # served with transformers' plain math
     prompt = [(13 * i + 5) % 256 for i in range(140)]   # 35 CSA blocks, one HCA block
     args = tiny_args(model_path=hf.path, tp_size=2, chunked_prefill_size=48)
     with RankCluster(args) as c:
