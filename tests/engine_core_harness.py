@@ -27,15 +27,13 @@ def _rank_main(stderr_path, *args) -> None:
     run_scheduler_process(*args)
 
 
-# The tiny preset (every V4.1 layer kind, Engram) with top-k widths that keep every visible
-# entry. The model's indexers break score ties (relu makes exact-zero scores common at tiny sizes)
-# in torch.topk's order, which depends on how many masked future entries the call sees: a prefix
-# forward and a whole-sequence forward can then pick different tied entries. With every entry
-# kept (index_topk >= entries, every candidate block), engine and recompute agree exactly.
+# The tiny preset: every V4.1 layer kind (CSA with a top-4 indexer, HCA, ratio-1/2 sources with
+# candidate blocks), Engram. The indexers break score ties by the lowest entry, so a prefix
+# forward and a whole-sequence forward select the same entries.
 ENGINE_TEST_PRESET = "tiny"
-ENGINE_TEST_OVERRIDES = dict(index_topk=256, candidate_topk_blocks=64)
+ENGINE_TEST_OVERRIDES: dict = {}
 V4_TEST_PRESET = "tiny-v4"   # what transformers defines
-V4_TEST_OVERRIDES = dict(index_topk=64)
+V4_TEST_OVERRIDES: dict = {}
 
 
 def engine_test_model(preset: str = ENGINE_TEST_PRESET, overrides: dict | None = None):
