@@ -102,7 +102,8 @@ class EngineForwardContext(DSV4Context):
             lens.append(tail + n)
             at += tail + n
         empty = torch.zeros(0, dtype=torch.long)
-        self._cache_rows = torch.cat(cache_rows or [empty]).to(dev)
+        # pool slots of each sequence's window rows (context positions -> slots)
+        self._window_slots = self.plan.context_slots.to(dev)[torch.cat(cache_rows or [empty])]
         self._query_rows = torch.cat(query_rows or [empty]).to(dev)
         self._window_cu = cu_of(lens, dev)
         self.window_size = window
@@ -157,13 +158,14 @@ class EngineForwardContext(DSV4Context):
     def attend(self, layer_id: int, q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor,
                window: int, scale: float, comp_kv: torch.Tensor | None,
                comp_idx: torch.Tensor | None) -> torch.Tensor:
-        latents = self.cached_rows(f"layers.{layer_id}.kv", kv)
+        name = f"layers.{layer_id}.kv"
+        self.pool.write(name, self.plan.slots.to(kv.device), kv)
         out = q.new_zeros(q.shape)
         n = self.plan.num_tokens
         if n == 0:
             return out
         self._window_rows(window)
-        keys = latents[self._cache_rows]
+        keys = self.pool.gather(name, self._window_slots)   # only the windows' latents
         queries = q.new_zeros(keys.shape[0], *q.shape[1:])
         queries[self._query_rows] = q[:n]
         selected = None
