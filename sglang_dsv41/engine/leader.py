@@ -28,15 +28,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def _tokenizer_ids(cfg) -> dict:
-    """The byte tokenizer's view of the model config (stop strings). DSV4Config has no pad id:
-    the byte tokenizer's own (258) stands in; another vocabulary falls back to raw bytes."""
-    from ..tokenizer import ByteTokenizer
-
-    return {"vocab_size": cfg.vocab_size, "bos_token_id": cfg.bos_token_id,
-            "eos_token_id": cfg.eos_token_id, "pad_token_id": ByteTokenizer().pad_token_id}
-
-
 class LeaderScheduler:
     def __init__(self, runner: "ModelRunner", out_queue, prefix_cache: str = "radix"):
         self.runner, self.args, self.out_queue = runner, runner.args, out_queue
@@ -46,8 +37,7 @@ class LeaderScheduler:
         self.cache_epoch = 0   # bumped by a flush: older requests' K/V must not be cached
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
-        self.stop_checker = StopChecker(self.cfg.eos_token_id,
-                                        make_decode_fn(_tokenizer_ids(self.cfg)))
+        self.stop_checker = StopChecker(self.cfg.eos_token_id, make_decode_fn(self.cfg))
         self.seeds = random.Random(self.args.random_seed * 1000 + self.dp_rank)
         self.prefix_hit_tokens = self.prompt_tokens = 0
         self.r3 = None
