@@ -9,8 +9,11 @@ the process group is up and before the model exists; psutil RSS sampled every 1 
 during optimizer.step() of the last step; host bytes = peak - baseline. On CPU the "device" is
 host memory too, so the tensors a mode keeps on the device (shards and grads; Adam state for
 none) are counted exactly from their storages and subtracted; on CUDA they are not in RSS.
-Pinned bytes (CUDA only; CPU has no pinned memory): the caching host allocator's reserved bytes
-beside the bytes the offload path requested. Figures are summed over ranks.
+Pinned bytes, requested beside reserved: reserved is the size of the VMAs (/proc/self/smaps)
+holding the offload path's pinned tensors, the kernel's figure, not torch's stats (empty on torch
+2.11). chunked: its one registered chunk buffer, and, as the reference, a caching-allocator
+pinned tensor of the same request made in the same process. fsdp: FSDP2's pinned shards and
+grads. On CPU nothing is pinned: the chunk buffer's plain mapping is shown. Summed over ranks.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ from sglang_dsv41.model.dsv4.presets import get_preset  # noqa: E402
 from sglang_dsv41.server_process import free_port  # noqa: E402
 from trainer_bridge.batch import Sample, pack  # noqa: E402
 from trainer_bridge.config import OptimConfig  # noqa: E402
-from trainer_bridge.optimizer_offload import (MIB, OFFLOAD_MODES, offload_optimizer,  # noqa: E402
+from trainer_bridge.optimizer_offload import (MIB, OFFLOAD_MODES, host_mapping,  # noqa: E402
+                                              host_mappings, offload_optimizer,
                                               set_pinned_alloc_conf)
 from trainer_bridge.parallelize import parallelize_policy  # noqa: E402
 from trainer_bridge.policy import Policy  # noqa: E402
@@ -159,8 +163,7 @@ def measure_worker(rank: int, world: int, port: int, model: str, mode: str, chun
 
     try:
         device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
-        if device.type == "cuda":
-            set_pinned_alloc_conf()
+        if device.type == "cuda":  # the pinned cap is set where fsdp pins (offload_policy_for)
             torch.cuda.set_device(device)
         info = init_distributed(device)
         cfg = model_config(model)
@@ -175,7 +178,7 @@ def measure_worker(rank: int, world: int, port: int, model: str, mode: str, chun
                    around_step=lambda fn: _timed(fn, peak, step_s))
         host = peak.peak - baseline - (device_resident_bytes(policy, opt, mode)
                                        if device.type == "cpu" else 0)
-        pinned = _pinned_stats(opt, mode) if device.type == "cuda" else (0, 0)
+        pinned = pinned_bytes(policy, opt, mode)
         queue.put((rank, dict(n_local=n_local, host=host, step_s=step_s[0], pinned=pinned,
                               rss_delta=peak.peak - baseline)))
         close_distributed()
@@ -208,18 +211,35 @@ def _timed(fn, peak: PeakRss, box) -> None:
     peak(run)
 
 
-def _pinned_stats(opt, mode: str) -> tuple[int, int]:
-    """(reserved by the caching host allocator, requested by this mode's offload path)."""
-    stats = torch.cuda.memory.host_memory_stats()
-    reserved = int(stats.get("reserved_bytes.current", stats.get("reserved_bytes", {}).get(
-        "current", 0)) if isinstance(stats.get("reserved_bytes", 0), dict) else
-        stats.get("reserved_bytes.current", 0))
-    if mode == "chunked":
-        requested = opt.pinned.numel() * opt.pinned.element_size() if opt.pinned is not None else 0
-    else:
-        requested = sum(_storage_bytes(p) for g in opt.param_groups for p in g["params"]
-                        if (p.to_local() if hasattr(p, "to_local") else p).is_pinned())
-    return reserved, requested
+def _mappings_bytes(ptrs: list[int]) -> dict[str, int]:
+    """Summed size / Rss of the distinct VMAs holding these addresses."""
+    vmas = {m["start"]: m for m in host_mappings(ptrs).values()}
+    return {k: sum(m.get(k, 0) for m in vmas.values()) for k in ("size", "rss")}
+
+
+def pinned_bytes(policy: Policy, opt, mode: str) -> dict[str, int]:
+    """requested / reserved (VMA size) / rss bytes of this mode's pinned host tensors; for
+    chunked also ref_*: a caching-allocator pinned tensor of the same request, and torch's own
+    reserved figure where its stats have one (-1: empty)."""
+    out = dict(requested=0, reserved=0, rss=0, ref_reserved=0, ref_torch=0)
+    if mode == "chunked" and opt.chunk_buffer is not None:
+        buf = opt.chunk_buffer
+        vma = host_mapping(buf.tensor.data_ptr())
+        out.update(requested=buf.requested_bytes, reserved=vma["size"], rss=vma["rss"])
+        if torch.cuda.is_available():
+            ref = torch.empty(buf.requested_bytes, dtype=torch.uint8, pin_memory=True)
+            ref.fill_(0)  # touch it, as the chunk buffer is touched
+            out["ref_reserved"] = host_mapping(ref.data_ptr())["size"]
+            stats = torch.cuda.memory.host_memory_stats()
+            out["ref_torch"] = int(stats.get("reserved_bytes.current", -1))
+    elif mode == "fsdp" and torch.cuda.is_available():
+        tensors = [t for p in policy.model.parameters() for t in (p, p.grad) if t is not None]
+        pinned = {loc.untyped_storage().data_ptr(): loc.untyped_storage().nbytes()
+                  for loc in (t.to_local() if hasattr(t, "to_local") else t for t in tensors)
+                  if loc.is_pinned()}
+        vmas = _mappings_bytes(list(pinned))
+        out.update(requested=sum(pinned.values()), reserved=vmas["size"], rss=vmas["rss"])
+    return out
 
 
 def run_mode(model: str, mode: str, ranks: int, chunk_mb: float, steps: int,
@@ -245,9 +265,30 @@ def run_mode(model: str, mode: str, ranks: int, chunk_mb: float, steps: int,
         raise RuntimeError(errors[0])
     out = {k: sum(r[k] for r in results.values()) for k in ("n_local", "host", "rss_delta")}
     out["step_s"] = max(r["step_s"] for r in results.values())
-    out["pinned"] = tuple(sum(r["pinned"][i] for r in results.values()) for i in (0, 1))
+    out["pinned"] = {k: sum(r["pinned"][k] for r in results.values())
+                     for k in next(iter(results.values()))["pinned"]}
     out["predicted"] = optimizer_host_bytes(out["n_local"], mode, int(chunk_mb * MIB), ranks)
     return out
+
+
+def print_pinned_notes(rows: dict) -> None:
+    if not torch.cuda.is_available():
+        print("# pin columns on CPU: nothing is pinned (no CUDA); chunked shows its plain host "
+              "buffer's mapping (requested vs VMA), fsdp has no host buffer of its own")
+        return
+    if "chunked" in rows:
+        pin = rows["chunked"]["pinned"]
+        torch_fig = (f"{pin['ref_torch'] / MIB:.2f} MiB" if pin["ref_torch"] >= 0
+                     else "empty (no reserved_bytes key)")
+        print(f"# chunked: cudaHostRegister'd buffer, reserved == requested: "
+              f"{pin['reserved'] == pin['requested']}; reference torch.empty(pin_memory=True) of "
+              f"the same {pin['requested'] / MIB:.2f} MiB in the same processes: VMA "
+              f"{pin['ref_reserved'] / MIB:.2f} MiB; torch host_memory_stats reserved: {torch_fig}")
+    if "fsdp" in rows:
+        pin = rows["fsdp"]["pinned"]
+        print(f"# fsdp: FSDP2's pinned shards + grads from the caching allocator (pinned cap set: "
+              f"{set_pinned_alloc_conf()}): VMA / requested = "
+              f"{pin['reserved'] / max(pin['requested'], 1):.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,8 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--ranks must be >= 1 and --steps >= 2 (the first step creates the state)")
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (gloo)"
     print(f"# bench/offload.py model={args.model} ranks={args.ranks} chunk={args.chunk_mb} MiB "
-          f"device={dev} torch={torch.__version__} "
-          f"pinned rounding cap set: {set_pinned_alloc_conf() if torch.cuda.is_available() else '-'}")
+          f"device={dev} torch={torch.__version__}")
     rows = {m: run_mode(args.model, m, args.ranks, args.chunk_mb, args.steps, args.tokens)
             for m in args.modes}
     n = next(iter(rows.values()))["n_local"]
@@ -275,15 +315,17 @@ def main(argv: list[str] | None = None) -> int:
     base = rows["none"]["host"] if "none" in rows else 0
     print(f"# optimizer host = host - host(none) = {base / MIB:.1f} MiB of runtime overhead")
     print(f"{'mode':8} {'host MiB':>9} {'optim MiB':>9} {'optim/N':>7} {'planner MiB':>11} "
-          f"{'pred err':>8} {'rss MiB':>8} {'step ms':>8} {'pinned reserved/requested MiB':>30}")
+          f"{'pred err':>8} {'rss MiB':>8} {'step ms':>8} {'pin req MiB':>11} "
+          f"{'pin VMA MiB':>11} {'pin Rss MiB':>11}")
     for mode, r in rows.items():
         net = r["host"] - base
         err = (r["predicted"] - net) / net if net > 0 else float("nan")
-        pin = (f"{r['pinned'][0] / MIB:.1f} / {r['pinned'][1] / MIB:.1f}"
-               if torch.cuda.is_available() else "n/a (no pinned memory on CPU)")
+        pin = r["pinned"]
         print(f"{mode:8} {r['host'] / MIB:9.1f} {net / MIB:9.1f} {net / n:7.2f} "
               f"{r['predicted'] / MIB:11.1f} {err:8.1%} {r['rss_delta'] / MIB:8.1f} "
-              f"{r['step_s'] * 1e3:8.1f} {pin:>30}")
+              f"{r['step_s'] * 1e3:8.1f} {pin['requested'] / MIB:11.2f} "
+              f"{pin['reserved'] / MIB:11.2f} {pin['rss'] / MIB:11.2f}")
+    print_pinned_notes(rows)
     if "chunked" in rows and "fsdp" in rows:
         c, f = rows["chunked"]["host"] - base, rows["fsdp"]["host"] - base
         limit = 12.5 * n + args.ranks * args.chunk_mb * MIB

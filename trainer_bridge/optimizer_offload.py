@@ -24,15 +24,22 @@ parameter, DTensors sharded like the parameter), so it is independent of the chu
 interchangeable with ``none`` and ``fsdp`` checkpoints. Every state tensor is fp32 whatever the
 parameter's role (sinks, mHC, router bias, fp32 lm_head): loading refuses anything else by name.
 
-Pinned memory: torch's caching host allocator rounds every pinned request up to a power of two
-unless it exceeds ``pinned_max_round_threshold_mb`` (c10/core/AllocatorConfig.h in torch 2.13;
-torch 2.11 refuses the key). ``set_pinned_alloc_conf`` sets it in the live allocator config where
-torch knows it, so the chunk buffer and FSDP2's pinned shards are allocated exactly.
+Pinned memory: the chunk buffer is its own anonymous mapping of ceil(bytes / page) pages,
+page-locked in place with cudaHostRegister (as SGLang pins its host tables) and unregistered on
+``close()``: exact on every torch, where torch's caching host allocator rounds each pinned request
+up to a power of two (96.5 MiB takes 128). ``host_mapping`` reads a buffer's VMA from
+/proc/self/smaps, so bench/offload.py measures reserved bytes without torch's stats (empty on
+torch 2.11). FSDP2's pinned shards (``fsdp``) come from the caching allocator: there
+``set_pinned_alloc_conf`` sets ``pinned_max_round_threshold_mb`` where torch knows the key (2.13,
+c10/core/AllocatorConfig.h; torch 2.11 refuses it and its shards stay rounded).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
+import re
+import weakref
 from typing import Any, Iterable
 
 import torch
@@ -79,6 +86,74 @@ def set_pinned_alloc_conf(threshold_mb: int = PINNED_ROUND_THRESHOLD_MB) -> bool
     return True
 
 
+class HostChunkBuffer:
+    """A host tensor on its own anonymous mapping of whole pages; with ``pin`` page-locked at
+    exactly that size by cudaHostRegister (no allocator rounding) until ``close()``.
+    ``cudart`` defaults to torch.cuda.cudart()."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool, cudart=None):
+        self.requested_bytes = dtype.itemsize * int(torch.Size(shape).numel())
+        if self.requested_bytes < 1:
+            raise ValueError(f"host chunk buffer of shape {shape} holds no byte")
+        self.mapped_bytes = -(-self.requested_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        self._map = mmap.mmap(-1, self.mapped_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        # A forked child must not share or copy pinned pages (CUDA's advice for registered
+        # memory); the flag also keeps this VMA from merging with neighbouring anonymous ones,
+        # so its size in smaps is the buffer's own.
+        self._map.madvise(mmap.MADV_DONTFORK)
+        # frombuffer keeps the mapping alive as long as any view of the tensor lives.
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8,
+                                       count=self.requested_bytes).view(dtype).view(shape)
+        self._unregister = None
+        if pin:
+            cudart = torch.cuda.cudart() if cudart is None else cudart
+            ptr = self.tensor.data_ptr()
+            err = int(cudart.cudaHostRegister(ptr, self.mapped_bytes, 0))
+            if err != 0:
+                raise RuntimeError(f"cudaHostRegister of the {self.mapped_bytes}-byte optimizer "
+                                   f"chunk buffer failed with cudaError {err}")
+            # Unpinned when the buffer object goes, before its pages can be unmapped.
+            self._unregister = weakref.finalize(self, cudart.cudaHostUnregister, ptr)
+
+    @property
+    def pinned(self) -> bool:
+        return self._unregister is not None and self._unregister.alive
+
+    def close(self) -> None:
+        """Unregister the pages (idempotent); the mapping goes with the last tensor view."""
+        if self._unregister is not None:
+            self._unregister()
+
+
+_VMA_HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) ")
+
+
+def host_mappings(ptrs: Iterable[int], smaps_path: str = "/proc/self/smaps") -> dict[int, dict]:
+    """For each address, the VMA holding it: start, size and its Rss / Locked bytes from smaps
+    (the kernel's view, whatever allocator made it). Raises if no mapping holds an address."""
+    wanted, found, current = sorted(set(ptrs)), {}, None
+    with open(smaps_path) as f:
+        for line in f:
+            head = _VMA_HEADER.match(line)
+            if head:
+                start, end = int(head.group(1), 16), int(head.group(2), 16)
+                current = {"start": start, "size": end - start, "rss": 0, "locked": 0}
+                for ptr in wanted:
+                    if start <= ptr < end:
+                        found[ptr] = current
+            elif line.split(":")[0] in ("Rss", "Locked") and current is not None:
+                key, value = line.split(":")
+                current[key.lower()] = int(value.split()[0]) * 1024  # smaps counts in kB
+    missing = [f"{ptr:#x}" for ptr in wanted if ptr not in found]
+    if missing:
+        raise LookupError(f"no mapping of this process holds address {', '.join(missing)}")
+    return found
+
+
+def host_mapping(ptr: int, smaps_path: str = "/proc/self/smaps") -> dict[str, int]:
+    return host_mappings([ptr], smaps_path)[ptr]
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -101,8 +176,9 @@ class ChunkedHostAdamW(torch.optim.Optimizer):
             raise ValueError(f"offload_chunk_mb={chunk_mb} holds no element of the Adam state")
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay, eps=eps))
         self.chunk_elems = chunk_elems
-        self.pinned: torch.Tensor | None = None  # [2, chunk_elems] fp32, allocated once
-        self.staging: torch.Tensor | None = None  # its device twin (the pinned buffer on CPU)
+        self.chunk_buffer: HostChunkBuffer | None = None  # allocated at the first step
+        self.pinned: torch.Tensor | None = None  # its [2, chunk_elems] fp32 tensor
+        self.staging: torch.Tensor | None = None  # its device twin (the host buffer on CPU)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.requires_grad and p.dtype != STATE_DTYPE:
@@ -149,14 +225,19 @@ class ChunkedHostAdamW(torch.optim.Optimizer):
     # ---- step ---------------------------------------------------------------------------
     def _buffers(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self.pinned is None:
-            on_cuda = device.type == "cuda"
-            if on_cuda:
-                set_pinned_alloc_conf()
-            self.pinned = torch.empty((len(STATE_KEYS), self.chunk_elems), dtype=STATE_DTYPE,
-                                      pin_memory=on_cuda)
+            on_cuda = device.type == "cuda"  # a CPU "device" needs no pinning (no CUDA copy)
+            self.chunk_buffer = HostChunkBuffer((len(STATE_KEYS), self.chunk_elems), STATE_DTYPE,
+                                                pin=on_cuda)
+            self.pinned = self.chunk_buffer.tensor
             self.staging = (torch.empty_like(self.pinned, device=device) if on_cuda
                             else self.pinned)
         return self.pinned, self.staging
+
+    def close(self) -> None:
+        """Unpin and drop the chunk buffer now (the next step allocates a new one)."""
+        if self.chunk_buffer is not None:
+            self.chunk_buffer.close()
+        self.chunk_buffer = self.pinned = self.staging = None
 
     @torch.no_grad()
     def step(self, closure=None):
