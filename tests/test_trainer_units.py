@@ -167,3 +167,15 @@ def test_environments_reward_what_they_say():
         make_env("chess", tok)
     with pytest.raises(ValueError, match="bad env_args"):
         make_env("byte_target", tok, {"nope": 1})
+
+
+def test_cli_offload_and_fp32_head_flags_reach_the_config():
+    from trainer_bridge.config import load_config
+    from trainer_bridge.train import parse_args
+
+    args = parse_args(["--preset", "tiny", "--optimizer-offload", "chunked", "--no-fp32-lm-head"])
+    assert (args.optimizer_offload, args.fp32_lm_head) == ("chunked", False)
+    cfg = load_config("tiny", None, ["optim.optimizer_offload=chunked", "model.lm_head_fp32=false"])
+    assert cfg.optim.optimizer_offload == "chunked" and cfg.model.lm_head_fp32 is False
+    with pytest.raises(SystemExit):
+        parse_args(["--preset", "tiny", "--optimizer-offload", "disk"])

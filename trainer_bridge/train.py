@@ -21,6 +21,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="start the embedded server (server_args) and stop it at the end")
     p.add_argument("--dry-run", action="store_true", help="3 steps of checks, non-zero on failure")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument("--optimizer-offload", choices=("none", "fsdp", "chunked"), default=None,
+                   help="none: optimizer state on the device; fsdp: FSDP2 CPUOffloadPolicy; "
+                        "chunked: Adam moments on the host, stepped in chunks through one "
+                        "pinned buffer (same as optim.optimizer_offload=...)")
+    p.add_argument("--fp32-lm-head", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep the head in fp32 (model.lm_head_fp32)")
     p.add_argument("overrides", nargs="*", help="section.key=value (YAML values)")
     return p.parse_intermixed_args(argv)
 
@@ -41,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     extra = [f"launch_server={str(args.launch_server).lower()}"] if args.launch_server else []
     extra += ["dry_run=true"] if args.dry_run else []
     extra += ["resume=true"] if args.resume else []
+    if args.optimizer_offload is not None:
+        extra.append(f"optim.optimizer_offload={args.optimizer_offload}")
+    if args.fp32_lm_head is not None:
+        extra.append(f"model.lm_head_fp32={str(args.fp32_lm_head).lower()}")
     try:
         cfg = load_config(args.preset, args.config, args.overrides + extra)
     except (ValueError, OSError) as e:
