@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from .jsonio import read_json_object
 
 if TYPE_CHECKING:
-    from .model.config import DSV41Config
+    from .model.dsv4.config import DSV4Config
 
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 TOKENIZER_CLASS = "ByteTokenizer"
@@ -42,7 +42,7 @@ class ByteTokenizer:
                                pad_token_id: "<|pad|>"}
 
     @classmethod
-    def from_config(cls, cfg: "DSV41Config | dict[str, Any]") -> "ByteTokenizer":
+    def from_config(cls, cfg: "DSV4Config | dict[str, Any]") -> "ByteTokenizer":
         get = cfg.get if isinstance(cfg, dict) else lambda k: getattr(cfg, k, None)
         pad = get("pad_token_id")  # DSV4Config has none: the byte tokenizer's default
         return cls(get("vocab_size"), get("bos_token_id"), get("eos_token_id"),

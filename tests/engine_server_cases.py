@@ -5,7 +5,8 @@
 CONTEXT = 256
 # (body, a phrase the 400's message must contain)
 BAD_BODIES = [
-    ({"input_ids": [1], "unknown_field": 1}, "unknown_field"),
+    # SGLang ignores unknown top-level keys but refuses unknown sampling parameters
+    ({"input_ids": [1], "sampling_params": {"unknown_field": 1}}, "unknown_field"),
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": 10**9}}, "max-new-tokens-limit"),
     ({"input_ids": [1] * 100, "sampling_params": {"max_new_tokens": 200}}, "context length"),

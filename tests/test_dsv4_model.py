@@ -4,6 +4,7 @@ path, R3 record/replay, hash routing, and the preset's coverage of the layer kin
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM, init_weights
 
 @pytest.fixture(scope="module")
 def model():
+    torch.manual_seed(0)
     m = DSV4ForCausalLM(get_preset("tiny"))
     init_weights(m, seed=3, std=0.08)
     with torch.no_grad():
@@ -63,7 +65,12 @@ def test_hca_and_csa_really_select(model):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
-def test_triton_attention_gives_the_reference_logits_and_gradients(model):
+def test_triton_attention_gives_the_reference_logits_and_gradients():
+    # 16 indexer heads: top-k near-ties (which the two paths' last-bit differences could flip)
+    # are improbable; a fixed seed makes the case the same on every run.
+    torch.manual_seed(1)
+    model = DSV4ForCausalLM(replace(get_preset("tiny"), index_n_heads=16))
+    init_weights(model, seed=3, std=0.08)
     ids = torch.randint(0, model.cfg.vocab_size, (36,))  # 22 tokens: CSA's top-4 picks among 5
     grads = []
     outs = []

@@ -16,7 +16,7 @@ from sglang_dsv41.engine.api_models import RequestLimits
 from sglang_dsv41.engine.dp_controller import DPController
 from sglang_dsv41.engine.http_server import ServerState, create_app
 from sglang_dsv41.engine.messages import AbortReq, GenerateReq, RankStats
-from sglang_dsv41.model.config import get_preset
+from sglang_dsv41.model.dsv4 import get_preset
 from sglang_dsv41.server_args import ServerArgs
 from sglang_dsv41.tokenizer import ByteTokenizer
 
@@ -78,8 +78,11 @@ async def test_bad_input_is_400_and_server_keeps_serving():
             r = await http.post("/generate", json=body)
             assert r.status_code == 400, (body, r.text)
             assert needle in r.json()["error"]["message"], (body, r.text)
+        r = await http.post("/generate", content=b"{not json",
+                            headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "JSON" in r.json()["error"]["message"], r.text
         r = await http.post("/generate", content=b"{not json", headers={"content-type": "x"})
-        assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+        assert r.status_code == 400 and "valid dictionary" in r.json()["error"]["message"]
         r = await http.post("/generate", json={"input_ids": [1]},
                             headers={"X-Data-Parallel-Rank": "7"})
         assert r.status_code == 400 and "X-Data-Parallel-Rank=7" in r.text
@@ -122,10 +125,8 @@ async def test_stream_stop_logprobs_and_routed_experts():
         chunks = [json.loads(e) for e in events[:-1]]
         assert [c["text"] for c in chunks] == ["b", "bc", "bcd", "bcde"]
         assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
-        r = await gen(http, text="a", sampling_params={"max_new_tokens": 6, "stop": "de"})
-        out = r.json()
-        assert out["text"] == "bc" and out["output_ids"] == [98, 99, 100, 101]
-        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": "de"}
+        # Stop strings are matched by the leader only (StopChecker: test_engine_core_units,
+        # tests/test_api_clients.py through real ranks); this fake leader does not match them.
         r = await gen(http, input_ids=[3, 4], return_logprob=True, return_routed_experts=True,
                       sampling_params={"max_new_tokens": 2})
         meta = r.json()["meta_info"]

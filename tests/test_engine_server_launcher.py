@@ -13,7 +13,7 @@ from sglang_dsv41.engine.launcher import (Engine, EngineStartError, _wait_ready,
                                           context_length_for, describe_exit, log_tail,
                                           resolve_model_dir)
 from sglang_dsv41.engine.messages import ReadyMsg
-from sglang_dsv41.model.config import get_preset
+from sglang_dsv41.model.dsv4 import get_preset
 from sglang_dsv41.server_args import ServerArgs
 
 pytestmark = pytest.mark.timeout(30)

@@ -22,7 +22,7 @@ from sglang_dsv41.engine.http_server import ServerState, create_app
 from sglang_dsv41.engine.messages import AbortReq, SamplingParams
 from sglang_dsv41.engine.sampling import sample_token
 from sglang_dsv41.loader import weight_sync_group
-from sglang_dsv41.model.config import get_preset
+from sglang_dsv41.model.dsv4 import get_preset
 from sglang_dsv41.server_args import ServerArgs
 from sglang_dsv41.server_process import free_port
 from sglang_dsv41.tokenizer import ByteTokenizer

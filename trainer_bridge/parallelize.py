@@ -27,6 +27,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from sglang_dsv41.loader.weight_sync_group import parse_dtype
 from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM
+from sglang_dsv41.model.dsv4.names import is_frozen_table
 
 from .optimizer_offload import offload_policy_for
 
@@ -41,12 +42,6 @@ def is_fp32_param(name: str) -> bool:
     """Sinks and mHC parameters: kept and computed in fp32 whatever the compute dtype."""
     leaf = name.rsplit(".", 1)[-1]
     return is_sink_param(name) or leaf.startswith("hc_")
-
-
-def is_frozen_table(name: str) -> bool:
-    """Engram hash tables (fp8 + e8m0 scale) and the hash-routed layers' tid2eid: frozen
-    checkpoint data, not weights the trainer changes."""
-    return ".engram.embed." in name or name.endswith("tid2eid")
 
 
 def server_param_name(name: str) -> str:

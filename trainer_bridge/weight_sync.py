@@ -23,7 +23,7 @@ from safetensors.torch import save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from sglang_dsv41.loader.serving import cast_for_serving_
-from sglang_dsv41.loader.weight_sync_group import parse_dtype
+from sglang_dsv41.loader.weight_sync_group import parse_dtype, plan_buckets
 from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM
 from sglang_dsv41.router import SessionRouter
 from sglang_dsv41.server_process import free_port
@@ -189,15 +189,12 @@ def _checksums(reply: dict[str, Any]) -> Any:
 
 
 def _buckets(named, dtypes: dict[str, torch.dtype], bucket_bytes: int):
-    bucket, size = [], 0
-    for name, t in named:
-        if name not in dtypes:
-            raise WeightSyncError(f"trainer tensor {name} has no counterpart in the served model")
-        t = t.to(dtypes[name]).contiguous()
-        if bucket and size + t.numel() * t.element_size() > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += t.numel() * t.element_size()
-    if bucket:
-        yield bucket
+    """Tensors cast to the served dtypes, a bucket at a time (plan_buckets' grouping)."""
+    named = list(named)
+    missing = [name for name, _ in named if name not in dtypes]
+    if missing:
+        raise WeightSyncError(f"trainer tensor {missing[0]} has no counterpart in the served model")
+    plan = plan_buckets([dtypes[name] for name, _ in named], [list(t.shape) for _, t in named],
+                        bucket_bytes)
+    for indices in plan:
+        yield [(named[i][0], named[i][1].to(dtypes[named[i][0]]).contiguous()) for i in indices]

@@ -1,24 +1,27 @@
 """Dispatch of the DSV4 sparse sink attention: one entry for the model, the trainer and the engine.
 
-Backends: "reference" (torch, dsv4_reference.py) and "triton" (dsv4_triton_*.py). The choice
-follows the package's rule (sglang_dsv41.attention.resolve_backend): the `backend` argument,
-then SGLANG_DSV41_ATTENTION_BACKEND, then CUDA -> triton, CPU -> reference; triton on CPU only
-under TRITON_INTERPRET=1 (tests). Inputs are validated here, once, before any kernel launch.
+Backends: "reference" (torch, dsv4_reference.py) and "triton" (dsv4_triton_*.py). The choice,
+first match wins: the `backend` argument, then SGLANG_DSV41_ATTENTION_BACKEND, then CUDA ->
+triton, CPU -> reference; triton on CPU only under TRITON_INTERPRET=1 (tests). Inputs are validated here, once, before any kernel launch.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from .dsv4_reference import dsv4_attention_reference, window_indices
 
 DSV4_BACKENDS = ("reference", "triton")
+BACKEND_ENV = "SGLANG_DSV41_ATTENTION_BACKEND"
+
+
+def _triton_runs_on(device: torch.device) -> bool:
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _resolve(device: torch.device, backend: str | None) -> str:
-    from . import BACKEND_ENV, _triton_runs_on
-    import os
-
     name = backend or os.environ.get(BACKEND_ENV) or "auto"
     if name == "auto":
         return "triton" if device.type == "cuda" else "reference"

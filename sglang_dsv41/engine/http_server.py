@@ -45,7 +45,7 @@ class ServerState:
     tokenizer: Any                        # encode(str) -> ids, decode(ids) -> str
     limits: RequestLimits
     model_path: str
-    model_config: Any                     # DSV41Config
+    model_config: Any                     # DSV4Config
     ready_info: dict[int, dict] = field(default_factory=dict)  # rank -> ReadyMsg.info
     weight_version: str = "default"
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES

@@ -15,6 +15,7 @@ import torch
 
 from ..loader.engram_layouts import install_engram_layout
 from ..loader.serving import load_serving_config, load_serving_model, serving_numerics_for
+from ..loader.weight_sync_group import parse_dtype
 from .batch import ForwardPlan
 from .forward_context import EngineForwardContext, cu_of
 from .kv_cache import TokenRowPool, default_max_total_tokens, row_bytes_per_token
@@ -38,8 +39,7 @@ def resolve_device(args: "ServerArgs", rank: int) -> torch.device:
 def resolve_dtype(args: "ServerArgs", device: torch.device) -> torch.dtype:
     if args.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16,
-            "float16": torch.float16}[args.dtype]
+    return parse_dtype(args.dtype)
 
 
 class ModelRunner:

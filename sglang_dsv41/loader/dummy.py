@@ -13,14 +13,10 @@ from typing import Callable
 
 import torch
 
+from ..model.dsv4.names import is_engram_table
+
 DUMMY_LOW, DUMMY_HIGH = -1e-3, 1e-3
 DUMMY_SEED = 1234  # SGLang's initialize_dummy_weights default: identical on every rank
-
-
-def is_engram_table(name: str) -> bool:
-    """An Engram hash table or its e8m0 scales (SGLang: ``layers.N.engram.embed.{weight,scale}``):
-    frozen, loaded from the checkpoint even under dummy loading, never sent in weight updates."""
-    return ".engram.embed." in name
 
 
 @torch.no_grad()

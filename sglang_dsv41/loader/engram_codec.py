@@ -1,10 +1,10 @@
-"""Row sharding, dequantize-on-lookup and layout-independent checksums of Engram tables.
+"""Layout-independent checksums of Engram tables (the weight-update guard and /engram_checksum).
 
 Checksums: a table is cut into global chunks of ALIGN_ROWS rows (shard boundaries are multiples
 of ALIGN_ROWS, so every chunk belongs to exactly one rank). Each chunk is hashed with its index
 (sha256 of index + row bytes + its scale rows) and the digests are summed mod 2^256. The sum
 does not depend on who hashed which chunk, so the private layout's per-rank partial sums combine
-into the same value the shared layout, a ParameterEngramTable or the checkpoint file gives.
+into the same value the shared layout, a whole table or the checkpoint tensor gives.
 """
 
 from __future__ import annotations
@@ -14,49 +14,16 @@ import struct
 
 import torch
 
-from .engram_source import ALIGN_ROWS, TableSource, tensor_bytes
-from .fp8 import FP8_DTYPE, apply_column_scales, scale_row_range, scale_to_float32
+from .fp8 import scale_row_range
 
 HASH_SPACE = 1 << 256
+ALIGN_ROWS = 128  # checksum chunk; shard boundaries are multiples of it
 
 
-def shard_range(num_rows: int, rank: int, world_size: int) -> tuple[int, int]:
-    """Rows [lo, hi) owned by ``rank``: equal slices rounded up to ALIGN_ROWS."""
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} outside world of {world_size}")
-    per_rank = -(-num_rows // world_size)
-    per_rank = -(-per_rank // ALIGN_ROWS) * ALIGN_ROWS
-    lo = min(rank * per_rank, num_rows)
-    return lo, min(lo + per_rank, num_rows)
-
-
-class RowDecoder:
-    """Turns stored rows (bf16/fp16/fp32, or fp8 + block scales) into float32 on lookup.
-
-    fp8 rows dequantize through loader.fp8.apply_column_scales, as the full load does, so a
-    lookup equals the full-load parameter bit for bit."""
-
-    def __init__(self, source: TableSource, scale: torch.Tensor | None, first_row: int):
-        self.is_fp8 = source.weight.dtype == FP8_DTYPE
-        self.block = source.block
-        self.first_scale_row = first_row // source.block[0]
-        self.scale = scale_to_float32(scale) if self.is_fp8 else None
-
-    def scales_for(self, rows: torch.Tensor) -> torch.Tensor | None:
-        """float32 [n, ceil(dim / block)] scale row of each global row (None unless fp8)."""
-        if not self.is_fp8:
-            return None
-        return self.scale.index_select(0, rows // self.block[0] - self.first_scale_row)
-
-    def decode(self, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """values: stored rows [n, dim] for global rows ``rows`` [n] -> float32 [n, dim]."""
-        return self.decode_scaled(values, self.scales_for(rows))
-
-    def decode_scaled(self, values: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
-        """values [n, dim] with their per-row block scales [n, nb] (from scales_for)."""
-        if not self.is_fp8:
-            return values.float()
-        return apply_column_scales(values, s, self.block[1])
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError("tensor_bytes needs a contiguous CPU tensor")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def chunk_digest_sum(values: torch.Tensor, scale: torch.Tensor | None, first_row: int,
@@ -94,14 +61,3 @@ def tensor_checksum(values: torch.Tensor, scale: torch.Tensor | None = None,
     s = None if scale is None else scale.detach().cpu()
     return finish_checksum(values.dtype, tuple(values.shape),
                            chunk_digest_sum(values, s, 0, block_rows))
-
-
-def source_checksum(source: TableSource, rows_per_read: int = 64 * ALIGN_ROWS) -> str:
-    """Checksum of a table as stored in the checkpoint, read in bounded chunks."""
-    total, br = 0, source.block[0]
-    scale = source.scale.read_rows(0, source.scale.shape[0]) if source.scale else None
-    for lo in range(0, source.num_rows, rows_per_read):
-        hi = min(source.num_rows, lo + rows_per_read)
-        s = scale[slice(*scale_row_range(lo, hi, br))] if scale is not None else None
-        total += chunk_digest_sum(source.weight.read_rows(lo, hi), s, lo, br)
-    return finish_checksum(source.weight.dtype, source.weight.shape, total % HASH_SPACE)

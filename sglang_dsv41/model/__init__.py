@@ -1,10 +1,8 @@
-"""Reference DSV4.1-style model: sink attention, MoE with router replay (R3), Engram, RoPE."""
+"""The DeepSeek V4 / V4.1 text model (sglang_dsv41.model.dsv4; docs/model.md)."""
 
-from .config import PRESETS, DSV41Config, get_preset, load_config
-from .context import ForwardContext
-from .engram import EngramTable, ParameterEngramTable
-from .model import DSV41ForCausalLM, build_model, is_engram_table, reference_logprobs
+from .dsv4 import PRESETS, DSV4Config, get_preset, load_config
+from .dsv4.context import DSV4Context
+from .dsv4.model import DSV4ForCausalLM, init_weights
 
-__all__ = ["PRESETS", "DSV41Config", "get_preset", "load_config", "ForwardContext", "EngramTable",
-           "ParameterEngramTable", "DSV41ForCausalLM", "build_model", "is_engram_table",
-           "reference_logprobs"]
+__all__ = ["PRESETS", "DSV4Config", "get_preset", "load_config", "DSV4Context",
+           "DSV4ForCausalLM", "init_weights"]

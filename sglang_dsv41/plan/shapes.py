@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..model.dsv4.config import DSV4Config
+from ..model.dsv4.names import is_engram_table
 
 ENGRAM_SCALE_BLOCK = 32  # sglang kernels/ops/quantization/fp4_fake_quant.py FP8_BLOCK_SIZE
 BF16, F32 = torch.bfloat16, torch.float32
@@ -137,10 +138,6 @@ def checkpoint_dtype(name: str, held: torch.dtype) -> torch.dtype:
     if held == F32 and name.endswith("norm.weight"):
         return BF16
     return held
-
-
-def is_engram_table(name: str) -> bool:
-    return ".engram.embed." in name
 
 
 def count_parameters(cfg: DSV4Config, include_engram_tables: bool = False) -> int:

@@ -17,17 +17,13 @@ import logging
 import os
 from typing import Iterator
 
+from ..model.dsv4.names import is_engram_table
 from .env import ENV
 
 logger = logging.getLogger(__name__)
 
 ENGRAM_TABLE_SUFFIXES = (".engram.embed.weight", ".engram.embed.scale")
 TID2EID_SUFFIX = ".topk.tid2eid"
-
-
-def is_engram_table_name(name: str) -> bool:
-    """An Engram table tensor, in checkpoint or SGLang naming (``layers.N.engram.embed.*``)."""
-    return ".engram.embed." in name
 
 
 @contextlib.contextmanager
@@ -136,7 +132,7 @@ async def around_update_weights_from_distributed(original, self, obj, request=No
     """The trainer never trains the Engram tables; a push that names one would have to send
     the whole table (EngramEmbedding._load_rows slices the full table) and is refused with
     HTTP 400 unless --dsv41-allow-engram-update."""
-    tables = [n for n in (obj.names or []) if is_engram_table_name(n)]
+    tables = [n for n in (obj.names or []) if is_engram_table(n)]
     if tables and not ENV.ALLOW_ENGRAM_UPDATE.get():
         return False, (f"refused: the update names {len(tables)} frozen Engram table(s) "
                        f"({tables[0]}, ...); leave them out of weight updates or start the "

@@ -44,6 +44,18 @@ _LEAF = {"wq_a": "q_a_proj", "q_norm": "q_a_norm", "wq_b": "q_b_proj", "wkv": "k
          "kv_norm": "kv_norm", "wo_a": "o_a_proj", "wo_b": "o_b_proj", "wgate": "gate_proj",
          "ape": "position_bias", "norm": "kv_norm", "w1": "gate_proj", "w2": "down_proj",
          "w3": "up_proj"}
+def is_engram_table(name: str) -> bool:
+    """An Engram hash table or its e8m0 scales (``layers.N.engram.embed.{weight,scale}``): frozen
+    fp8 checkpoint data, loaded even under dummy loading, never upcast, never sent in a weight
+    update (the release's ``engram.wkv.scale`` is wkv's FP8 scale, not a table)."""
+    return ".engram.embed." in name
+
+
+def is_frozen_table(name: str) -> bool:
+    """Checkpoint tables the trainer never changes: Engram tables and hash layers' tid2eid."""
+    return is_engram_table(name) or name.endswith("tid2eid")
+
+
 _EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
 
 
