@@ -10,6 +10,16 @@ from sglang_cpu import install_torchvision_shim
 install_torchvision_shim()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    # On 2 shared cores, OpenMP threads spinning against the tests' other processes (server
+    # ranks, gloo peers) make tiny forwards up to 20x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def seed():
     """A fresh random seed per test (printed by pytest on failure through the fixture value)."""

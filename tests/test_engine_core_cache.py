@@ -17,16 +17,6 @@ from sglang_dsv41.model.dsv4.context import DSV4Context
 PAGE = 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # On 2 shared cores, OpenMP threads spinning against other processes make these tiny
-    # forwards 20x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module", params=[True, False], ids=["sglang_numerics", "plain"])
 def runner(request, tmp_path_factory):
     from sglang_dsv41.engine.model_runner import ModelRunner

@@ -24,16 +24,6 @@ TABLE = "layers.1.engram.embed.weight"
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # On 2 shared cores, OpenMP threads spinning against other processes make these tiny
-    # forwards 20x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     cfg, model = engine_test_model()

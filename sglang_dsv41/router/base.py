@@ -46,12 +46,17 @@ class SessionRouter(ABC):
     def end_session(self, session_id: str) -> None:
         """Forget the pin (the KV prefix may be evicted)."""
 
-    @abstractmethod
+    # Implementations hold ``_cond`` (a threading.Condition) and ``_paused``, and wait on
+    # ``_cond`` while ``_paused`` before sending a turn.
     def pause(self) -> None:
         """New turns block until resume(); turns already sent keep running."""
+        with self._cond:
+            self._paused = True
 
-    @abstractmethod
-    def resume(self) -> None: ...
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
 
     @abstractmethod
     def drain(self, timeout: float) -> bool:

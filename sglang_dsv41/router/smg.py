@@ -131,15 +131,6 @@ class SMGSessionRouter(SessionRouter):
     def end_session(self, session_id: str) -> None:
         self._routes.pop(session_id, None)
 
-    def pause(self) -> None:
-        with self._cond:
-            self._paused = True
-
-    def resume(self) -> None:
-        with self._cond:
-            self._paused = False
-            self._cond.notify_all()
-
     def drain(self, timeout: float) -> bool:
         with self._cond:
             return self._cond.wait_for(lambda: self._in_flight == 0, timeout)

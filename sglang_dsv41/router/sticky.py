@@ -151,15 +151,6 @@ class StickyRouter(SessionRouter):
             if route is not None and route in self._slots:
                 self._slots[route].sessions -= 1
 
-    def pause(self) -> None:
-        with self._cond:
-            self._paused = True
-
-    def resume(self) -> None:
-        with self._cond:
-            self._paused = False
-            self._cond.notify_all()
-
     def drain(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         with self._cond:
