@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import base64
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+
+from sglang_dsv41.wire import decode_array, encode_array
 
 
 @dataclass
@@ -46,8 +47,9 @@ class Sample:
         d = asdict(self)
         for key in ("routed_experts", "routed_weights"):
             arr = getattr(self, key)
-            d[key] = None if arr is None else {"shape": list(arr.shape), "dtype": str(arr.dtype),
-                                               "b64": base64.b64encode(arr.tobytes()).decode()}
+            if arr is not None:
+                b64, shape = encode_array(arr, str(arr.dtype))
+            d[key] = None if arr is None else {"shape": shape, "dtype": str(arr.dtype), "b64": b64}
         d["route"] = list(self.route) if self.route else None
         return d
 
@@ -58,8 +60,7 @@ class Sample:
         for key in ("routed_experts", "routed_weights"):
             if d.get(key) is not None:
                 a = d[key]
-                d[key] = np.frombuffer(base64.b64decode(a["b64"]), dtype=a["dtype"]).reshape(
-                    a["shape"]).copy()
+                d[key] = decode_array(a["b64"], a["shape"], a["dtype"])
         d["route"] = tuple(d["route"]) if d.get("route") else None
         s = cls(**d)
         s.advantage = adv

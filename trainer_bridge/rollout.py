@@ -7,7 +7,6 @@ last turn's routing covers every position of the episode but the last.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import threading
@@ -18,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from sglang_dsv41.router import SessionRouter
+from sglang_dsv41.wire import decode_array
 
 from .batch import Sample
 from .config import RolloutConfig
@@ -37,10 +37,9 @@ def decode_routing(meta: dict[str, Any], key: str, dtype) -> np.ndarray | None:
     if meta.get(key) is None:
         return None
     shape = meta.get("routed_experts_shape")
-    arr = np.frombuffer(base64.b64decode(meta[key]), dtype=np.dtype(dtype).newbyteorder("<"))
     if shape is None:
         raise ValueError(f"meta_info has {key} but no routed_experts_shape")
-    return arr.reshape(shape).astype(dtype)
+    return decode_array(meta[key], shape, dtype)
 
 
 def run_episode(router: SessionRouter, env: Environment, prompt_index: int, group_id: int,

@@ -7,21 +7,13 @@ output ids keep the tokens that completed the stop.
 
 from __future__ import annotations
 
-import base64
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from ..wire import encode_array
 from .messages import GenerateOut, GenerateReq
-
-
-def encode_array(x: Any, dtype: str) -> tuple[str, list[int]]:
-    """base64 of the little-endian bytes of ``x`` (numpy or CPU torch) and its shape."""
-    if hasattr(x, "detach"):
-        x = x.detach().cpu().numpy()
-    arr = np.ascontiguousarray(np.asarray(x), dtype=np.dtype(dtype).newbyteorder("<"))
-    return base64.b64encode(arr.tobytes()).decode("ascii"), list(arr.shape)
 
 
 @dataclass(frozen=True)
