@@ -13,6 +13,7 @@ from __future__ import annotations
 import types
 from dataclasses import replace
 
+import msgspec
 import pytest
 import torch
 
@@ -174,7 +175,36 @@ def _sglang_select(layer_id, ratio, s_idx, x, q_lora, pos, req, pool, freqs, pub
     else:
         sg.full.FullTopKIndexer._torch_prefill(
             types.SimpleNamespace(token_to_kv_pool=pool), inputs)
-    return inputs.out_raw_indices, published
+    return inputs.out_raw_indices.clone(), published, inputs
+
+
+def _same_up_to_ties(ours, theirs, inputs, pool, block=None):
+    """Rows may differ only where both picks are a top-k of equal scores: bf16 scores tie often,
+    SGLang's torch.topk breaks ties by row length, our selection by the lower entry (so a prefix
+    and the whole sequence agree). Scores from SGLang's own prefill scoring; with ``block``, the
+    picks are candidate blocks ranked by their maximum score (the newest block always kept)."""
+    sg = _sg()
+    rows = (ours != theirs).any(dim=1).nonzero().flatten().tolist()
+    if not rows:
+        return True
+    score_of = {}
+    for request, chunks in sg.scoring.prefill_requests(inputs=inputs, token_to_kv_pool=pool):
+        for chunk in chunks:
+            for i, t in enumerate(chunk.tok.tolist()):
+                row = chunk.scores[i].float()
+                if block is not None:
+                    newest = (int(chunk.lens[i]) - 1) // block
+                    row = torch.nn.functional.pad(row, (0, -row.numel() % block),
+                                                  value=-torch.inf)
+                    row = row.view(-1, block).amax(-1)
+                    row[newest] = torch.inf
+                score_of[t] = row
+    for r in rows:
+        pick = [score_of[r][c].item() for c in ours[r].tolist() if c >= 0]
+        want = [score_of[r][c].item() for c in theirs[r].tolist() if c >= 0]
+        if sorted(pick) != sorted(want):
+            return False
+    return len(rows) <= max(1, ours.shape[0] // 4)   # ties, not a different rule
 
 
 def _entry_slots(ratio):
@@ -203,14 +233,18 @@ def test_entries_and_selection_match_sglang(seed):
             keys = torch.stack([pool.index_k[(i, s)] for s in _entry_slots(ratio)])
             assert torch.equal(shared[("v41_kv", i)][1], keys), f"layer {i} index keys"
         if s_idx is not None:
-            raw_idx, published = _sglang_select(i, ratio, s_idx, x, q_lora, pos, req, pool,
-                                                freqs, published)
+            raw_idx, published, inputs = _sglang_select(i, ratio, s_idx, x, q_lora, pos, req,
+                                                        pool, freqs, published)
             start = _entry_start(ratio)[req][:, None].to(torch.int32)
             ours_local = torch.where(comp_idx >= 0, comp_idx - start, -1)
-            assert torch.equal(ours_local, raw_idx), f"layer {i} top-k"
+            assert _same_up_to_ties(ours_local, raw_idx, inputs, pool), f"layer {i} top-k"
             assert (raw_idx >= 0).any() and (raw_idx < 0).any()   # selects, and pads
         if i == CFG.candidate_source_layer_id:
-            assert torch.equal(shared[("v41_candidates",)], published.blocks)
+            assert _same_up_to_ties(shared[("v41_candidates",)], published.blocks, inputs, pool,
+                                    block=CFG.candidate_block_size)
+            # Later layers pick inside these blocks: hand SGLang ours, so a block tie broken
+            # the other way does not change what the consumers may pick from.
+            published = msgspec.structs.replace(published, blocks=shared[("v41_candidates",)])
         # every layer of a ratio reads its nearest kv / index source, as SGLang's pool does
         assert comp_kv is shared[("v41_kv", pool.source_layer_of(i))][0]
 
