@@ -85,6 +85,19 @@ def _load_keys(kv_ptr, comp_ptr, idx_ptr, page_ptr, t, n, lo, hi, num_sel, strid
 
 
 @triton.jit
+def _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC: tl.constexpr):
+    """One key tile of the online softmax (log2 domain): K=V, so the tile is also the values."""
+    s = mma(q, tl.trans(k), DOT_PREC) * qk_scale
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + mma(to_dtype(p, k.dtype, DOT_PREC), k, DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _dsv4_fwd_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, sink_ptr, first_ptr, page_ptr, o_ptr,
                      lse_ptr, H, D, window, num_sel, qk_scale, stride_qt, stride_qh, stride_kv,
                      stride_c, stride_idx, stride_page, stride_ot, stride_oh,
@@ -117,27 +130,14 @@ def _dsv4_fwd_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, sink_ptr, first_ptr, page
         k, valid, _ = _load_keys(kv_ptr, comp_ptr, idx_ptr, page_ptr, t, n, lo, hi, num_sel,
                                  stride_kv, stride_c, stride_idx, stride_page, offs_n, offs_d,
                                  dmask, True, PAGED, PAGE)
-        s = mma(q, tl.trans(k), DOT_PREC) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + mma(to_dtype(p, k.dtype, DOT_PREC), k, DOT_PREC)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC)
     for n in range(0, num_sel, BN):
         k, valid, row = _load_keys(kv_ptr, comp_ptr, idx_ptr, page_ptr, t, n, lo, hi, num_sel,
                                    stride_kv, stride_c, stride_idx, stride_page, offs_n, offs_d,
                                    dmask, False, PAGED, PAGE)
         if tl.max(row, 0) >= 0:
-            s = mma(q, tl.trans(k), DOT_PREC) * qk_scale
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + mma(to_dtype(p, k.dtype, DOT_PREC), k, DOT_PREC)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale,
+                                                 DOT_PREC)
     out = acc / tl.maximum(l_i, 1.0e-30)[:, None]
     tl.store(o_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
