@@ -46,6 +46,7 @@ class ServerProcess:
         if api_key:
             argv += ["--api-key", api_key]
         self.orphans = False
+        self._stopping = False
         self.log = (open(log_path, "w+") if log_path else
                     tempfile.NamedTemporaryFile("w+", prefix="sglang_dsv41_server_", suffix=".log"))
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
@@ -83,11 +84,18 @@ class ServerProcess:
         except ProcessLookupError:
             return False
 
+    def begin_stop(self) -> None:
+        """SIGTERM without waiting: the server drains and stops its ranks meanwhile (once; a
+        second SIGTERM would make uvicorn skip the drain)."""
+        if self.proc.poll() is None and not self._stopping:
+            self._stopping = True
+            self.proc.send_signal(signal.SIGTERM)
+
     def stop(self, timeout: float = 15.0) -> int | None:
         """SIGTERM (the server stops its ranks), then SIGKILL the process group if needed.
         Sets ``orphans``: whether any process of the group outlived the server by 5 s."""
+        self.begin_stop()
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -126,12 +126,13 @@ def test_multiturn_episodes_stay_on_their_dp_rank(server, tmp_path):
         assert s.routed_experts.shape[0] == len(s.tokens) - 1
 
 
-def test_distributed_weight_sync_round_trip(server, tmp_path):
-    """The process-group transport: after each sync the server's logprobs match the trainer's
-    (the dry run's round-trip and mismatch checks), Engram checksum unchanged."""
-    out_dir = str(tmp_path / "dist")
+def test_tensor_weight_sync_round_trip(server, tmp_path):
+    """The HTTP tensor transport (the Quickstart uses the process-group one): after each sync
+    the server's logprobs match the trainer's (the dry run's round-trip and mismatch checks),
+    Engram checksum unchanged."""
+    out_dir = str(tmp_path / "tensor")
     rc, out = run(train_cmd("tiny", server.url, out_dir, "--dry-run",
-                            "weight_sync_transport=distributed"), 240)
+                            "weight_sync_transport=tensor"), 240)
     assert rc == 0 and "dry run: OK" in out, out[-3000:]
     assert all(r["mismatch_abs_logp"] <= 1e-5 and r["weight_sync_s"] > 0
                for r in metrics(out_dir))

@@ -145,7 +145,9 @@ def tiny() -> TrainConfig:
                               max_new_tokens=12),
         loss=LossConfig(kl_coef=0.001, mini_batches=2, token_budget=1024),
         optim=OptimConfig(lr=1e-2, sink_lr=1e-2, max_grad_norm=1.0),
-        steps=16, out_dir="runs/tiny")
+        # Weights go to the server over a collective group, as RL clusters push them (SGLang's
+        # update_weights_from_distributed), not as serialized tensors over HTTP.
+        steps=16, out_dir="runs/tiny", weight_sync_transport="distributed")
 
 
 def tiny_multiturn() -> TrainConfig:

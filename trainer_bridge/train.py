@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"reward per step: {rewards}", flush=True)
         return 0
     finally:
+        if server is not None:
+            server.begin_stop()  # the server winds down while the trainer closes
         if trainer is not None:
             trainer.close()
         if server is not None:
