@@ -9,7 +9,8 @@ from sglang_dsv41.engine.batch import Req, build_plan
 from sglang_dsv41.engine.kv_cache import DUMMY_SLOT, OutOfPages, PageAllocator, slots_of
 from sglang_dsv41.engine.messages import SamplingParams
 from sglang_dsv41.engine.prefix_cache import NaivePrefixCache, RadixPrefixCache
-from sglang_dsv41.engine.sampling import StopChecker, sample_token, validate_sampling
+from sglang_dsv41.engine.sampling import (StopChecker, make_generator, sample_token,
+                                          validate_sampling)
 
 
 def test_allocator_refcounts_and_reserved_page():
@@ -27,16 +28,25 @@ def test_allocator_refcounts_and_reserved_page():
     assert slots_of([3, 1], 2, 6, 4) == [14, 15, 4, 5]
 
 
-def _run_session(cache_cls, seed: int, page_size: int = 4):
-    """Random multi-turn traffic; returns the cached-token count of every admission."""
+def _page_lcp(a: list[int], b: list[int], page_size: int) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n // page_size * page_size
+
+
+def _run_session(cache_cls, seed: int, page_size: int = 4, num_pages: int = 40):
+    """Random multi-turn traffic; returns the cached-token count of every admission and the
+    oracle's: the longest whole-page prefix shared with any sequence cached so far."""
     rng = random.Random(seed)
-    alloc = PageAllocator(40, page_size)
+    alloc = PageAllocator(num_pages, page_size)
     cache = cache_cls(alloc)
     histories = [[rng.randrange(5) for _ in range(rng.randrange(1, 9))] for _ in range(4)]
-    hits, live = [], []
+    hits, oracle, inserted, live = [], [], [], []
     for _ in range(60):
         h = histories[rng.randrange(4)]
         ids = h + [rng.randrange(5) for _ in range(rng.randrange(1, 9))]
+        oracle.append(max((_page_lcp(ids[:-1], seq, page_size) for seq in inserted), default=0))
         m = cache.match_prefix(ids[:-1])
         assert m.num_tokens % page_size == 0 and m.num_tokens <= len(ids) - 1
         assert m.num_tokens == len(m.pages) * page_size
@@ -57,6 +67,7 @@ def _run_session(cache_cls, seed: int, page_size: int = 4):
             ids, pages, handle = live.pop()
             full = (len(ids) - 1) // page_size
             cache.insert(ids[:full * page_size], pages[:full])
+            inserted.append(ids[:full * page_size])
             alloc.decref(pages)
             cache.unlock(handle)
             h[:] = ids
@@ -69,15 +80,19 @@ def _run_session(cache_cls, seed: int, page_size: int = 4):
     assert alloc.num_usable - alloc.num_free == cache.num_cached_pages
     cache.reset()
     assert alloc.num_free == alloc.num_usable
-    return hits
+    return hits, oracle
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_radix_cache_against_naive_twin(seed):
-    radix = _run_session(RadixPrefixCache, seed)
-    naive = _run_session(NaivePrefixCache, seed)
+def test_radix_cache_finds_every_cached_prefix(seed):
+    """With room for everything (no eviction) the radix cache matches exactly the brute-force
+    oracle; under pressure it never claims more than the oracle; the naive twin never hits."""
+    radix, oracle = _run_session(RadixPrefixCache, seed, num_pages=400)
+    assert radix == oracle and sum(oracle) > 0
+    tight, tight_oracle = _run_session(RadixPrefixCache, seed)
+    assert all(h <= o for h, o in zip(tight, tight_oracle))
+    naive, _ = _run_session(NaivePrefixCache, seed)
     assert naive == [0] * len(naive)
-    assert sum(radix) > 0 and len(radix) == len(naive)
 
 
 def test_radix_match_split_insert_evict_lru():
@@ -127,10 +142,15 @@ def test_sampling_rules():
                        (SamplingParams(temperature=1.0, min_p=0.5), {1, 2})]:
         gen = torch.Generator().manual_seed(0)
         assert {sample_token(logits, p, gen)[0] for _ in range(50)} == allowed
+    # sampling_seed reaches the sampler through the leader's make_generator(seed): the same seed
+    # draws the same tokens, another seed other tokens.
     hot = SamplingParams(temperature=5.0, seed=7)
-    runs = [[sample_token(logits, hot, torch.Generator().manual_seed(7))[0] for _ in range(1)]
-            for _ in range(2)]
-    assert runs[0] == runs[1]
+
+    def draws(seed: int) -> list[int]:
+        gen = make_generator(seed)
+        return [sample_token(logits, hot, gen)[0] for _ in range(40)]
+
+    assert draws(hot.seed) == draws(hot.seed) and draws(hot.seed) != draws(8)
     with pytest.raises(ValueError, match="top_p"):
         validate_sampling(SamplingParams(top_p=0.0), 10)
     with pytest.raises(ValueError, match="max_new_tokens"):
