@@ -17,7 +17,7 @@ from sglang_dsv41.loader.serving import load_serving_model
 from sglang_dsv41.loader.weight_sync_group import send_weights
 from sglang_dsv41.loader.weight_update import (WeightUpdateError, engram_checksums,
                                                validate_named_tensors)
-from sglang_dsv41.loader.weight_update_ops import LOADER_CONTROL_OPS
+from sglang_dsv41.engine.weight_update_ops import LOADER_CONTROL_OPS
 from sglang_dsv41.model.dsv4.context import DSV4Context
 
 TABLE = "layers.1.engram.embed.weight"

@@ -63,11 +63,10 @@ def run_control_op(runner: "ModelRunner", req: ControlReq) -> ControlOut:
 
 # ---- ops ---------------------------------------------------------------------------------------
 def _register_loader_ops() -> None:
-    """Weight updates and Engram checksums live in the loader, which never imports the engine."""
-    try:
-        from ..loader.weight_update_ops import LOADER_CONTROL_OPS
-    except ImportError:
-        return
+    """Weight updates and Engram checksums (engine/weight_update_ops.py, over the loader's
+    weight-update functions)."""
+    from .weight_update_ops import LOADER_CONTROL_OPS
+
     for name, (apply, validate) in LOADER_CONTROL_OPS.items():
         register_control_op(name, apply, validate, replace=True)
 

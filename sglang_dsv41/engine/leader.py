@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..policies.r3_buffer import r3_buffer_bytes
 from .batch import ForwardPlan, Req, build_plan
 from .kv_cache import OutOfPages, PageAllocator, RoutedExpertsBuffer, slots_of
 from .messages import GenerateOut, GenerateReq
@@ -290,13 +291,8 @@ class LeaderScheduler:
 
 
 def _check_r3_size(r3: RoutedExpertsBuffer, cfg, max_total_tokens: int, page_size: int) -> None:
-    """The buffer must be what the deployment planner budgets for (its formula, when present)."""
-    try:
-        from ..plan.memory import r3_buffer_bytes
-    except ImportError:
-        r3_buffer_bytes = None
-    if r3_buffer_bytes is not None:
-        planned = r3_buffer_bytes(cfg, max_total_tokens, page_size)
-        if planned != r3.nbytes:
-            raise RuntimeError(f"R3 buffer has {r3.nbytes} bytes, the planner expects {planned}")
+    """The buffer must be what SGLang allocates and the deployment planner budgets for."""
+    planned = r3_buffer_bytes(cfg, max_total_tokens, page_size)
+    if planned != r3.nbytes:
+        raise RuntimeError(f"R3 buffer has {r3.nbytes} bytes, SGLang's rule gives {planned}")
     logger.info("R3 host buffer: %.2f MiB of expert ids (+ as much for weights)", r3.nbytes / 2**20)

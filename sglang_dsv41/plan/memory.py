@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from ..model.dsv4.config import DSV4Config
 from ..policies.engram_layout import LAYOUTS as ENGRAM_LAYOUTS
+from ..policies.r3_buffer import R3_EXPERT_ID_BYTES, r3_buffer_bytes, r3_bytes_per_token
 from .shapes import ENGRAM_SCALE_BLOCK, engram_columns
 
 GIB = 1 << 30
 MIB = 1 << 20
-R3_EXPERT_ID_BYTES = 4  # SGLang stores routed expert ids as int32
 # SGLang's alloc_mmap rounds to the mmap page (mem_cache/storage/mmap/mmap_allocator.py:191);
 # 4 KiB unless SGLANG_HUGEPAGE_SIZE asks for 2MB / 1GB pages.
 HOST_PAGE_BYTES = {"": 4096, "2MB": 2 << 20, "1GB": 1 << 30}
@@ -65,22 +65,6 @@ def mmap_bytes(nbytes: int, hugepage: str = "") -> int:
     _need(hugepage in HOST_PAGE_BYTES, f"hugepage must be one of {sorted(HOST_PAGE_BYTES)}")
     page = HOST_PAGE_BYTES[hugepage]
     return -(-nbytes // page) * page
-
-
-def r3_bytes_per_token(cfg: DSV4Config) -> int:
-    """Routed-expert ids kept per token: int32 [num_hidden_layers, num_experts_per_tok]
-    (state_capturer/routed_experts.py:72-73; 40 x 6 x 4 = 960 B on V4.1-Flash). Every layer
-    counts, hash-routed ones included."""
-    return cfg.num_hidden_layers * cfg.num_experts_per_tok * R3_EXPERT_ID_BYTES
-
-
-def r3_buffer_bytes(cfg: DSV4Config, max_total_tokens: int, page_size: int) -> int:
-    """The exact request of one scheduler process's R3 host cache: int32[max_total_tokens +
-    page_size, layers, top_k] (kv_index_translator.py:268 capture_token_capacity, state_capturer
-    base.py:64-72 BaseHostCache)."""
-    _need(max_total_tokens >= 0, f"max_total_tokens must be >= 0, got {max_total_tokens}")
-    _need(page_size >= 1, f"page_size must be >= 1, got {page_size}")
-    return (max_total_tokens + page_size) * r3_bytes_per_token(cfg)
 
 
 def r3_host_bytes(cfg: DSV4Config, max_total_tokens: int, page_size: int,

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from .dummy import is_engram_table
-from .weight_sync_group import init_weight_sync_group, parse_dtype, receive_weights
-from .weight_update import (WeightUpdateError, apply_named_tensors, engram_checksums,
+from ..loader.dummy import is_engram_table
+from ..loader.weight_sync_group import init_weight_sync_group, parse_dtype, receive_weights
+from ..loader.weight_update import (WeightUpdateError, apply_named_tensors, engram_checksums,
                             served_specs, validate_named_tensors)
 
 
@@ -49,7 +49,7 @@ def read_disk_update(model, model_path: str) -> list[tuple[str, torch.Tensor]]:
     """Every non-Engram tensor of the checkpoint (any --model-path layout but a preset), cast to
     the served dtype, validated; it must cover every served tensor but Engram tables and the
     non-persistent buffers."""
-    from .serving import model_layout, read_model_tensors
+    from ..loader.serving import model_layout, read_model_tensors
 
     if model_layout(model_path) == "preset":
         raise WeightUpdateError(f"{model_path!r} is a preset name, not a checkpoint directory")
@@ -167,7 +167,7 @@ def _apply_checksum(runner):
 
 def _apply_engram_info(runner):
     """Where this rank's Engram tables live: the layout and the rows it holds per table."""
-    from .engram_layouts import engram_tables
+    from ..loader.engram_layouts import engram_tables
 
     store = getattr(runner, "engram_store", None)
     return {"layout": store.layout if store is not None else None,
