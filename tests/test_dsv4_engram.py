@@ -4,14 +4,13 @@ table rows looked up, the layer's output; plus the table's fp8 guarantees and gr
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from sglang_cpu import import_sglang
 
 from sglang_dsv41.model.dsv4 import get_preset
 from sglang_dsv41.model.dsv4.engram import Engram, EngramHasher, EngramTable, engram_gate
+from sglang_dsv41.model.dsv4.model import default_dtype
 
 LAYER = 5  # the tiny preset's second Engram layer (hash index 1)
 
@@ -19,16 +18,6 @@ LAYER = 5  # the tiny preset's second Engram layer (hash index 1)
 @pytest.fixture(scope="module")
 def cfg():
     return get_preset("tiny")
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +38,7 @@ def pair(cfg):
         ours.wkv.weight.copy_(torch.randn(ours.wkv.weight.shape, generator=gen) * 0.05)
         ours.q_weight.copy_(1 + 0.5 * torch.randn(ours.q_weight.shape, generator=gen))
         ours.k_weight.copy_(1 + 0.5 * torch.randn(ours.k_weight.shape, generator=gen))
-    with get_parallel().override(tp_size=1, tp_rank=0), _default_dtype(torch.bfloat16):
+    with get_parallel().override(tp_size=1, tp_rank=0), default_dtype(torch.bfloat16):
         theirs = sg.Engram(cfg, LAYER, sg.EngramLayout.from_config(cfg))
     params = dict(theirs.named_parameters())
     for name, tensor in ours.state_dict().items():

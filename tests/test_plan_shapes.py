@@ -9,18 +9,13 @@ import pytest
 import torch
 
 from sglang_dsv41.model.dsv4 import get_preset
-from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM
+from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM, default_dtype
 from sglang_dsv41.plan.shapes import checkpoint_dtype, count_parameters, text_tensor_specs
 
 
 def model_specs(cfg) -> dict[str, tuple[list[int], torch.dtype]]:
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("meta"):
-            model = DSV4ForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(prev)
+    with default_dtype(torch.bfloat16), torch.device("meta"):
+        model = DSV4ForCausalLM(cfg)
     return {n: (list(t.shape), checkpoint_dtype(n, t.dtype)) for n, t in model.state_dict().items()}
 
 

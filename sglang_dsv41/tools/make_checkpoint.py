@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from contextlib import contextmanager
 
 import torch
 
@@ -40,21 +39,11 @@ _FP8_WEIGHTS = (".attn.wq_a.", ".attn.wq_b.", ".attn.wkv.", ".attn.wo_a.", ".att
                 ".indexer.wq_b.", ".shared_experts.", ".engram.wkv.")
 
 
-@contextmanager
-def _default_dtype(dtype: torch.dtype):
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(prev)
-
-
 def random_text_tensors(cfg: DSV4Config, seed: int = 0) -> dict[str, torch.Tensor]:
     """The real model's random weights (init_weights with ``seed``) in checkpoint dtypes."""
-    from ..model.dsv4.model import DSV4ForCausalLM, init_weights
+    from ..model.dsv4.model import DSV4ForCausalLM, default_dtype, init_weights
 
-    with _default_dtype(torch.bfloat16):  # half the memory; fp32 where the model insists
+    with default_dtype(torch.bfloat16):  # half the memory; fp32 where the model insists
         model = DSV4ForCausalLM(cfg)
     init_weights(model, seed)
     return {n: t.to(checkpoint_dtype(n, t.dtype)) for n, t in model.state_dict().items()}

@@ -7,6 +7,8 @@ each reading a collapsed input and writing back into the streams. Packed variabl
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -95,6 +97,17 @@ class DSV4ForCausalLM(nn.Module):
         """-> logits [T, vocab] in the head's dtype (keep the head fp32 for RL)."""
         x = self.hidden(input_ids, ctx)
         return self.head(x.to(self.head.weight.dtype))
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """Build the model with ``dtype`` as torch's default (its fp32 parameters are explicit)."""
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(prev)
 
 
 @torch.no_grad()
