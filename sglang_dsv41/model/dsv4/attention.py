@@ -25,6 +25,7 @@ from .kv_numerics import kv_cache_round_trip, served_window_kv
 from .mhc import unweighted_rms_norm
 from .norm import RMSNorm
 from .rope import apply_rope, layer_inv_freq
+from .v41_sparse import build_low_ratio_modules, low_ratio_entries
 
 
 class Attention(nn.Module):
@@ -50,8 +51,6 @@ class Attention(nn.Module):
             if self.ratio == 4:
                 self.indexer = Indexer(cfg, self.ratio)
         elif self.ratio in (1, 2):
-            from .v41_sparse import build_low_ratio_modules
-
             self.compressor, self.indexer = build_low_ratio_modules(cfg, layer_id)
         self.register_buffer("freqs", layer_inv_freq(cfg, self.ratio > 0), persistent=False)
 
@@ -60,8 +59,6 @@ class Attention(nn.Module):
         if self.ratio == 0:
             return None, None
         if self.ratio in (1, 2):
-            from .v41_sparse import low_ratio_entries
-
             return low_ratio_entries(self.cfg, self.layer_id, self, x, q_lora, ctx.positions,
                                      ctx.cu_seqlens, ctx.shared, ctx.serving_numerics)
         bounds = ctx.seq_bounds

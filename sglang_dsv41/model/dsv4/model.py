@@ -15,6 +15,7 @@ from torch import nn
 from .attention import Attention
 from .config import DSV4Config
 from .context import DSV4Context
+from .engram import Engram, EngramHasher
 from .mhc import hc_collapse, hc_expand, hc_head, hc_mix, hc_params, hc_weights
 from .moe import MoE
 from .norm import RMSNorm
@@ -34,8 +35,6 @@ class DecoderLayer(nn.Module):
         hc_params(self, "hc_ffn", cfg.hc_mult, cfg.hidden_size, n_mix)
         self.engram: nn.Module | None = None
         if layer_id in cfg.engram_layer_ids:
-            from .engram import Engram
-
             self.engram = Engram(cfg, layer_id)
 
     def sublayer(self, streams: torch.Tensor, prev_pre: torch.Tensor | None, which: str, run):
@@ -73,8 +72,6 @@ class DSV4ForCausalLM(nn.Module):
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.engram_hasher = None
         if cfg.engram_layer_ids:
-            from .engram import EngramHasher
-
             self.engram_hasher = EngramHasher(cfg)
 
     def hidden(self, input_ids: torch.Tensor, ctx: DSV4Context) -> torch.Tensor:

@@ -15,14 +15,13 @@ from torch import nn
 
 from .config import DSV4Config
 from .context import DSV4Context
+from .v41 import renormalize_topk_weights, sqrtsoftplus_log1p
 
 
 def route_scores(logits: torch.Tensor, scoring_func: str, log1p: bool = False) -> torch.Tensor:
     """Router scores from logits; ``log1p`` is V4.1's sqrtsoftplus written through log1p."""
     if scoring_func == "sqrtsoftplus":
         if log1p:
-            from .v41 import sqrtsoftplus_log1p
-
             return sqrtsoftplus_log1p(logits)
         return F.softplus(logits).sqrt()
     if scoring_func == "sigmoid":
@@ -56,8 +55,6 @@ class Gate(nn.Module):
             ids = torch.topk(scores + self.bias.float(), self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, ids)
         if self.norm_topk and self.v41_gate:
-            from .v41 import renormalize_topk_weights
-
             weights = renormalize_topk_weights(weights)
         elif self.norm_topk:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
