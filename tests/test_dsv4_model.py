@@ -3,6 +3,7 @@ path, R3 record/replay, hash routing, and the preset's coverage of the layer kin
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 
@@ -117,3 +118,25 @@ def test_every_prefix_gives_the_full_sequences_logits(preset):
     for p in (8, 17, 24, 33, 40):
         prefix = m(ids[:p + 1], DSV4Context.packed([p + 1]))
         assert (prefix[p] - full[p]).abs().max() <= 1e-5 * full.abs().max(), p
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"compress_ratios": [0, 3, 0, 0]}, "compress ratios [3]"),
+    ({"model_type": "deepseek_v4", "compress_ratios": [0, 1, 0, 0],
+      "kv_source_layer_ids": [1]}, "V4.1 only"),
+    ({"model_type": "deepseek_v41", "compress_ratios": [0, 2, 0, 0]}, "no kv source layer"),
+    ({"num_attention_heads": 6, "o_groups": 4}, "multiple of o_groups"),
+    ({"num_key_value_heads": 2}, "one K=V latent head"),
+    ({"engram_layer_ids": [9]}, "engram layer 9 out of range"),
+])
+def test_a_bad_config_json_names_the_problem(tmp_path, change, needle):
+    from sglang_dsv41.model.dsv4 import DSV4Config, load_config
+
+    d = {**get_preset("tiny-v4").to_dict(), **change}
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="invalid DSV4Config") as e:
+        load_config(str(tmp_path))
+    assert needle in str(e.value)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config"):
+        DSV4Config.from_pretrained(str(tmp_path))
