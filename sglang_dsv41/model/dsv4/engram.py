@@ -24,6 +24,7 @@ from torch import nn
 from .config import DSV4Config
 from .engram_hash import (SCALE_BLOCK, EngramHasher, EngramLayout, compressed_token_map,
                           default_token_map)
+from .kv_numerics import quantize_ue8m0_tiles
 
 __all__ = ["Engram", "EngramHasher", "EngramLayout", "EngramTable", "compressed_token_map",
            "default_token_map", "engram_gate"]
@@ -60,14 +61,12 @@ class EngramTable(nn.Module):
                      chunk_rows: int = 1 << 16) -> None:
         """Fill with normal(0, std) rows quantized as DeepSeek stores them (per 32 columns, a
         power-of-two scale rounded up so no value passes 448), chunk by chunk."""
-        from ...loader.fp8 import quantize_fp8_blocks
-
         for lo in range(0, self.weight.shape[0], chunk_rows):
             n = min(chunk_rows, self.weight.shape[0] - lo)
             values = torch.randn(n, self.dim, generator=generator) * std
-            q, s = quantize_fp8_blocks(values, block=(1, SCALE_BLOCK), scale_fmt="ue8m0")
-            self.weight[lo:lo + n].view(torch.uint8).copy_(q.view(torch.uint8))
-            self.scale[lo:lo + n].view(torch.uint8).copy_(s.view(torch.uint8))
+            codes, exponents = quantize_ue8m0_tiles(values, SCALE_BLOCK)
+            self.weight[lo:lo + n].view(torch.uint8).copy_(codes.view(torch.uint8))
+            self.scale[lo:lo + n].view(torch.uint8).copy_(exponents)
 
     def _apply(self, fn, recurse=True):
         # Module.to(dtype) casts every floating-point tensor, fp8 included: hand it the bytes.

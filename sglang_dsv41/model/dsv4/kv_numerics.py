@@ -56,19 +56,26 @@ def _split(kv: torch.Tensor, rope_dim: int) -> tuple[torch.Tensor, torch.Tensor]
     return kv[..., :nope_dim], kv[..., nope_dim:]
 
 
-def quantize_kv_rows(kv: torch.Tensor, rope_dim: int,
-                     amax_floor: float = CUDA_AMAX_FLOOR) -> FP8CacheRows:
-    """kv [..., D] (last rope_dim channels are RoPE) -> the bytes SGLang's V4 cache row holds."""
-    nope, rope = _split(kv, rope_dim)
-    nope_dim = nope.shape[-1]
-    pad = -nope_dim % NOPE_TILE
-    tiles = F.pad(nope.float(), (0, pad)).unflatten(-1, (-1, NOPE_TILE))
+def quantize_ue8m0_tiles(x: torch.Tensor, tile: int, amax_floor: float = CUDA_AMAX_FLOOR
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., n] -> (e4m3 codes [..., n], ue8m0 exponent bytes [..., ceil(n / tile)]): one
+    power-of-two scale per ``tile`` values, rounded up so no code passes 448; a shorter last
+    tile. The one fp8 row quantizer of the model (KV cache rows, Engram tables)."""
+    n = x.shape[-1]
+    tiles = F.pad(x.float(), (0, -n % tile)).unflatten(-1, (-1, tile))
     amax = tiles.abs().amax(dim=-1, keepdim=True).clamp_min(amax_floor)
     scale = _ceil_pow2(amax / FP8_MAX)
     codes = (tiles * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     exponent = (scale.squeeze(-1).view(torch.int32) >> 23) & 0xFF
-    return FP8CacheRows(codes.flatten(-2)[..., :nope_dim], exponent.to(torch.uint8),
-                        rope.to(torch.bfloat16))
+    return codes.flatten(-2)[..., :n], exponent.to(torch.uint8)
+
+
+def quantize_kv_rows(kv: torch.Tensor, rope_dim: int,
+                     amax_floor: float = CUDA_AMAX_FLOOR) -> FP8CacheRows:
+    """kv [..., D] (last rope_dim channels are RoPE) -> the bytes SGLang's V4 cache row holds."""
+    nope, rope = _split(kv, rope_dim)
+    codes, exponent = quantize_ue8m0_tiles(nope, NOPE_TILE, amax_floor)
+    return FP8CacheRows(codes, exponent, rope.to(torch.bfloat16))
 
 
 def dequantize_kv_rows(rows: FP8CacheRows) -> torch.Tensor:
