@@ -31,7 +31,6 @@ os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # big tensors return t
 
 import psutil  # noqa: E402
 import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -39,6 +38,7 @@ from sglang_dsv41.model.dsv4.config import DSV4Config  # noqa: E402
 from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM, init_weights  # noqa: E402
 from sglang_dsv41.model.dsv4.presets import get_preset  # noqa: E402
 from sglang_dsv41.server_process import free_port  # noqa: E402
+from trainer_bridge.dist import run_spawned  # noqa: E402
 from trainer_bridge.batch import Sample, pack  # noqa: E402
 from trainer_bridge.config import OptimConfig  # noqa: E402
 from trainer_bridge.optimizer_offload import (MIB, OFFLOAD_MODES, host_mapping,  # noqa: E402
@@ -246,20 +246,10 @@ def run_mode(model: str, mode: str, ranks: int, chunk_mb: float, steps: int,
              tokens: int) -> dict:
     from sglang_dsv41.plan.memory import optimizer_host_bytes  # the planner's one formula
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=measure_worker, args=(r, ranks, port, model, mode, chunk_mb,
-                                                      steps, tokens, queue)) for r in range(ranks)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(queue.get(timeout=600) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    results = dict(run_spawned(measure_worker, [(r, ranks, port, model, mode, chunk_mb, steps,
+                                                 tokens) for r in range(ranks)],
+                               timeout=600, join_timeout=30))
     errors = [r["error"] for r in results.values() if "error" in r]
     if errors:
         raise RuntimeError(errors[0])

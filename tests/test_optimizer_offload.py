@@ -11,9 +11,9 @@ import os
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from sglang_dsv41.server_process import free_port
+from trainer_bridge.dist import run_spawned
 
 pytestmark = pytest.mark.timeout(240)
 WORLD = 2
@@ -99,19 +99,9 @@ def worker(rank: int, port: int, tmp: str, queue) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("offload"))
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, port, tmp, queue)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(queue.get(timeout=200) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(20)
-            if p.is_alive():
-                p.kill()
+    results = dict(run_spawned(worker, [(r, port, tmp) for r in range(WORLD)], timeout=200,
+                               join_timeout=20))
     for r in results.values():
         assert not isinstance(r, str), r
     return results

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from sglang_dsv41.server_process import free_port
+from trainer_bridge.dist import run_spawned
 
 pytestmark = pytest.mark.timeout(240)
 BASELINE = os.path.join(os.path.dirname(__file__), "assets", "losses", "tiny_offline_cpu.txt")
@@ -163,16 +163,8 @@ def crash_worker(out_dir: str, rollouts: str, queue) -> None:
 
 
 def test_crash_during_save_keeps_previous_checkpoint(tmp_path, offline_rollouts):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=crash_worker, args=(str(tmp_path / "run"), offline_rollouts, queue))
-    proc.start()
-    try:
-        latest, tmp_left, step = queue.get(timeout=150)
-    finally:
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+    [(latest, tmp_left, step)] = run_spawned(
+        crash_worker, [(str(tmp_path / "run"), offline_rollouts)], timeout=150)
     assert latest != "error", tmp_left
     assert latest == "step-000002" and step == 2
     assert tmp_left, "the interrupted save should have left only its .tmp directory"

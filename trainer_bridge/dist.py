@@ -82,3 +82,36 @@ def on_primary(fn, *args):
     if error is not None:
         raise PrimaryError(f"rank 0 failed: {error}")
     return result
+
+
+def run_spawned(target, args_per_worker: list[tuple], timeout: float,
+                join_timeout: float = 10.0) -> list:
+    """Starts ``target(*args, queue)`` per entry in spawned processes and returns the one item
+    each puts on ``queue``, in arrival order. Fails fast when a worker dies without answering
+    or the time runs out, and always joins or kills every worker (tests and benches of
+    multi-rank gloo runs)."""
+    import multiprocessing as mp
+    import queue as queue_mod
+    import time
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*args, results)) for args in args_per_worker]
+    for p in procs:
+        p.start()
+    out, deadline = [], time.monotonic() + timeout
+    try:
+        while len(out) < len(procs):
+            try:
+                out.append(results.get(timeout=1.0))
+            except queue_mod.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"workers died (exit codes {dead}) or timed out "
+                                       f"after {timeout:.0f} s") from None
+    finally:
+        for p in procs:
+            p.join(join_timeout)
+            if p.is_alive():
+                p.kill()
+    return out
