@@ -17,7 +17,6 @@ import sys
 from .server_args import ServerArgs
 
 logger = logging.getLogger("sglang_dsv41.launch_server")
-DRAIN_GRACE_S = 30.0  # seconds in-flight requests get to finish after SIGTERM
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,9 +148,9 @@ def run_embedded(server_args: ServerArgs) -> int:
         engine = launch_engine(server_args)
         state = build_state(engine)
         app = create_app(state)
-        # SIGTERM: uvicorn stops accepting, in-flight requests finish within the grace period.
+        # SIGTERM: uvicorn stops accepting, in-flight requests finish within --shutdown-grace.
         config = uvicorn.Config(app, log_level=server_args.log_level, access_log=False,
-                                timeout_graceful_shutdown=DRAIN_GRACE_S)
+                                timeout_graceful_shutdown=server_args.shutdown_grace)
         server = uvicorn.Server(config)
         engine.on_fatal = lambda reason: setattr(server, "should_exit", True)
         asyncio.run(_serve(server, sock, f"http://{host}:{port}"))

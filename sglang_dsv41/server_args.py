@@ -39,6 +39,10 @@ FLAG_HELP = {
     "engram_layout": "shared: one table per node; private: a row shard per rank",
     "health_check_timeout": "seconds /health_generate waits (SGLANG_HEALTH_CHECK_TIMEOUT)",
     "startup_timeout": "seconds every scheduler rank has to load and report ready",
+    "max_request_bytes": "largest request body of /generate and the other non-weight routes "
+                         "(413 past it); weight pushes have their own limit",
+    "shutdown_grace": "seconds in-flight requests get to finish after SIGTERM before the "
+                      "server stops",
 }
 
 
@@ -80,6 +84,8 @@ class ServerArgs:
     # ---- embedded-engine server timeouts (seconds; SGLang reads the first from the env) ----
     health_check_timeout: float = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT
     startup_timeout: float = 300.0      # every scheduler rank must send ReadyMsg within this
+    max_request_bytes: int = 32 << 20   # HTTP body limit (413); weight pushes have their own
+    shutdown_grace: float = 30.0        # SIGTERM: in-flight requests finish within this
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -117,6 +123,8 @@ class ServerArgs:
         need(self.max_new_tokens_limit >= 1, "--max-new-tokens-limit must be >= 1")
         need(self.health_check_timeout > 0, "--health-check-timeout must be > 0")
         need(self.startup_timeout > 0, "--startup-timeout must be > 0")
+        need(self.max_request_bytes > 0, "--max-request-bytes must be > 0")
+        need(self.shutdown_grace > 0, "--shutdown-grace must be > 0")
         need(self.dist_init_port is None or 0 < self.dist_init_port < 65536,
              "--dist-init-port must be in 1..65535")
 

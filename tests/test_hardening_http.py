@@ -30,16 +30,15 @@ from sglang_dsv41.tokenizer import ByteTokenizer
 pytestmark = [pytest.mark.timeout(60)]
 
 
-def make_app(api_key=None, max_body_bytes=1 << 20):
+def make_app(api_key=None, max_request_bytes=1 << 20):
     args = ServerArgs(tp_size=2, dp_size=2, enable_dp_attention=True, api_key=api_key,
-                      max_new_tokens_limit=200)
+                      max_new_tokens_limit=200, max_request_bytes=max_request_bytes)
     req_queues, out_queue = [queue.Queue(), queue.Queue()], queue.Queue()
     controller = DPController(req_queues, out_queue, [0, 1])
     drainer = QueueDrainer(req_queues, out_queue, args.attn_tp_size)
     cfg = get_preset("tiny")
     state = ServerState(args, controller, ByteTokenizer.from_config(cfg),
-                        RequestLimits(cfg.vocab_size, 256, 200, 2), "tiny", cfg,
-                        max_body_bytes=max_body_bytes)
+                        RequestLimits(cfg.vocab_size, 256, 200, 2), "tiny", cfg)
     return create_app(state), state, drainer
 
 
@@ -99,7 +98,7 @@ async def test_admin_calls_need_json_post_from_the_same_site(app):
 
 @pytest.mark.asyncio
 async def test_body_size_deep_json_and_broken_unicode_are_4xx():
-    app, state, _ = make_app(max_body_bytes=4096)
+    app, state, _ = make_app(max_request_bytes=4096)
     async with client(app) as http:
         big = json.dumps({"input_ids": [1] * 5000})
         r = await http.post("/generate", content=big, headers={"content-type": "application/json"})

@@ -21,7 +21,8 @@ FROZEN_CLI = sorted("""
 --load-balance-method --dist-init-port --log-level
 --enable-prefill-padding --no-enable-prefill-padding --enable-idle-batch --no-enable-idle-batch
 --stall-timeout --engram-layout --allow-engram-update --no-allow-engram-update
---checkpoint-cache-dir --health-check-timeout --startup-timeout
+--checkpoint-cache-dir --health-check-timeout --startup-timeout --max-request-bytes
+--shutdown-grace
 """.split())
 
 
@@ -68,6 +69,8 @@ def test_cli_round_trip_defaults_and_plugin_flags():
     ({"host": ""}, "--host"),
     ({"model_path": ""}, "--model-path"),
     ({"health_check_timeout": 0}, "--health-check-timeout"),
+    ({"max_request_bytes": 0}, "--max-request-bytes"),
+    ({"shutdown_grace": -1.0}, "--shutdown-grace"),
     ({"nnodes": 2, "node_rank": 2}, "--node-rank"),
     ({"log_level": "loud"}, "--log-level"),
 ])

@@ -34,7 +34,6 @@ from .output import OutputAssembler, OutputOptions
 from .sessions import SessionStore
 
 logger = logging.getLogger(__name__)
-DEFAULT_MAX_BODY_BYTES = 32 << 20   # /generate and friends; weight pushes have their own limit
 
 
 @dataclass
@@ -48,7 +47,6 @@ class ServerState:
     model_config: Any                     # DSV4Config
     ready_info: dict[int, dict] = field(default_factory=dict)  # rank -> ReadyMsg.info
     weight_version: str = "default"
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     metrics: ServerMetrics | None = None  # set by create_app
     sessions: SessionStore = field(default_factory=SessionStore)
     running: asyncio.Event | None = None  # cleared by /pause_generation; set by create_app
@@ -76,7 +74,8 @@ def _validation_message(exc: RequestValidationError) -> str:
 
 
 def create_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="sglang-dsv41 embedded engine", max_body_size=state.max_body_bytes)
+    app = FastAPI(title="sglang-dsv41 embedded engine",
+                  max_body_size=state.server_args.max_request_bytes)
     app.state.server = state
     state.running = asyncio.Event()
     state.running.set()
