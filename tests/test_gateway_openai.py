@@ -2,7 +2,12 @@
 each): a multi-turn session keeps exact token ids (a turn's prompt extends the previous prompt +
 output, never re-tokenized), stays on one (engine, DP rank) and reuses its prefix; killing its
 engine's rank moves the next turn, with the whole history, to the live engine, and the agent
-sees no error."""
+sees no error. Streaming forwards the engine's tokens as they come (same text and record as the
+non-streamed turn) and a client that leaves mid-stream aborts the engine's request.
+
+Health is per (engine, DP rank): over the real embedded HTTP app and DP controller of a dp=2
+engine (engine_server_fakes.QueueDrainer stands in for its scheduler ranks), one DP rank marked
+down moves only its sessions, the other rank keeps its own and takes the new ones."""
 
 from __future__ import annotations
 
@@ -30,27 +35,32 @@ def engines():
         yield {a.url: a, b.url: b}
 
 
-@pytest.fixture(scope="module")
-def gateway(engines):
-    gw = build_gateway(list(engines), "tiny")
-    server = uvicorn.Server(uvicorn.Config(create_gateway_app(gw), host="127.0.0.1",
-                                           port=free_port(), log_level="warning"))
+def serve(app):
+    """``app`` on a loopback uvicorn in a thread; yields its URL, stops it after."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(),
+                                           log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.05)
-    yield gw, f"http://127.0.0.1:{server.config.port}"
+    yield f"http://127.0.0.1:{server.config.port}"
     server.should_exit = True
     thread.join(10)
 
 
-def chat(base_url: str, sid: str, messages: list[dict], **kw):
+@pytest.fixture(scope="module")
+def gateway(engines):
+    gw = build_gateway(list(engines), "tiny")
+    yield from ((gw, url) for url in serve(create_gateway_app(gw)))
+
+
+def chat(base_url: str, sid: str, messages: list[dict], max_tokens: int = 8, **kw):
     import openai
 
     client = openai.OpenAI(base_url=f"{base_url}/sessions/{sid}/v1", api_key="unused",
                            max_retries=0)
-    return client.chat.completions.create(model="tiny", messages=messages, max_tokens=8,
-                                          temperature=0, **kw)
+    return client.chat.completions.create(model="tiny", messages=messages,
+                                          max_tokens=max_tokens, temperature=0, **kw)
 
 
 def test_two_turns_exact_tokens_one_rank_then_move_on_rank_death(engines, gateway):
@@ -114,3 +124,107 @@ def test_header_session_streaming_and_bad_requests(gateway):
     r = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": [
         {"role": "user", "content": "hi"}]})
     assert r.status_code == 400 and "X-Session-ID" in r.text
+
+
+def test_streaming_forwards_tokens_as_they_come_and_matches_the_whole_answer(engines, gateway):
+    import openai
+
+    gw, url = gateway
+    messages = [{"role": "user", "content": "Write a long answer."}]
+    client = openai.OpenAI(base_url=f"{url}/sessions/stream-a/v1", api_key="unused",
+                           max_retries=0)
+    t0 = time.monotonic()
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=48,
+                                            temperature=0, stream=True)
+    arrivals, deltas = [], []
+    for chunk in stream:
+        arrivals.append(time.monotonic() - t0)
+        if chunk.choices and chunk.choices[0].delta.content:
+            deltas.append(chunk.choices[0].delta.content)
+    whole = chat(url, "stream-b", messages, max_tokens=48)
+    a, b = (httpx.get(f"{url}/sessions/{s}/trajectory").json() for s in ("stream-a", "stream-b"))
+    assert a["turns"][0]["output_len"] == 48 and len(deltas) > 8, deltas  # token by token
+    assert arrivals[0] < arrivals[-1] / 2, arrivals   # the first token long before the last
+    assert "".join(deltas) == whole.choices[0].message.content
+    assert a["token_ids"] == b["token_ids"] and a["loss_mask"] == b["loss_mask"]
+    assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-5)
+
+
+def test_a_client_leaving_mid_stream_aborts_the_engine_request(engines, gateway):
+    import openai
+
+    gw, url = gateway
+    messages = [{"role": "user", "content": "Count to a thousand."}]
+    t0 = time.monotonic()
+    whole = chat(url, "leave-ref", messages, max_tokens=64)
+    full_time = time.monotonic() - t0  # a whole 64-token turn on this machine, now
+    client = openai.OpenAI(base_url=f"{url}/sessions/leave/v1", api_key="unused",
+                           max_retries=0)
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=64,
+                                            temperature=0, stream=True)
+    chunks = iter(stream)
+    next(chunks), next(chunks)
+    engine = next(e for e in engines.values() if e.proc.poll() is None and httpx.get(
+        e.url + "/server_info").json()["in_flight"] != [0])
+    stream.close()
+    t0 = time.monotonic()
+    while httpx.get(engine.url + "/server_info").json()["in_flight"] != [0]:
+        assert time.monotonic() - t0 < full_time / 2, "the engine kept generating"
+        time.sleep(0.02)
+    assert whole.usage.completion_tokens == 64
+    assert httpx.get(f"{url}/sessions/leave/trajectory").json()["turns"] == []
+    # The session is free again: its next turn runs.
+    assert chat(url, "leave", messages).choices[0].message.role == "assistant"
+
+
+@pytest.fixture
+def dp2_engine():
+    """The real embedded app of a dp=2 engine (HTTP layer + DPController) on loopback."""
+    from test_hardening_http import make_app
+
+    app, state, drainer = make_app()
+    for url in serve(app):
+        yield url, state
+    state.controller.shutdown()
+
+
+def test_a_dead_dp_rank_moves_only_its_sessions(dp2_engine):
+    import openai
+
+    engine_url, state = dp2_engine
+    gw = build_gateway([engine_url], "tiny")
+    for url in serve(create_gateway_app(gw)):
+        messages = [{"role": "user", "content": "hi"}]
+
+        def turn(sid, msgs):
+            client = openai.OpenAI(base_url=f"{url}/sessions/{sid}/v1", api_key="unused",
+                                   max_retries=0)
+            return client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4)
+
+        first = {sid: turn(sid, messages) for sid in ("s0", "s1")}
+        rank_of = {sid: httpx.get(f"{url}/sessions/{sid}/trajectory").json()["turns"][-1][
+            "dp_rank"] for sid in first}
+        assert sorted(rank_of.values()) == [0, 1], rank_of
+        dead_sid = next(s for s, r in rank_of.items() if r == 1)
+        state.controller.mark_failed("dp_rank 1 lost its GPU", dp_rank=1)
+        health = {q: httpx.get(f"{engine_url}/health{q}").status_code
+                  for q in ("", "?dp_rank=0", "?dp_rank=1", "?dp_rank=2")}
+        assert health == {"": 200, "?dp_rank=0": 200, "?dp_rank=1": 503, "?dp_rank=2": 400}
+        info = httpx.get(f"{engine_url}/server_info").json()["rank_health"]
+        assert info["0"]["healthy"] and info["1"] == {"healthy": False,
+                                                      "reason": "dp_rank 1 lost its GPU"}
+        for sid, out in first.items():
+            history = messages + [{"role": "assistant", "content": out.choices[0].message.content},
+                                  {"role": "user", "content": "next"}]
+            assert turn(sid, history).choices[0].message.role == "assistant"
+        turn("s2", messages)
+        records = {sid: httpx.get(f"{url}/sessions/{sid}/trajectory").json()
+                   for sid in ("s0", "s1", "s2")}
+        ranks = {sid: [t["dp_rank"] for t in r["turns"]] for sid, r in records.items()}
+        live_sid = "s0" if dead_sid == "s1" else "s1"
+        assert ranks[dead_sid] == [1, 0] and ranks[live_sid] == [0, 0] and ranks["s2"] == [0]
+        moved = records[dead_sid]
+        t1, t2 = moved["turns"]
+        assert not t2["retokenized"] and t2["prompt_len"] > t1["prompt_len"] + t1["output_len"]
+        assert moved["loss_mask"].count(1) == t1["output_len"] + t2["output_len"]
+    gw.router.close()

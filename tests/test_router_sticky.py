@@ -123,7 +123,7 @@ def test_failover_when_an_engine_dies(engines):
     victim = next(s for s, u in first.items() if u == a.url)
     a.stop()
     assert turn(router, victim)["meta_info"]["route"][0] == b.url
-    assert a.url in router.dead_engines() and router.engine_urls() == [b.url]
+    assert Route(a.url, 0) in router.dead_slots() and router.engine_urls() == [b.url]
     b.stop()
     with pytest.raises(NoEngineAvailable):
         turn(router, "s3")

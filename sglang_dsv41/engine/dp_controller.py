@@ -4,8 +4,14 @@ It routes each GenerateReq to the request queue of one DP group's leader (the pi
 ``routed_dp_rank`` or, unpinned, round robin / shortest queue), broadcasts control calls to every
 leader, and runs a reader thread that drains the shared out_queue: GenerateOut chunks go to the
 per-request asyncio queue of the waiting HTTP handler, ControlOut replies complete their call
-once every rank has answered, RankStats are kept per DP rank. A dead scheduler process or a
-stall report turns the controller unhealthy, and every waiting request fails with the reason.
+once every rank has answered, RankStats are kept per DP rank.
+
+Health is kept per DP rank. A failure of the whole engine (a dead scheduler process, a stall
+report: the MoE collectives span every rank, so either blocks them all) fails every rank. A
+failure of one DP group (``mark_failed(reason, dp_rank)``) fails only the requests on that rank;
+requests pinned to it are refused, unpinned ones go to the live ranks, and the engine stays
+healthy while one rank serves. ``rank_health()`` is what /server_info and /health?dp_rank=N
+report, and what the agent gateway moves sessions by.
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ class DPController:
         self._controls: dict[str, _ControlCall] = {}
         self.stats: dict[int, RankStats] = {}
         self.failures: list[str] = []  # sticky: a dead rank or a stall breaks the whole world
+        self.rank_failures: dict[int, str] = {}   # dp_rank -> why that DP group cannot serve
         self._stop = threading.Event()
         self._reader = threading.Thread(target=self._read_loop, name="dp-controller-reader",
                                         daemon=True)
@@ -81,20 +88,41 @@ class DPController:
     # ---- health ------------------------------------------------------------------------------
     @property
     def healthy(self) -> bool:
-        return not self.failures
+        """The engine can serve: no engine-wide failure and at least one live DP rank."""
+        return not self.failures and len(self.rank_failures) < self.dp_size
 
-    def failure_reason(self) -> str:
-        return "; ".join(self.failures)
+    def failure_reason(self, dp_rank: int | None = None) -> str:
+        """Why the engine (or, with ``dp_rank``, that rank) cannot serve; "" when it can."""
+        if self.failures:
+            return "; ".join(self.failures)
+        if dp_rank is not None:
+            return self.rank_failures.get(dp_rank, "")
+        if len(self.rank_failures) < self.dp_size:
+            return ""
+        return "; ".join(f"dp_rank {d}: {r}" for d, r in sorted(self.rank_failures.items()))
 
-    def mark_failed(self, reason: str) -> None:
-        """Called by the launcher's process monitor (dead rank) and by the reader (stall)."""
+    def rank_health(self) -> dict[int, str]:
+        """dp_rank -> "" (serving) or the reason it cannot."""
+        return {d: self.failure_reason(d) for d in range(self.dp_size)}
+
+    def mark_failed(self, reason: str, dp_rank: int | None = None) -> None:
+        """The whole engine failed (``dp_rank`` None: the launcher's process monitor, a stall
+        report) or one DP group did: its waiting requests and control calls fail with the
+        reason (a control call needs every rank)."""
         with self._lock:
-            if reason in self.failures:
+            if reason in self.failures or self.rank_failures.get(dp_rank) == reason:
                 return
-            self.failures.append(reason)
-            pending, self._pending = self._pending, {}
+            if dp_rank is None:
+                self.failures.append(reason)
+                pending, self._pending = self._pending, {}
+            else:
+                self.rank_failures[dp_rank] = reason
+                pending = {rid: p for rid, p in self._pending.items() if p.dp_rank == dp_rank}
+                for rid in pending:
+                    del self._pending[rid]
             controls, self._controls = self._controls, {}
-        logger.error("engine unhealthy: %s", reason)
+        logger.error("%s unhealthy: %s", "engine" if dp_rank is None else f"dp_rank {dp_rank}",
+                     reason)
         for p in pending.values():
             p.loop.call_soon_threadsafe(p.chunks.put_nowait, EngineFailure(reason))
         for call in controls.values():
@@ -110,12 +138,17 @@ class DPController:
         return counts
 
     def _pick_dp_rank(self) -> int:
-        if self.dp_size == 1:
-            return 0
+        """A live DP rank for an unpinned request; the caller holds self._lock."""
+        live = [d for d in range(self.dp_size) if d not in self.rank_failures]
+        if len(live) == 1:
+            return live[0]
         if self.load_balance_method == "shortest_queue":
             load = self._in_flight()
-            return min(range(self.dp_size), key=lambda d: (load[d], d))
-        return next(self._round_robin) % self.dp_size
+            return min(live, key=lambda d: (load[d], d))
+        while True:
+            d = next(self._round_robin) % self.dp_size
+            if d in live:
+                return d
 
     def submit(self, req: GenerateReq, loop: asyncio.AbstractEventLoop
                ) -> tuple[int, asyncio.Queue]:
@@ -124,8 +157,11 @@ class DPController:
             raise ValueError(f"routed_dp_rank={req.routed_dp_rank} out of range "
                              f"[0, {self.dp_size})")
         with self._lock:
-            if self.failures:
+            if not self.healthy:
                 raise EngineUnavailable(self.failure_reason())
+            if req.routed_dp_rank in self.rank_failures:
+                raise EngineUnavailable(f"dp_rank {req.routed_dp_rank}: "
+                                        f"{self.rank_failures[req.routed_dp_rank]}")
             if req.rid in self._pending:
                 raise ValueError(f"request id {req.rid!r} is already running")
             dp_rank = req.routed_dp_rank if req.routed_dp_rank is not None else self._pick_dp_rank()
@@ -172,8 +208,9 @@ class DPController:
         req_id = uuid.uuid4().hex
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
-            if self.failures:
-                raise EngineUnavailable(self.failure_reason())
+            if self.failures or self.rank_failures:  # a control op runs on every rank
+                raise EngineUnavailable(self.failure_reason() or "; ".join(
+                    f"dp_rank {d}: {r}" for d, r in sorted(self.rank_failures.items())))
             self._controls[req_id] = _ControlCall(fut, set(self.control_ranks))
         for q in self.req_queues:
             q.put(ControlReq(req_id, op, dict(args or {})))

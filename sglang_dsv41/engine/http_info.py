@@ -1,6 +1,7 @@
 """Health, info and metrics routes of the embedded server (an APIRouter): /health fails while
 the engine is down, the server drains, or a blocking setup (a weight-sync group) holds the ranks;
-/health_generate runs one real request, as SGLang's does."""
+``/health?dp_rank=N`` also while that DP rank is down (``rank_health`` in /server_info has every
+rank's); /health_generate runs one real request, as SGLang's does."""
 
 from __future__ import annotations
 
@@ -23,8 +24,11 @@ def info_router(state: "ServerState") -> APIRouter:
     router = APIRouter()
 
     @router.get("/health")
-    async def health():
-        reason = health_failure(state)
+    async def health(dp_rank: int | None = None):
+        if dp_rank is not None and not 0 <= dp_rank < state.controller.dp_size:
+            return error_response(400, f"dp_rank {dp_rank} out of range "
+                                  f"[0, {state.controller.dp_size})")
+        reason = health_failure(state, dp_rank)
         if reason:
             return error_response(503, reason, "Unhealthy")
         return Response(status_code=200)
@@ -64,6 +68,8 @@ def info_router(state: "ServerState") -> APIRouter:
             "engram_layout": a.resolved_engram_layout,
             "enable_return_routed_experts": a.enable_return_routed_experts,
             "weight_version": state.weight_version, "healthy": state.controller.healthy,
+            "rank_health": {str(d): {"healthy": not reason, "reason": reason or None}
+                            for d, reason in state.controller.rank_health().items()},
             "ready_info": {str(r): i for r, i in sorted(state.ready_info.items())},
             "rank_stats": {str(d): vars(s) for d, s in sorted(state.controller.stats.items())},
             "in_flight": state.controller.num_in_flight(),
@@ -81,10 +87,11 @@ def info_router(state: "ServerState") -> APIRouter:
     return router
 
 
-def health_failure(state: "ServerState") -> str:
-    """Why /health fails, or "" when it passes."""
-    if not state.controller.healthy:
-        return state.controller.failure_reason()
+def health_failure(state: "ServerState", dp_rank: int | None = None) -> str:
+    """Why /health (of one DP rank, when given) fails, or "" when it passes."""
+    reason = state.controller.failure_reason(dp_rank)
+    if reason:
+        return reason
     if state.draining:
         return "the server is shutting down"
     now = time.monotonic()

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import time
 import uuid
 from collections import OrderedDict
-from typing import Any
+from typing import Any, AsyncIterator
 
+import orjson
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from ..router.base import NoEngineAvailable, RouterError, SessionRouter
 from .trajectory import Trajectory, Turn, routed_experts_of
@@ -40,9 +40,12 @@ class GatewayError(Exception):
         self.status, self.message = status, message
 
 
-def _error(status: int, message: str, err_type: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": err_type, "code": status}},
-                        status_code=status)
+def _error(status: int, message: str, err_type: str = "invalid_request_error") -> Response:
+    return _json({"error": {"message": message, "type": err_type, "code": status}}, status)
+
+
+def _json(payload: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(payload), status_code=status, media_type="application/json")
 
 
 class Gateway:
@@ -69,8 +72,12 @@ class Gateway:
                 self._locks.pop(old, None)
         return traj
 
-    async def chat(self, sid: str, body: dict[str, Any]) -> tuple[Any, Turn, dict[str, Any]]:
-        """One turn: returns (the converted request, the turn, the /generate output)."""
+    async def turn(self, sid: str, body: dict[str, Any], stream: bool = False
+                   ) -> AsyncIterator[tuple[Any, dict[str, Any], Turn | None]]:
+        """One turn of a session: yields (the converted request, the engine's output so far,
+        None) for each engine chunk (one when not streaming; cumulative text and ids when
+        streaming), then (request, final output, the Turn) once the turn is recorded. Turns of
+        one session run one after the other; an abandoned turn is not recorded."""
         body = {**body, "model": "DeepSeek-V4.1-Flash"}  # the encoding, whatever name is served
         try:
             conv = self.dr.ChatCompletionRequest(body).convert(self.options)
@@ -78,8 +85,7 @@ class Gateway:
             raise GatewayError(getattr(e, "status_code", 400) or 400, str(e)) from e
         except (ValueError, TypeError) as e:
             raise GatewayError(400, f"invalid chat request: {e}") from e
-        lock = self._locks.setdefault(sid, asyncio.Lock())
-        async with lock:  # turns of one session run one after the other
+        async with self._locks.setdefault(sid, asyncio.Lock()):
             traj = self.session(sid)
             text = self.encoding.render_conversation(conv.conversation).prompt
             ids, retokenized = traj.next_prompt_ids(text, self.tokenizer.encode)
@@ -98,18 +104,17 @@ class Gateway:
                        "rid": f"{sid}-{len(traj.turns)}-{uuid.uuid4().hex[:8]}"}
             if self.return_routed_experts:
                 payload["return_routed_experts"] = True
-            try:
-                expected = len(ids) + sampling["max_new_tokens"]
-                agenerate = getattr(self.router, "agenerate", None)
-                out = await agenerate(sid, payload, expected) if agenerate else \
-                    await asyncio.get_running_loop().run_in_executor(
-                        self._pool, self.router.generate, sid, payload, expected)
-            except NoEngineAvailable as e:
-                raise GatewayError(503, str(e)) from e
-            except RouterError as e:
-                raise GatewayError(502, str(e)) from e
+            out = None
+            async for out in self._engine_outputs(sid, payload, len(ids) + sampling[
+                    "max_new_tokens"], stream):
+                if out["meta_info"].get("finish_reason") is None:
+                    yield conv, out, None
+            if out is None:
+                raise GatewayError(502, "the engine answered no output")
             meta = out["meta_info"]
             url, dp_rank = meta.get("route", [None, meta.get("dp_rank", 0)])
+            # The final chunk carries every id, logprob and the routed experts: the record is
+            # the same whether the turn streamed or not.
             turn = Turn(ids, list(out["output_ids"]),
                         [e[0] for e in meta.get("output_token_logprobs") or []],
                         str(url), int(dp_rank), int(meta.get("cached_tokens", 0)),
@@ -117,33 +122,97 @@ class Gateway:
                         routed_experts_of(meta) if self.return_routed_experts else None)
             traj.turns.append(turn)
             traj.prompt_text = text
-            return conv, turn, out
+            yield conv, out, turn
 
-    def chunks(self, conv: Any, turn: Turn, out: dict[str, Any], cid: str) -> list[Any]:
-        """The generated text through DeepSeek's parser: OpenAI chunks (content, tool calls)."""
-        dr = self.dr
-        parsing = conv.parsing_options
-        gen = dr.ChatCompletionRequest.chunk_generator(conv, cid, self.model_name)
-        proc = dr.StreamProcessor(gen, parsing)
+    async def _engine_outputs(self, sid: str, payload: dict[str, Any], expected: int,
+                              stream: bool) -> AsyncIterator[dict[str, Any]]:
+        """The engine's outputs for one turn through the router: its stream's cumulative chunks
+        (a router with ``astream``), else the one final output."""
+        try:
+            astream = getattr(self.router, "astream", None) if stream else None
+            if astream is not None:
+                async for out in astream(sid, payload, expected):
+                    yield out
+                return
+            agenerate = getattr(self.router, "agenerate", None)
+            yield await agenerate(sid, payload, expected) if agenerate else \
+                await asyncio.get_running_loop().run_in_executor(
+                    self._pool, self.router.generate, sid, payload, expected)
+        except NoEngineAvailable as e:
+            raise GatewayError(503, str(e)) from e
+        except RouterError as e:
+            raise GatewayError(502, str(e)) from e
+
+    async def chat(self, sid: str, body: dict[str, Any]) -> tuple[Any, Turn, dict[str, Any]]:
+        """One non-streamed turn: (the converted request, the turn, the /generate output)."""
+        async for conv, out, turn in self.turn(sid, body):
+            pass
+        return conv, turn, out
+
+    def _processor(self, conv: Any, cid: str) -> Any:
+        """DeepSeek's stream parser (content, reasoning, DSML tool calls) for one response."""
+        gen = self.dr.ChatCompletionRequest.chunk_generator(conv, cid, self.model_name)
+        return self.dr.StreamProcessor(gen, conv.parsing_options)
+
+    def _finish(self, turn: Turn) -> Any:
         reason = (turn.finish_reason or {}).get("type")
-        finish = dr.InferenceFinishReason.Length if reason == "length" else \
-            dr.InferenceFinishReason.Stop
-        text = self.tokenizer.decode(turn.output_ids)
-        return [*proc.push(dr.InferenceChunk.ready(prompt_usage=None)),
-                *proc.push(dr.InferenceChunk.text(text, len(turn.output_ids))),
-                *proc.push(dr.InferenceChunk.finish(finish)), *proc.finish()]
+        return self.dr.InferenceChunk.finish(
+            self.dr.InferenceFinishReason.Length if reason == "length" else
+            self.dr.InferenceFinishReason.Stop)
 
-    def response(self, conv: Any, turn: Turn, out: dict[str, Any], cid: str) -> dict[str, Any]:
-        resp = self.dr.ChatCompletionResponse(cid, self.model_name, int(time.time()),
-                                              len(turn.prompt_ids), turn.cached_tokens)
-        for chunk in self.chunks(conv, turn, out, cid):
+    def response(self, conv: Any, turn: Turn, cid: str) -> dict[str, Any]:
+        dr = self.dr
+        proc = self._processor(conv, cid)
+        resp = dr.ChatCompletionResponse(cid, self.model_name, int(time.time()),
+                                         len(turn.prompt_ids), turn.cached_tokens)
+        text = self.tokenizer.decode(turn.output_ids)
+        for chunk in [*proc.push(dr.InferenceChunk.ready(prompt_usage=None)),
+                      *proc.push(dr.InferenceChunk.text(text, len(turn.output_ids))),
+                      *proc.push(self._finish(turn)), *proc.finish()]:
             resp.accumulate(chunk)
-        result = json.loads(resp.to_json())
+        result = orjson.loads(resp.to_json())
         result["usage"].update(prompt_tokens=len(turn.prompt_ids),
                                total_tokens=len(turn.prompt_ids) + len(turn.output_ids))
         result["sglang_dsv41"] = {"dp_rank": turn.dp_rank, "engine": turn.engine,
                                   "cached_tokens": turn.cached_tokens}
         return result
+
+    async def stream_events(self, sid: str, body: dict[str, Any], cid: str
+                            ) -> AsyncIterator[bytes]:
+        """SSE events of one streamed turn, sent as the engine's tokens arrive: each new piece
+        of decoded text goes through DeepSeek's stream parser, which emits content deltas at
+        once and a DSML tool call as one delta when its closing tag has arrived (DSML names the
+        function and its arguments as tags, so the parser holds a call until it is complete).
+        Errors before the first event raise GatewayError (an HTTP error); after it they become
+        an error event. Text ending in an incomplete UTF-8 sequence waits for its next token."""
+        dr = self.dr
+        proc, emitted, counted, started = None, "", 0, False
+        try:
+            async for conv, out, turn in self.turn(sid, body, stream=True):
+                if proc is None:
+                    proc = self._processor(conv, cid)
+                    events = proc.push(dr.InferenceChunk.ready(prompt_usage=None))
+                ids = out["output_ids"]
+                text = self.tokenizer.decode(ids)
+                if turn is None:
+                    text = text.rstrip("\ufffd")
+                if len(text) > len(emitted) and text.startswith(emitted):
+                    events += proc.push(dr.InferenceChunk.text(text[len(emitted):],
+                                                               len(ids) - counted))
+                    emitted, counted = text, len(ids)
+                if turn is not None:
+                    events += [*proc.push(self._finish(turn)), *proc.finish()]
+                if events:
+                    started = True
+                    yield b"".join(b"data: " + c.to_json().encode() + b"\n\n" for c in events)
+                    events = []
+        except GatewayError as e:
+            if not started:
+                raise
+            yield b"data: " + orjson.dumps({"error": {
+                "message": e.message, "type": "service_unavailable" if e.status >= 500 else
+                "invalid_request_error", "code": e.status}}) + b"\n\n"
+        yield b"data: [DONE]\n\n"
 
 
 def create_gateway_app(gateway: Gateway) -> FastAPI:
@@ -156,22 +225,28 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
 
     async def completions(sid: str, request: Request):
         try:
-            body = await request.json()
-        except (ValueError, RecursionError, UnicodeDecodeError) as e:
-            raise GatewayError(400, f"malformed JSON body: {type(e).__name__}") from e
+            body = orjson.loads(await request.body())
+        except orjson.JSONDecodeError as e:  # also deep nesting and broken Unicode
+            raise GatewayError(400, f"malformed JSON body: {e}") from e
         if not isinstance(body, dict):
             raise GatewayError(400, "the body must be a JSON object")
         cid = f"chatcmpl-{uuid.uuid4().hex}"
-        conv, turn, out = await gateway.chat(sid, body)
         if not body.get("stream"):
-            return gateway.response(conv, turn, out, cid)
-        chunks = gateway.chunks(conv, turn, out, cid)
+            conv, turn, _ = await gateway.chat(sid, body)
+            return _json(gateway.response(conv, turn, cid))
+        events = gateway.stream_events(sid, body, cid)
+        first = await anext(events)  # placement and refusals answer as HTTP errors
 
-        async def events():
-            for chunk in chunks:
-                yield f"data: {chunk.to_json()}\n\n".encode()
-            yield b"data: [DONE]\n\n"
-        return StreamingResponse(events(), media_type="text/event-stream")
+        async def sse():
+            # A client that goes away cancels this: the turn's engine stream is closed (the
+            # engine aborts the request) and the session's lock released.
+            try:
+                yield first
+                async for event in events:
+                    yield event
+            finally:
+                await events.aclose()
+        return StreamingResponse(sse(), media_type="text/event-stream")
 
     @app.post("/sessions/{sid}/v1/chat/completions")
     async def session_completions(sid: str, request: Request):
@@ -190,7 +265,7 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
         traj = gateway.sessions.get(sid)
         if traj is None:
             raise GatewayError(404, f"no session {sid!r}")
-        return traj.record()
+        return _json(traj.record())
 
     @app.delete("/sessions/{sid}")
     async def end_session(sid: str):

@@ -2,12 +2,20 @@
 
 Placement of a new session: among the live slots (one per engine and DP rank), those whose free
 KV tokens cover ``expected_tokens`` are preferred; among them the fewest in-flight turns win,
-then the most free KV tokens, then the fewest pinned sessions. Free KV comes from each engine's
-/get_server_info (``rank_stats[dp].kv_total_tokens - kv_used_tokens``), refreshed at most every
-``refresh_interval`` seconds. A transport error or a failing /health marks an engine dead: its
-sessions are re-pinned elsewhere on their next turn (their prefix is recomputed there). With
-``max_in_flight``, a session whose slot already has that many turns in flight is moved, at its
-turn boundary, to the best live slot when that one has fewer.
+then the most free KV tokens, then the fewest pinned sessions. Free KV and each rank's health
+come from each engine's /get_server_info (``rank_stats[dp].kv_total_tokens - kv_used_tokens``,
+``rank_health[dp].healthy``), refreshed at most every ``refresh_interval`` seconds.
+
+Health is per slot: a rank the engine reports unhealthy, or whose ``/health?dp_rank=N`` fails
+after a 5xx, is dead and only its sessions move; a transport error kills every slot of that
+engine. A moved session is re-pinned on its next turn (a turn boundary), with its whole history
+in that turn's prompt (the prefix is recomputed there). With ``max_in_flight``, a session whose
+slot already has that many turns in flight is moved, at its turn boundary, to the best live slot
+when that one has fewer.
+
+The placement, retry and health policy of a turn is one generator of HTTP calls (``_turn``);
+``generate`` drives it with a blocking client (the trainer), ``agenerate``/``astream`` with an
+async one (the agent gateway), so neither blocks the other's caller.
 """
 
 from __future__ import annotations
@@ -15,11 +23,14 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, AsyncIterator, Generator
 
 import httpx
+import orjson
 
 from .base import NoEngineAvailable, Route, RouterError, SessionRouter
+
+JSON_HEADERS = {"content-type": "application/json"}
 
 
 @dataclass
@@ -30,6 +41,15 @@ class SlotState:
     kv_free_tokens: int | None = None   # None: unknown (engine does not report it)
 
 
+@dataclass(frozen=True)
+class Call:
+    """One HTTP call the turn policy wants made; ``stream``: return once the head arrived."""
+    method: str
+    url: str
+    body: dict[str, Any] | None = None
+    stream: bool = False
+
+
 def kv_free_by_dp_rank(server_info: dict[str, Any]) -> dict[int, int]:
     """Free KV tokens per DP rank from a /get_server_info body (missing stats are skipped)."""
     out = {}
@@ -38,6 +58,14 @@ def kv_free_by_dp_rank(server_info: dict[str, Any]) -> dict[int, int]:
             used, total = int(st["kv_used_tokens"]), int(st["kv_total_tokens"])
             out[int(st.get("dp_rank", key))] = total - used
     return out
+
+
+def unhealthy_dp_ranks(server_info: dict[str, Any]) -> dict[int, str]:
+    """dp_rank -> reason for the ranks a /get_server_info body reports down (an engine without
+    ``rank_health``, e.g. SGLang's, reports none: its /health covers every rank)."""
+    return {int(d): str(h.get("reason") or "reported unhealthy")
+            for d, h in (server_info.get("rank_health") or {}).items()
+            if isinstance(h, dict) and not h.get("healthy", True)}
 
 
 def dp_size_of(server_info: dict[str, Any]) -> int:
@@ -62,7 +90,7 @@ class StickyRouter(SessionRouter):
         self._cond = threading.Condition()
         self._slots: dict[Route, SlotState] = {}
         self._pins: dict[str, Route] = {}
-        self._dead: dict[str, str] = {}          # url -> reason
+        self._dead: dict[Route, str] = {}        # slot -> reason
         self._paused = False
         self._last_refresh: dict[str, float] = {}
         for url in engine_urls:
@@ -71,75 +99,75 @@ class StickyRouter(SessionRouter):
                 info = self._get_json(url, "/get_server_info")
             except httpx.TransportError as e:
                 raise NoEngineAvailable(f"engine {url} is unreachable: {e}") from e
-            free = kv_free_by_dp_rank(info)
             for dp in range(dp_size_of(info)):
-                route = Route(url, dp)
-                self._slots[route] = SlotState(route, kv_free_tokens=free.get(dp))
+                self._slots[Route(url, dp)] = SlotState(Route(url, dp))
+            self._apply_server_info(url, info)
             self._last_refresh[url] = time.monotonic()
 
     # ---- SessionRouter ----------------------------------------------------------------------
     def generate(self, session_id: str, payload: dict[str, Any],
                  expected_tokens: int = 0) -> dict[str, Any]:
-        attempt = self._attempts(session_id, payload, expected_tokens)
-        request = next(attempt)
-        while True:
-            route, body = request
-            try:
-                resp = self._client.post(route.url + "/generate", json=body)
-            except httpx.TransportError as e:
-                resp = e
-            try:
-                request = attempt.send(resp)
-            except StopIteration as done:
-                return done.value
+        turn = self._turn(session_id, payload, expected_tokens)
+        call = next(turn)
+        try:
+            while True:
+                try:
+                    resp: Any = self._client.request(
+                        call.method, call.url, headers=JSON_HEADERS,
+                        content=None if call.body is None else orjson.dumps(call.body))
+                except httpx.TransportError as e:
+                    resp = e
+                call = turn.send(resp)
+        except StopIteration as done:
+            route, resp = done.value
+        finally:
+            turn.close()
+        try:
+            return self._output(route, resp.content)
+        finally:
+            self._release(route)
 
     async def agenerate(self, session_id: str, payload: dict[str, Any],
                         expected_tokens: int = 0) -> dict[str, Any]:
         """generate() for an event loop (the agent gateway): the same placement and retries,
         the engine call on a shared httpx.AsyncClient."""
-        if self._async_client is None:
-            self._async_client = httpx.AsyncClient(
-                timeout=self._client.timeout, headers=self._client.headers,
-                limits=httpx.Limits(max_connections=512, max_keepalive_connections=256))
-        attempt = self._attempts(session_id, payload, expected_tokens)
-        request = next(attempt)
-        while True:
-            route, body = request
-            try:
-                resp = await self._async_client.post(route.url + "/generate", json=body)
-            except httpx.TransportError as e:
-                resp = e
-            try:
-                request = attempt.send(resp)
-            except StopIteration as done:
-                return done.value
+        route, resp = await self._adrive(self._turn(session_id, payload, expected_tokens))
+        try:
+            return self._output(route, resp.content)
+        finally:
+            self._release(route)
 
-    def _attempts(self, session_id: str, payload: dict[str, Any], expected_tokens: int):
-        """The retry policy as a generator: yields (route, body) to send, receives the
-        response (or the transport error), returns the output or raises."""
-        last_error: Exception | None = None
-        for _ in range(self._max_attempts):
-            route = self._acquire(session_id, expected_tokens)
-            body = dict(payload, routed_dp_rank=route.dp_rank)
-            body.pop("data_parallel_rank", None)
-            try:
-                resp = yield route, body
-            finally:
-                self._release(route)
-            if isinstance(resp, httpx.TransportError):
-                last_error = resp
-                self._mark_dead(route.url, f"{type(resp).__name__}: {resp}")
-                continue
-            if resp.status_code >= 500 and not self._healthy(route.url):
-                last_error = RouterError(f"{route.url} answered {resp.status_code}: {resp.text}")
-                continue
-            if resp.status_code != 200:
-                raise RouterError(f"{route.url}/generate answered {resp.status_code}: {resp.text}")
-            out = resp.json()
-            out.setdefault("meta_info", {})["route"] = [route.url, route.dp_rank]
-            return out
-        raise NoEngineAvailable(f"session {session_id}: no engine answered after "
-                                f"{self._max_attempts} attempts (last error: {last_error})")
+    async def astream(self, session_id: str, payload: dict[str, Any],
+                      expected_tokens: int = 0) -> AsyncIterator[dict[str, Any]]:
+        """One turn with ``"stream": true``: the engine's SSE chunks (SGLang's: cumulative text,
+        output_ids and meta_info) as they arrive, each with ``meta_info.route``. Placement and
+        retries happen before the first chunk; closing the iterator early (the client went
+        away) closes the engine connection, which aborts the request there."""
+        route, resp = await self._adrive(self._turn(session_id, dict(payload, stream=True),
+                                                    expected_tokens, stream=True))
+        try:
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    return
+                chunk = orjson.loads(data)
+                if "error" in chunk:
+                    err = chunk["error"]
+                    status = int(err.get("code", 500)) if isinstance(err, dict) else 500
+                    raise (RouterError if status < 500 else NoEngineAvailable)(
+                        f"{route.url} dp_rank {route.dp_rank}: {err}")
+                chunk.setdefault("meta_info", {})["route"] = [route.url, route.dp_rank]
+                yield chunk
+            raise NoEngineAvailable(f"{route.url} dp_rank {route.dp_rank}: the stream ended "
+                                    "without [DONE]")
+        except httpx.TransportError as e:
+            self._mark_dead(route.url, None, f"{type(e).__name__} mid-stream: {e}")
+            raise NoEngineAvailable(f"{route.url} failed mid-stream: {e}") from e
+        finally:
+            await resp.aclose()
+            self._release(route)
 
     def route_of(self, session_id: str) -> Route | None:
         with self._cond:
@@ -163,7 +191,7 @@ class StickyRouter(SessionRouter):
 
     def engine_urls(self) -> list[str]:
         with self._cond:
-            return sorted({r.url for r in self._slots if r.url not in self._dead})
+            return sorted({r.url for r in self._slots if r not in self._dead})
 
     # ---- introspection (tests, telemetry) ------------------------------------------------------
     def slot_states(self) -> list[SlotState]:
@@ -171,21 +199,96 @@ class StickyRouter(SessionRouter):
             return [SlotState(s.route, s.in_flight, s.sessions, s.kv_free_tokens)
                     for s in self._slots.values()]
 
-    def dead_engines(self) -> dict[str, str]:
+    def dead_slots(self) -> dict[Route, str]:
         with self._cond:
             return dict(self._dead)
 
     def close(self) -> None:
         self._client.close()
 
+    # ---- the turn policy ------------------------------------------------------------------------
+    def _turn(self, session_id: str, payload: dict[str, Any], expected_tokens: int,
+              stream: bool = False) -> Generator[Call, Any, tuple[Route, httpx.Response]]:
+        """Placement, retries and health checks of one turn as a generator: it yields the HTTP
+        calls to make and receives each one's response (or its httpx.TransportError); it
+        returns the accepted /generate (route, 200 response), whose slot stays in flight until
+        the caller's ``_release(route)``, or raises."""
+        for url in self._stale_engines():
+            resp = yield Call("GET", url + "/get_server_info")
+            if isinstance(resp, httpx.TransportError) or resp.status_code != 200:
+                self._mark_dead(url, None, f"/get_server_info failed: {_describe(resp)}")
+            else:
+                self._apply_server_info(url, orjson.loads(resp.content))
+        last_error: str | None = None
+        for _ in range(self._max_attempts):
+            route = self._acquire(session_id, expected_tokens)
+            body = dict(payload, routed_dp_rank=route.dp_rank)
+            body.pop("data_parallel_rank", None)
+            try:
+                resp = yield Call("POST", route.url + "/generate", body, stream)
+            except BaseException:  # the caller gave up (cancelled): the slot is free again
+                self._release(route)
+                raise
+            if not isinstance(resp, httpx.TransportError) and resp.status_code == 200:
+                return route, resp
+            self._release(route)
+            last_error = f"{route.url} dp_rank {route.dp_rank}: {_describe(resp)}"
+            if isinstance(resp, httpx.TransportError):
+                self._mark_dead(route.url, None, _describe(resp))
+                continue
+            if resp.status_code < 500:
+                raise RouterError(f"{route.url}/generate answered {resp.status_code}: "
+                                  f"{resp.text}")
+            # A 5xx: retry elsewhere only if the rank is down (else it is this request's fault).
+            health = yield Call("GET", f"{route.url}/health?dp_rank={route.dp_rank}")
+            if isinstance(health, httpx.TransportError):
+                self._mark_dead(route.url, None, _describe(health))
+            elif health.status_code != 200:
+                self._mark_dead(route.url, route.dp_rank, f"/health: {_describe(health)}")
+            else:
+                raise RouterError(f"{route.url}/generate answered {resp.status_code}: "
+                                  f"{resp.text}")
+        raise NoEngineAvailable(f"session {session_id}: no engine answered after "
+                                f"{self._max_attempts} attempts (last error: {last_error})")
+
+    async def _adrive(self, turn: Generator[Call, Any, Any]) -> Any:
+        """Runs ``_turn`` on the shared async client."""
+        if self._async_client is None:
+            self._async_client = httpx.AsyncClient(
+                timeout=self._client.timeout, headers=self._client.headers,
+                limits=httpx.Limits(max_connections=512, max_keepalive_connections=256))
+        http = self._async_client
+        call = next(turn)
+        try:
+            while True:
+                request = http.build_request(
+                    call.method, call.url, headers=JSON_HEADERS,
+                    content=None if call.body is None else orjson.dumps(call.body))
+                try:
+                    resp: Any = await http.send(request, stream=call.stream)
+                    if call.stream and resp.status_code != 200:
+                        await resp.aread()   # the refusal's text, for the error
+                        await resp.aclose()
+                except httpx.TransportError as e:
+                    resp = e
+                call = turn.send(resp)
+        except StopIteration as done:
+            return done.value
+        finally:
+            turn.close()
+
+    def _output(self, route: Route, content: bytes) -> dict[str, Any]:
+        out = orjson.loads(content)
+        out.setdefault("meta_info", {})["route"] = [route.url, route.dp_rank]
+        return out
+
     # ---- internals ------------------------------------------------------------------------------
     def _acquire(self, session_id: str, expected_tokens: int) -> Route:
-        self._refresh_kv()
         with self._cond:
             while self._paused:
                 self._cond.wait()
             route = self._pins.get(session_id)
-            if route is not None and (route.url in self._dead or self._overloaded(route)):
+            if route is not None and (route in self._dead or self._overloaded(route)):
                 self._slots[route].sessions -= 1
                 route = None
             if route is None:
@@ -196,9 +299,10 @@ class StickyRouter(SessionRouter):
             return route
 
     def _place(self, expected_tokens: int) -> Route:
-        live = [s for s in self._slots.values() if s.route.url not in self._dead]
+        live = [s for s in self._slots.values() if s.route not in self._dead]
         if not live:
-            raise NoEngineAvailable(f"every engine is dead: {self._dead}")
+            dead = "; ".join(f"{r.url} dp_rank {r.dp_rank}: {m}" for r, m in self._dead.items())
+            raise NoEngineAvailable(f"every engine rank is dead ({dead})")
 
         def key(s: SlotState):
             free = s.kv_free_tokens
@@ -218,40 +322,42 @@ class StickyRouter(SessionRouter):
             self._slots[route].in_flight -= 1
             self._cond.notify_all()
 
-    def _refresh_kv(self) -> None:
+    def _stale_engines(self) -> list[str]:
+        """Live engines whose free KV and rank health are older than ``refresh_interval``
+        (claimed here, so concurrent turns do not all refresh the same engine)."""
         now = time.monotonic()
-        for url in self.engine_urls():
-            if now - self._last_refresh.get(url, 0.0) < self._refresh_interval:
-                continue
-            self._last_refresh[url] = now
-            try:
-                free = kv_free_by_dp_rank(self._get_json(url, "/get_server_info"))
-            except (httpx.TransportError, RouterError) as e:
-                self._mark_dead(url, str(e))
-                continue
-            with self._cond:
-                for dp, n in free.items():
-                    if Route(url, dp) in self._slots:
-                        self._slots[Route(url, dp)].kv_free_tokens = n
-
-    def _healthy(self, url: str) -> bool:
-        try:
-            ok = self._client.get(url + "/health").status_code == 200
-        except httpx.TransportError as e:
-            ok, reason = False, str(e)
-        else:
-            reason = "/health is not 200"
-        if not ok:
-            self._mark_dead(url, reason)
-        return ok
-
-    def _mark_dead(self, url: str, reason: str) -> None:
         with self._cond:
-            self._dead.setdefault(url, reason)
+            stale = [url for url in {r.url for r in self._slots if r not in self._dead}
+                     if now - self._last_refresh.get(url, 0.0) >= self._refresh_interval]
+            for url in stale:
+                self._last_refresh[url] = now
+        return sorted(stale)
+
+    def _apply_server_info(self, url: str, info: dict[str, Any]) -> None:
+        free = kv_free_by_dp_rank(info)
+        for dp, reason in unhealthy_dp_ranks(info).items():
+            self._mark_dead(url, dp, reason)
+        with self._cond:
+            for dp, n in free.items():
+                if Route(url, dp) in self._slots:
+                    self._slots[Route(url, dp)].kv_free_tokens = n
+
+    def _mark_dead(self, url: str, dp_rank: int | None, reason: str) -> None:
+        """One slot (``dp_rank``) or, for None, every slot of the engine."""
+        with self._cond:
+            for route in self._slots:
+                if route.url == url and dp_rank in (None, route.dp_rank):
+                    self._dead.setdefault(route, reason)
             self._cond.notify_all()
 
     def _get_json(self, url: str, path: str) -> dict[str, Any]:
         resp = self._client.get(url + path)
         if resp.status_code != 200:
             raise RouterError(f"{url}{path} answered {resp.status_code}: {resp.text}")
-        return resp.json()
+        return orjson.loads(resp.content)
+
+
+def _describe(resp: Any) -> str:
+    if isinstance(resp, httpx.TransportError):
+        return f"{type(resp).__name__}: {resp}"
+    return f"HTTP {resp.status_code}: {resp.text[:300]}"
