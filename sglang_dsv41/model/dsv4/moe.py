@@ -77,10 +77,26 @@ class Expert(nn.Module):
         return self.w2(F.silu(gate) * up)
 
 
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """rows x [M, K] sorted by group, w [G, K, N], offs int32 [G] group ends -> [M, N].
+    CUDA: torch's grouped GEMM (one launch for every expert). CPU: one matmul per group (torch's
+    CPU grouped_mm has no backward for every layout); rows past offs[-1] are never read."""
+    if x.is_cuda:
+        return F.grouped_mm(x, w, offs=offs)
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    parts = [x[s:e] @ w[g] for g, (s, e) in enumerate(zip(starts, ends))]
+    return torch.cat(parts) if parts else x.new_zeros(0, w.shape[-1])
+
+
 class MoE(nn.Module):
-    def __init__(self, cfg: DSV4Config, layer_id: int):
+    """``grouped``: every expert in two grouped GEMMs (tokens sorted by expert); off, the plain
+    per-expert loop (the reference the grouped path is tested against)."""
+
+    def __init__(self, cfg: DSV4Config, layer_id: int, grouped: bool = True):
         super().__init__()
-        self.layer_id = layer_id
+        self.layer_id, self.grouped = layer_id, grouped
+        self.limit = cfg.swiglu_limit
         self.gate = Gate(cfg, layer_id)
         self.experts = nn.ModuleList(
             Expert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit)
@@ -95,10 +111,49 @@ class MoE(nn.Module):
         else:
             ids, weights = replay[0].long(), replay[1].float()
         ctx.record(self.layer_id, ids, weights)
+        experts = ctx.expert_range(len(self.experts))
+        run = self.routed_grouped if self.grouped else self.routed_loop
+        return ctx.mlp_reduce(run(x, ids, weights, experts)) + self.shared_experts(x)
+
+    def routed_loop(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    experts: range) -> torch.Tensor:
         out = torch.zeros_like(x)
-        for e in ctx.expert_range(len(self.experts)):
+        for e in experts:
             token, slot = torch.where(ids == e)
             if token.numel():
                 y = self.experts[e](x[token]) * weights[token, slot, None].to(x.dtype)
                 out.index_add_(0, token, y.to(out.dtype))
-        return ctx.mlp_reduce(out) + self.shared_experts(x)
+        return out
+
+    def routed_grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                       experts: range) -> torch.Tensor:
+        """The (token, slot) pairs sorted by expert (stable: then by token, slot), w1|w3 in one
+        grouped GEMM, w2 in another; back in slot order by a permutation and summed over the k
+        slots in a fixed order. Every gather is a permutation or a broadcast, so the backward has
+        no atomically accumulated index_add: bit-reproducible run to run."""
+        n_tok, k = ids.shape
+        local = ids.reshape(-1) - experts.start
+        slots = None
+        if len(experts) != len(self.experts):  # expert parallel: this rank's experts only
+            slots = torch.nonzero((local >= 0) & (local < len(experts))).squeeze(1)
+            local = local[slots]
+        order = torch.argsort(local, stable=True)
+        offs = torch.cumsum(torch.bincount(local, minlength=len(experts)), 0).to(torch.int32)
+        # [T*k, H] broadcast of each token to its k slots, then gathered in expert order.
+        rows = x[:, None, :].expand(n_tok, k, x.shape[-1]).reshape(n_tok * k, -1)
+        slot_order = order if slots is None else slots[order]
+        rows = rows[slot_order]
+        mods = [self.experts[e] for e in experts]
+        w13 = torch.cat([torch.stack([m.w1.weight for m in mods]),
+                         torch.stack([m.w3.weight for m in mods])], dim=1)  # [E, 2I, H]
+        w2 = torch.stack([m.w2.weight for m in mods])                     # [E, H, I]
+        gate, up = grouped_mm(rows, w13.transpose(1, 2), offs).chunk(2, dim=-1)
+        act = F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
+        y = grouped_mm(act, w2.transpose(1, 2), offs)
+        if slots is None:
+            y_slot = torch.empty_like(y)
+        else:  # slots of other ranks' experts contribute zero
+            y_slot = y.new_zeros(n_tok * k, y.shape[-1])
+        y_slot = y_slot.index_put((slot_order,), y)
+        y_slot = y_slot.view(n_tok, k, -1) * weights.to(x.dtype)[..., None]
+        return y_slot.sum(dim=1).to(x.dtype)
