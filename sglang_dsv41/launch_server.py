@@ -89,9 +89,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def build_state(engine):
-    from .engine.api_models import RequestLimits
     from .engine.http_server import ServerState
     from .engine.launcher import context_length_for
+    from .engine.request_limits import RequestLimits
     from .tokenizer import ByteTokenizer
 
     a, cfg = engine.server_args, engine.config

@@ -12,7 +12,7 @@ import pytest
 from engine_server_cases import BAD_BODIES, CONTEXT
 from engine_server_fakes import QueueDrainer
 
-from sglang_dsv41.engine.api_models import RequestLimits
+from sglang_dsv41.engine.request_limits import RequestLimits
 from sglang_dsv41.engine.dp_controller import DPController
 from sglang_dsv41.engine.http_server import ServerState, create_app
 from sglang_dsv41.engine.messages import AbortReq, GenerateReq, RankStats
@@ -89,6 +89,59 @@ async def test_bad_input_is_400_and_server_keeps_serving():
         assert (await http.get("/health_generate")).status_code == 200
         # Nothing invalid reached a scheduler queue: only the health check's request did.
         assert [type(m) for _, m in drainer.seen] == [GenerateReq]
+        controller.shutdown()
+
+
+# (body, a phrase the 400's message must contain): hostile logprob fields (tiny vocab 320)
+BAD_LOGPROB_BODIES = [
+    ({"top_logprobs_num": -1}, "top_logprobs_num"),
+    ({"top_logprobs_num": 10**9}, "top_logprobs_num"),
+    ({"top_logprobs_num": "many"}, "top_logprobs_num"),
+    ({"top_logprobs_num": [2, 3]}, "2 entries for 1 prompts"),
+    ({"token_ids_logprob": [320]}, "outside the vocabulary"),
+    ({"token_ids_logprob": [-1]}, "outside the vocabulary"),
+    ({"token_ids_logprob": list(range(300))}, "the limit is"),
+    ({"token_ids_logprob": [[1], [2]]}, "flat list"),
+    ({"token_ids_logprob": [[[1]]]}, "token_ids_logprob"),
+    ({"token_ids_logprob": [1, [2]]}, "token_ids_logprob"),
+    ({"token_ids_logprob": [1.5]}, "token_ids_logprob"),
+    ({"logprob_start_len": 3}, "logprob_start_len"),
+    ({"logprob_start_len": -2}, "logprob_start_len"),
+    ({"input_ids": [[1], [2]], "token_ids_logprob": [[1]]}, "1 lists for 2 prompts"),
+    ({"input_ids": [[1], [2]], "token_ids_logprob": [[1], [999]]}, "outside the vocabulary"),
+]
+
+
+async def test_logprob_fields_reach_the_scheduler_per_prompt_and_bad_ones_are_400():
+    http, controller, drainer, _ = make_server()
+    async with http:
+        for bad, needle in BAD_LOGPROB_BODIES:
+            body = {"input_ids": [1, 2], "return_logprob": True, **bad}
+            r = await http.post("/generate", json=body)
+            assert r.status_code == 400, (body, r.text)
+            assert needle in r.json()["error"]["message"], (body, r.text)
+        assert drainer.seen == []
+        r = await gen(http, input_ids=[[1, 2], [3], [4, 5, 6]], return_logprob=True,
+                      logprob_start_len=[0, 1, -1], top_logprobs_num=[3, 0, 100],
+                      token_ids_logprob=[[7, 7], [], [319]], sampling_params={"max_new_tokens": 1})
+        assert r.status_code == 200, r.text
+        reqs = sorted((m for _, m in drainer.seen), key=lambda m: len(m.input_ids))
+        assert [(m.input_ids, m.logprob_start_len, m.top_logprobs_num, m.token_ids_logprob)
+                for m in reqs] == [([3], 1, 0, []), ([1, 2], 0, 3, [7, 7]),
+                                   ([4, 5, 6], -1, 100, [319])]
+        # As SGLang: a flat list applies to every prompt, [] asks none, and without
+        # return_logprob the fields mean nothing (not even checked against the vocabulary).
+        drainer.seen.clear()
+        await gen(http, input_ids=[[1], [2]], return_logprob=True, token_ids_logprob=[5],
+                  sampling_params={"max_new_tokens": 1})
+        await gen(http, input_ids=[1], return_logprob=True, token_ids_logprob=[],
+                  sampling_params={"max_new_tokens": 1})
+        r = await gen(http, input_ids=[1], token_ids_logprob=[999], top_logprobs_num=10**9,
+                      sampling_params={"max_new_tokens": 1})
+        assert r.status_code == 200 and "output_token_logprobs" not in r.json()["meta_info"]
+        assert [(m.token_ids_logprob, m.top_logprobs_num, m.return_logprob)
+                for _, m in drainer.seen] == [([5], 0, True), ([5], 0, True), (None, 0, True),
+                                              (None, 0, False)]
         controller.shutdown()
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from engine_server_fakes import QueueDrainer
 
-from sglang_dsv41.engine.api_models import RequestLimits
+from sglang_dsv41.engine.request_limits import RequestLimits
 from sglang_dsv41.engine.dp_controller import DPController
 from sglang_dsv41.engine.http_server import ServerState, create_app
 from sglang_dsv41.engine.messages import AbortReq, SamplingParams

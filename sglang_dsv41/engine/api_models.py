@@ -5,20 +5,16 @@ As SGLang: unknown top-level keys of a request are ignored, unknown ``sampling_p
 refused, a null field means its default. Every value is range-checked here (SGLang's
 ``SamplingParams.verify`` rules plus finiteness), so a request either becomes engine messages or
 a 400 that names the field; the scheduler only checks what needs its state (KV capacity).
-Checks that need the served model (vocab, context length, dp_size) are in ``RequestLimits``.
+Checks that need the served model (vocab, context length, dp_size) are in request_limits.py.
 """
 
 from __future__ import annotations
 
 import re
-import uuid
-from dataclasses import dataclass
 from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..policies.dp_rank_pin import resolve_dp_rank_pin
-from .messages import GenerateReq, SamplingParams
 
 # SGLang's defaults (sampling_params.py): top_k "off" is 1 << 30; temperatures below the eps
 # mean greedy. Limits SGLang does not have but an engine needs to stay alive are marked.
@@ -27,7 +23,6 @@ SAMPLING_EPS = 1e-6
 MAX_STOP_COUNT = 64          # SGLang's MAX_STOP_COUNT
 MAX_STOP_LEN = 256           # ours: stop strings are matched on every step
 MAX_N = 64                   # ours: parallel samples per prompt
-MAX_BATCH = 256              # ours: prompts per batched request
 MAX_LOGIT_BIAS = 100.0       # OpenAI's range for a logit bias
 
 
@@ -40,7 +35,7 @@ def _valid_text(s: str, what: str) -> str:
     return s
 
 
-def _as_list(v: Any) -> list:
+def as_list(v: Any) -> list:
     return [] if v is None else (list(v) if isinstance(v, list) else [v])
 
 
@@ -102,7 +97,7 @@ class SamplingParamsIn(ApiSchema):
     @field_validator("stop", "stop_regex")
     @classmethod
     def _stops(cls, v: Any) -> Any:
-        words = _as_list(v)
+        words = as_list(v)
         if len(words) > MAX_STOP_COUNT:
             raise ValueError(f"at most {MAX_STOP_COUNT} stop strings are allowed")
         for w in words:
@@ -114,7 +109,7 @@ class SamplingParamsIn(ApiSchema):
     @field_validator("stop_regex")
     @classmethod
     def _compiles(cls, v: Any) -> Any:
-        for pattern in _as_list(v):
+        for pattern in as_list(v):
             try:
                 re.compile(pattern)
             except re.error as e:
@@ -210,14 +205,14 @@ class GenerateRequest(ApiSchema):
     @field_validator("text")
     @classmethod
     def _text(cls, v: Any) -> Any:
-        for t in _as_list(v):
+        for t in as_list(v):
             _valid_text(t, "text")
         return v
 
     @field_validator("rid")
     @classmethod
     def _rid(cls, v: Any) -> Any:
-        for r in _as_list(v):
+        for r in as_list(v):
             if not 0 < len(r) <= 256:
                 raise ValueError("rid must have 1 to 256 characters")
             _valid_text(r, "rid")
@@ -229,7 +224,7 @@ class GenerateRequest(ApiSchema):
                                "custom_logit_processor") if getattr(self, k) not in (None, [])]
         if refused:
             raise ValueError(f"{', '.join(refused)}: not supported by this text-only backend")
-        if any(_as_list(self.return_hidden_states)):
+        if any(as_list(self.return_hidden_states)):
             raise ValueError("return_hidden_states is not supported")
         if self.text is not None and self.input_ids is not None:
             raise ValueError("give either text or input_ids, not both")
@@ -252,13 +247,25 @@ class GenerateRequest(ApiSchema):
     def per_prompt(self, name: str, i: int, n: int) -> Any:
         """Field ``name`` for prompt i of n: a scalar applies to all, a list must have n."""
         v = getattr(self, name)
-        if name in ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
-                    "rid") and isinstance(v, list) or \
-                name == "token_ids_logprob" and v and isinstance(v[0], list):
+        if isinstance(v, list):
             if len(v) != n:
                 raise ValueError(f"{name} has {len(v)} entries for {n} prompts")
             return v[i]
         return v
+
+    def token_ids_logprob_for(self, i: int, n: int) -> list[int] | None:
+        """As SGLang: null or [] asks none; a flat list applies to every prompt; a batch may
+        give one list per prompt (an inner [] then asks none at that prompt's positions)."""
+        v = self.token_ids_logprob
+        if not v:
+            return None
+        if not isinstance(v[0], list):
+            return list(v)
+        if not self.is_batch:
+            raise ValueError("token_ids_logprob must be a flat list of token ids for one prompt")
+        if len(v) != n:
+            raise ValueError(f"token_ids_logprob has {len(v)} lists for {n} prompts")
+        return list(v[i])
 
 
 class OpenSessionRequest(ApiSchema):
@@ -268,94 +275,3 @@ class OpenSessionRequest(ApiSchema):
 
 class CloseSessionRequest(ApiSchema):
     session_id: str = Field(min_length=1, max_length=256)
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """What a request is checked against: the served model and the server's flags."""
-
-    vocab_size: int
-    context_length: int
-    max_new_tokens_limit: int
-    dp_size: int
-
-    def pick_dp_rank(self, body: GenerateRequest, header: str | None) -> int | None:
-        """The one DP-rank pin rule (policies/dp_rank_pin), shared with the SGLang plugin."""
-        return resolve_dp_rank_pin(body.routed_dp_rank, body.data_parallel_rank, header,
-                                   self.dp_size)
-
-    def check_prompt(self, ids: list[int], sp: SamplingParamsIn) -> None:
-        if not ids:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:8]} outside the vocabulary [0, {self.vocab_size})")
-        if len(ids) >= self.context_length:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the context length is "
-                             f"{self.context_length} (at least one token must be generated)")
-        if sp.max_new_tokens > self.max_new_tokens_limit:
-            raise ValueError(f"max_new_tokens={sp.max_new_tokens} exceeds "
-                             f"--max-new-tokens-limit {self.max_new_tokens_limit}")
-        if len(ids) + sp.max_new_tokens > self.context_length:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens "
-                             f"({sp.max_new_tokens}) exceeds the context length "
-                             f"{self.context_length}")
-        bad_stop = [t for t in sp.stop_token_ids or [] if not 0 <= t < self.vocab_size]
-        if bad_stop:
-            raise ValueError(f"stop_token_ids {bad_stop[:8]} outside the vocabulary")
-        bad_bias = [k for k in sp.logit_bias if not 0 <= int(k) < self.vocab_size]
-        if bad_bias:
-            raise ValueError(f"logit_bias keys {bad_bias[:8]} outside [0, {self.vocab_size})")
-
-    def to_engine_sampling(self, sp: SamplingParamsIn, sample_index: int = 0) -> SamplingParams:
-        """The engine's SamplingParams. max_new_tokens 0 (prefill only, as sglang.lang's
-        cache_prefix and select send it) runs one step whose token the HTTP layer drops."""
-        seed = sp.effective_seed
-        greedy = sp.is_greedy
-        return SamplingParams(
-            max_new_tokens=max(1, sp.max_new_tokens), temperature=0.0 if greedy else sp.temperature,
-            top_p=sp.top_p, top_k=-1 if sp.top_k >= TOP_K_ALL else sp.top_k, min_p=sp.min_p,
-            stop=_as_list(sp.stop), stop_token_ids=list(sp.stop_token_ids or []),
-            ignore_eos=sp.ignore_eos,
-            seed=None if seed is None else seed + sample_index,
-            min_new_tokens=sp.min_new_tokens, frequency_penalty=sp.frequency_penalty,
-            presence_penalty=sp.presence_penalty, repetition_penalty=sp.repetition_penalty,
-            stop_regex=_as_list(sp.stop_regex),
-            logit_bias={int(k): float(v) for k, v in sp.logit_bias.items()})
-
-    def to_generate_reqs(self, body: GenerateRequest, encode, dp_header: str | None = None
-                         ) -> list[tuple[GenerateReq, SamplingParamsIn]]:
-        """One GenerateReq per (prompt, sample), prompt-major; ``encode`` tokenizes text."""
-        prompts = body.prompts()
-        if not prompts or len(prompts) > MAX_BATCH:
-            raise ValueError(f"a batch must have 1 to {MAX_BATCH} prompts, got {len(prompts)}")
-        if body.stream and body.is_batch:
-            raise ValueError("stream is not supported with a batch of prompts")
-        dp_rank = self.pick_dp_rank(body, dp_header)
-        out = []
-        for i, prompt in enumerate(prompts):
-            sp = body.per_prompt("sampling_params", i, len(prompts))
-            ids = encode(prompt) if isinstance(prompt, str) else list(prompt)
-            self.check_prompt(ids, sp)
-            rid = body.per_prompt("rid", i, len(prompts))
-            if body.stream and sp.n > 1:
-                raise ValueError("stream is not supported with n > 1")
-            want_logprob = bool(body.per_prompt("return_logprob", i, len(prompts)))
-            start = body.per_prompt("logprob_start_len", i, len(prompts))
-            if start >= len(ids):
-                raise ValueError(f"logprob_start_len {start} is past the prompt ({len(ids)} "
-                                 "tokens)")
-            if body.per_prompt("top_logprobs_num", i, len(prompts)) or body.token_ids_logprob:
-                raise ValueError("top_logprobs_num and token_ids_logprob are not supported by "
-                                 "the embedded backend yet")
-            for j in range(sp.n):
-                req_id = rid or uuid.uuid4().hex
-                out.append((GenerateReq(
-                    rid=req_id if sp.n == 1 else f"{req_id}-{j}", input_ids=ids,
-                    sampling=self.to_engine_sampling(sp, j),
-                    return_logprob=want_logprob, return_routed_experts=body.return_routed_experts,
-                    routed_dp_rank=dp_rank, stream=body.stream,
-                    logprob_start_len=start if want_logprob else -1), sp))
-        if len(out) > MAX_BATCH:
-            raise ValueError(f"{len(out)} samples in one request; the limit is {MAX_BATCH}")
-        return out

@@ -10,6 +10,7 @@ import torch
 
 from ..policies.dp_attention import plan_prefill_padding
 from .kv_cache import DUMMY_SLOT, slots_of
+from .logprobs import LogprobExtras
 from .messages import SamplingParams
 
 
@@ -34,12 +35,23 @@ class Req:
     finish_reason: dict[str, Any] | None = None
     num_sent: int = 0            # output tokens already streamed
     logprob_start_len: int = -1  # >= 0: collect input_logprobs of prompt tokens from there
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
     input_logprobs: list[float] = field(default_factory=list)
+    input_extras: LogprobExtras = field(default_factory=LogprobExtras)
+    input_sent: bool = False     # the prompt's logprobs went out (in the first chunk after it)
+    output_extras: LogprobExtras = field(default_factory=LogprobExtras)
 
     @property
     def first_scored(self) -> int:
-        """The first prompt position whose logprob is returned (position 0 has none)."""
-        return max(self.logprob_start_len, 1)
+        """The first prompt position whose logprob is returned: as SGLang, the one after
+        logprob_start_len (whose own entry is None)."""
+        return self.logprob_start_len + 1
+
+    @property
+    def wants_extras(self) -> bool:
+        return self.return_logprob and (self.top_logprobs_num > 0
+                                        or self.token_ids_logprob is not None)
 
     @property
     def all_ids(self) -> list[int]:

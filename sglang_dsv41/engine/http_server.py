@@ -23,14 +23,14 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..policies.sticky_dispatch import StickyDispatch
-from .api_models import (CloseSessionRequest, GenerateRequest, OpenSessionRequest, RequestLimits,
-                         SamplingParamsIn)
+from .api_models import CloseSessionRequest, GenerateRequest, OpenSessionRequest, SamplingParamsIn
 from .dp_controller import DPController, EngineFailure, EngineUnavailable
 from .http_admin import ADMIN_PATHS, ApiError, admin_router, error_response, refuse_cross_site
 from .http_info import info_router
 from .messages import GenerateReq
 from .metrics import ServerMetrics
 from .output import OutputAssembler, OutputOptions
+from .request_limits import RequestLimits
 from .sessions import SessionStore
 
 logger = logging.getLogger(__name__)

@@ -19,9 +19,11 @@ import torch
 from ..policies.r3_buffer import r3_buffer_bytes
 from .batch import ForwardPlan, Req, build_plan
 from .kv_cache import OutOfPages, PageAllocator, RoutedExpertsBuffer, slots_of
+from .logprobs import check_logprob_request, score_rows
 from .messages import GenerateOut, GenerateReq
 from .prefix_cache import create_prefix_cache
-from .sampling import StopChecker, make_decode_fn, make_generator, sample_token, validate_sampling
+from .sampling import (StopChecker, choose_token, make_decode_fn, make_generator, model_logprobs,
+                       validate_sampling)
 
 if TYPE_CHECKING:
     from .model_runner import EngineForwardContext, ModelRunner
@@ -59,7 +61,9 @@ class LeaderScheduler:
         seed = msg.sampling.seed if msg.sampling.seed is not None else self.seeds.getrandbits(62)
         req = Req(msg.rid, list(msg.input_ids), msg.sampling, msg.return_logprob,
                   msg.return_routed_experts, msg.stream, generator=make_generator(seed),
-                  logprob_start_len=msg.logprob_start_len)
+                  logprob_start_len=msg.logprob_start_len if msg.return_logprob else -1,
+                  top_logprobs_num=msg.top_logprobs_num if msg.return_logprob else 0,
+                  token_ids_logprob=msg.token_ids_logprob if msg.return_logprob else None)
         self.waiting.append(req)
 
     def _validate(self, msg: GenerateReq) -> None:
@@ -78,6 +82,10 @@ class LeaderScheduler:
             raise ValueError("return_routed_experts needs --enable-return-routed-experts")
         if any(r.rid == msg.rid for r in [*self.waiting, *self.running]):
             raise ValueError(f"request id {msg.rid!r} is already in use")
+        if not -1 <= msg.logprob_start_len <= n:
+            raise ValueError(f"logprob_start_len must be in [-1, {n}] (the prompt length), got "
+                             f"{msg.logprob_start_len}")
+        check_logprob_request(msg.top_logprobs_num, msg.token_ids_logprob, v)
         validate_sampling(msg.sampling, v)
 
     def abort(self, rid: str) -> None:
@@ -228,22 +236,52 @@ class LeaderScheduler:
             rows = slice(ctx.dp_offset, ctx.dp_offset + plan.padded_tokens)
             self.r3.write(plan.slots, ctx.routed, rows)
         logits = self.runner.compute_logits(hidden, plan.logit_rows) if plan.logit_rows else None
-        row = 0
+        # logits rows, per request in order: the rows scoring its prompt tokens (prompt
+        # logprobs), then its sampled row once nothing is pending.
+        row, scored, sampled = 0, [], []
         for req, n, targets in zip(reqs, chunks, plan.score_targets):
-            if targets:  # prompt logprobs: these rows come before the request's sampled row
-                scored = torch.log_softmax(logits[row:row + len(targets)].float(), dim=-1)
-                req.input_logprobs += scored[torch.arange(len(targets)),
-                                             torch.tensor(targets)].tolist()
+            if targets:
+                scored.append((req, row, targets))
                 row += len(targets)
             req.num_computed += n
-            if req.num_pending:
-                continue
-            token, logprob = sample_token(logits[row], req.sampling, req.generator,
-                                          req.output_ids)
-            row += 1
+            if not req.num_pending:
+                sampled.append((req, row))
+                row += 1
+        if scored:
+            self._score_prompts(logits, scored)
+        if sampled:
+            self._sample(logits[[r for _, r in sampled]], [req for req, _ in sampled])
+
+    def _score_prompts(self, logits: torch.Tensor,
+                       scored: list[tuple[Req, int, list[int]]]) -> None:
+        """Prompt logprobs of the step's scoring rows, in one pass on the logits' device."""
+        rows = [at + i for _, at, targets in scored for i in range(len(targets))]
+        spans = [(req, len(targets)) for req, _, targets in scored]
+        logprobs, extras = score_rows(
+            model_logprobs(logits[rows]), [t for _, _, targets in scored for t in targets],
+            [req.top_logprobs_num for req, n in spans for _ in range(n)],
+            [req.token_ids_logprob for req, n in spans for _ in range(n)])
+        at = 0
+        for req, n in spans:
+            req.input_logprobs += logprobs[at:at + n]
+            if req.wants_extras:
+                req.input_extras.extend(extras.window(at, at + n))
+            at += n
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> None:
+        """One host copy of the sampled rows, then each request's token and logprobs."""
+        rows = logits.float().cpu()
+        tokens = [choose_token(rows[i], req.sampling, req.generator, req.output_ids)
+                  for i, req in enumerate(reqs)]
+        logprobs, extras = score_rows(model_logprobs(rows), tokens,
+                                      [req.top_logprobs_num for req in reqs],
+                                      [req.token_ids_logprob for req in reqs])
+        for i, (req, token) in enumerate(zip(reqs, tokens)):
             req.in_prefill = False
             req.output_ids.append(token)
-            req.output_logprobs.append(logprob)
+            req.output_logprobs.append(logprobs[i])
+            if req.wants_extras:
+                req.output_extras.extend(extras.window(i, i + 1))
             limit = min(req.sampling.max_new_tokens,
                         self.runner.context_length - len(req.prompt_ids))
             req.finish_reason = self.stop_checker.check(req.output_ids, req.sampling, limit)
@@ -254,8 +292,6 @@ class LeaderScheduler:
 
     def _finish(self, req: Req) -> None:
         out = self._output(req)
-        if req.logprob_start_len >= 0:
-            out.input_logprobs = list(req.input_logprobs)
         if self.r3 is not None and req.return_routed_experts:
             n = len(req.all_ids) - 1
             ids, weights = self.r3.read(slots_of(req.pages, 0, n, self.ps))
@@ -267,10 +303,18 @@ class LeaderScheduler:
     def _output(self, req: Req) -> GenerateOut:
         new = req.output_ids[req.num_sent:]
         logprobs = req.output_logprobs[req.num_sent:] if req.return_logprob else None
+        out = GenerateOut(req.rid, new, logprobs, req.finish_reason is not None,
+                          req.finish_reason, len(req.prompt_ids), len(req.output_ids),
+                          req.cached_tokens, self.dp_rank)
+        if req.wants_extras:
+            out.output_extras = req.output_extras.window(req.num_sent)
         req.num_sent = len(req.output_ids)
-        return GenerateOut(req.rid, new, logprobs, req.finish_reason is not None,
-                           req.finish_reason, len(req.prompt_ids), len(req.output_ids),
-                           req.cached_tokens, self.dp_rank)
+        # The prompt's logprobs are complete once a token was sampled after it.
+        if req.logprob_start_len >= 0 and req.output_ids and not req.input_sent:
+            out.input_logprobs = list(req.input_logprobs)
+            out.input_extras = req.input_extras if req.wants_extras else None
+            req.input_sent = True
+        return out
 
     def _send(self, out: GenerateOut) -> None:
         self.out_queue.put(out)

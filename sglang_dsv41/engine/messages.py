@@ -39,6 +39,8 @@ class GenerateReq:
     routed_dp_rank: int | None = None   # None: the DP controller picks (--load-balance-method)
     stream: bool = False
     logprob_start_len: int = -1         # >= 0: return the prompt's logprobs from this position
+    top_logprobs_num: int = 0           # with return_logprob: the N most likely at each position
+    token_ids_logprob: list[int] | None = None  # with return_logprob: these ids at each position
 
 
 @dataclass
@@ -58,8 +60,11 @@ class GenerateOut:
     # float32 weights of the same shape, for every token that went through the model.
     routed_experts: Any = None
     routed_weights: Any = None
-    # logprob of prompt tokens max(logprob_start_len, 1).. given their prefix (final chunk)
+    output_extras: Any = None    # logprobs.LogprobExtras of the new tokens' positions (if asked)
+    # logprob of prompt tokens logprob_start_len+1.. given their prefix, and their extras (the
+    # first chunk after the prompt is scored)
     input_logprobs: list[float] | None = None
+    input_extras: Any = None
     error: str | None = None                     # set when the scheduler refused the request
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..wire import encode_array
+from .logprobs import LogprobExtras
 from .messages import GenerateOut, GenerateReq
 
 
@@ -34,6 +35,10 @@ class OutputAssembler:
         self.options = options
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.output_extras = LogprobExtras()
+        self.input_logprobs: list[float] | None = None   # set by the chunk that carries them
+        self.input_extras = LogprobExtras()
+        self._token_text: dict[int, str] = {}
         self.text = ""
         self.finished = False
         self.finish_reason: dict[str, Any] | None = None
@@ -44,10 +49,17 @@ class OutputAssembler:
         self.output_ids.extend(chunk.token_ids)
         if chunk.logprobs is not None:
             self.logprobs.extend(chunk.logprobs)
+        if chunk.output_extras is not None:
+            self.output_extras.extend(chunk.output_extras)
+        if chunk.input_logprobs is not None:
+            self.input_logprobs = list(chunk.input_logprobs)
+            if chunk.input_extras is not None:
+                self.input_extras = chunk.input_extras
         if chunk.finished:
             self.finished, self.finish_reason = True, chunk.finish_reason
             if self.options.prefill_only:
                 self.output_ids, self.logprobs = [], []
+                self.output_extras.clear()
                 self.finish_reason = {"type": "length", "length": 0}
         self.text = self._decode(self.output_ids)
         matched = (self.finish_reason or {}).get("matched")
@@ -71,19 +83,49 @@ class OutputAssembler:
             "weight_version": self.weight_version,
         }
         if self.req.return_logprob:
-            text_of = (lambda t: self._decode([t])) if self.options.text_in_logprobs else \
-                (lambda t: None)
-            meta["output_token_logprobs"] = [
-                [lp, tid, text_of(tid)] for lp, tid in zip(self.logprobs, self.output_ids)]
-            if self.req.logprob_start_len >= 0 and last is not None and \
-                    last.input_logprobs is not None:
-                start, prompt = self.req.logprob_start_len, self.req.input_ids
-                lps = [None] * (start == 0) + list(last.input_logprobs)
-                meta["input_token_logprobs"] = [
-                    [lp, tid, text_of(tid)] for lp, tid in zip(lps, prompt[start:])]
+            self._add_logprobs(meta)
         if self.req.return_routed_experts and last is not None and self.finished:
             self._add_routed_experts(meta)
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
+
+    def _add_logprobs(self, meta: dict[str, Any]) -> None:
+        """SGLang's logprob keys: [logprob, token id, text or None] per token; the top-N and
+        token-id lists hold such entries per position, None where SGLang has none (the
+        logprob_start_len position, which has no scored prefix in the request's window)."""
+        req = self.req
+        start = req.logprob_start_len
+        scored = start >= 0 and self.input_logprobs is not None
+        input_ids = req.input_ids[start:] if scored else []
+        meta["input_token_logprobs"] = [
+            self._entry(lp, t) for lp, t in zip([None, *(self.input_logprobs or [])], input_ids)]
+        meta["output_token_logprobs"] = [
+            self._entry(lp, t) for lp, t in zip(self.logprobs, self.output_ids)]
+        meta["output_token_logprobs_length"] = len(self.output_ids)
+        if req.top_logprobs_num > 0:
+            meta["input_top_logprobs"] = [None, *self._rows(
+                self.input_extras.top_values, self.input_extras.top_ids)][:len(input_ids)]
+            meta["output_top_logprobs"] = self._rows(self.output_extras.top_values,
+                                                     self.output_extras.top_ids)
+        if req.token_ids_logprob is not None:
+            ids = req.token_ids_logprob
+            meta["input_token_ids_logprobs"] = [None, *self._rows(
+                self.input_extras.ids_values, [ids] * len(self.input_extras))][:len(input_ids)]
+            meta["output_token_ids_logprobs"] = self._rows(
+                self.output_extras.ids_values, [ids] * len(self.output_extras))
+
+    def _rows(self, values: list[list[float]], ids: list[list[int]]) -> list[Any]:
+        return [[self._entry(v, t) for v, t in zip(vs, ts)] if vs else None
+                for vs, ts in zip(values, ids)]
+
+    def _entry(self, logprob: float | None, token: int) -> list[Any]:
+        if not self.options.text_in_logprobs:
+            return [logprob, token, None]
+        # SGLang decodes each id alone, special tokens included (batch_decode's default).
+        text = self._token_text.get(token)
+        if text is None:
+            text = self._token_text[token] = self.tokenizer.decode(
+                [token], skip_special_tokens=False)
+        return [logprob, token, text]
 
     def _add_routed_experts(self, meta: dict[str, Any]) -> None:
         last = self.last

@@ -1,8 +1,11 @@
 """Sampling and stop conditions (leader only).
 
-Returned logprobs are those of the sampled tokens under the model's own distribution: fp32
-log_softmax of the unscaled logits (temperature 1, no top-k/top-p/min-p filtering), as SGLang
-returns them by default, so a trainer can compare them to its own forward directly.
+Returned logprobs (sampled tokens', top-N, token ids') are of the model's own distribution,
+``model_logprobs``: fp32 log_softmax of the unscaled logits (temperature 1, before penalties,
+logit_bias and top-k/top-p/min-p), so a trainer can compare them to its own forward directly.
+SGLang 0.5.23's default differs when a request has penalties or logit_bias (it applies them
+first) or samples at a temperature other than 1 (it divides by it); greedy requests and
+temperature 1 without either agree.
 """
 
 from __future__ import annotations
@@ -69,22 +72,34 @@ def apply_penalties(logits: torch.Tensor, p: SamplingParams, output_ids: Sequenc
     return logits
 
 
+def model_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] logits -> the fp32 logprobs every returned logprob is read from, clamped to the
+    lowest finite float as SGLang clamps them (JSON has no -inf)."""
+    return torch.log_softmax(logits.float(), dim=-1).clamp_(min=torch.finfo(torch.float32).min)
+
+
 def sample_token(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None,
                  output_ids: Sequence[int] = ()) -> tuple[int, float]:
-    """logits fp32 [V] -> (token id, its logprob at temperature 1, before penalties).
+    """logits [V] -> (token id, its logprob under ``model_logprobs``)."""
+    logits = logits.float().cpu()
+    token = choose_token(logits, p, generator, output_ids)
+    return token, float(model_logprobs(logits)[token])
+
+
+def choose_token(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None,
+                 output_ids: Sequence[int] = ()) -> int:
+    """fp32 CPU logits [V] -> the sampled token id.
 
     Never raises on extreme but valid settings: a temperature that overflows the scaled logits
     or a filter that leaves no finite mass falls back to the greedy token of the adjusted
     logits (the limit of the requested distribution), instead of killing the rank."""
-    logits = logits.float().cpu()
-    logprobs = torch.log_softmax(logits, dim=-1)
     adjusted = apply_penalties(logits, p, output_ids)
     greedy = int(torch.argmax(adjusted))
     if p.temperature == 0 or p.top_k == 1:
-        return greedy, float(logprobs[greedy])
+        return greedy
     scaled = adjusted / p.temperature
     if not torch.isfinite(scaled.max()):
-        return greedy, float(logprobs[greedy])
+        return greedy
     if p.top_k > 0 and p.top_k < scaled.numel():
         kth = torch.topk(scaled, p.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -98,9 +113,8 @@ def sample_token(logits: torch.Tensor, p: SamplingParams, generator: torch.Gener
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
     total = probs.sum()
     if not (torch.isfinite(total) and total > 0):
-        return greedy, float(logprobs[greedy])
-    token = int(torch.multinomial(probs / total, 1, generator=generator))
-    return token, float(logprobs[token])
+        return greedy
+    return int(torch.multinomial(probs / total, 1, generator=generator))
 
 
 class StopChecker:
