@@ -2,7 +2,7 @@
 hash-routed layers) in one process: logprobs, R3 replay of ids and weights on the top-k layers,
 hash layers routed from tid2eid, every gradient (sinks, mHC, compressors, indexers, experts,
 Engram wkv), fp32 groups, frozen tables outside the optimizer and the weight push, uneven
-micro-batches."""
+micro-batches; the same with selective activation checkpointing (recomputed layers)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def full(t):
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().numpy().copy()
 
 
-def worker(rank: int, port: int, queue) -> None:
+def worker(rank: int, port: int, queue, checkpointing: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(WORLD))
     torch.set_num_threads(1)
@@ -54,7 +54,9 @@ def worker(rank: int, port: int, queue) -> None:
 
     try:
         info = init_distributed(torch.device("cpu"))
-        policy = build_policy(ModelConfig(model_path=PRESET), info.mesh, torch.device("cpu"))
+        policy = build_policy(ModelConfig(model_path=PRESET,
+                                          activation_checkpointing=checkpointing),
+                              info.mesh, torch.device("cpu"))
         samples = rank_samples(load_policy_model(PRESET), rank)
         layers, top_k = policy.routed_layers, policy.config.num_experts_per_tok
         # Rank 0 runs both samples in one micro-batch plus a dummy; rank 1 one per micro-batch.
@@ -107,12 +109,12 @@ def collect(queue, procs, count: int, timeout: float) -> list:
     return out
 
 
-@pytest.fixture(scope="module")
-def results():
+@pytest.fixture(scope="module", params=["none", "selective"])
+def results(request):
     port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, port, queue)) for r in range(WORLD)]
+    procs = [ctx.Process(target=worker, args=(r, port, queue, request.param)) for r in range(WORLD)]
     for p in procs:
         p.start()
     try:

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from .optimizer_offload import OFFLOAD_MODES
+from .parallelize import ACTIVATION_CHECKPOINTING
 
 
 @dataclass(kw_only=True)
@@ -35,9 +36,14 @@ class ModelConfig:
     # dtype the engines serve (weights are cast to it before a sync); auto: ask /get_model_info,
     # float32 when the engine does not say
     served_dtype: str = "auto"
+    # Recompute activations in the backward: none, layer (each decoder layer keeps only its
+    # inputs) or selective (each layer keeps its matmul outputs, recomputes the rest).
+    activation_checkpointing: str = "none"
 
     def __post_init__(self) -> None:
         _choice("model.device", self.device, ("auto", "cpu", "cuda"))
+        _choice("model.activation_checkpointing", self.activation_checkpointing,
+                ACTIVATION_CHECKPOINTING)
         _choice("model.compute_dtype", self.compute_dtype, ("auto", "float32", "bfloat16"))
         _choice("model.served_dtype", self.served_dtype, ("auto", "float32", "bfloat16",
                                                            "float16"))

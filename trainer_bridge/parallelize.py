@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts)
 
 from sglang_dsv41.loader.weight_sync_group import parse_dtype
 from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM
@@ -32,6 +34,10 @@ from sglang_dsv41.model.dsv4.names import is_frozen_table
 from .optimizer_offload import offload_policy_for
 
 FP32_HOLDER = "fp32_params"
+ACTIVATION_CHECKPOINTING = ("none", "layer", "selective")
+# Kept unsharded between forward and backward while the compute-dtype copy of every parameter
+# takes at most this fraction of the device's memory (one re-gather per layer saved).
+KEEP_UNSHARDED_MEMORY_FRAC = 0.1
 
 
 def is_sink_param(name: str) -> bool:
@@ -100,6 +106,59 @@ def _touch_every_parameter(layer: nn.Module, args, output: torch.Tensor) -> torc
     return (streams, *rest) if isinstance(output, tuple) else streams
 
 
+# Selective checkpointing saves what is costly to recompute (matmuls, grouped expert GEMMs) and
+# recomputes the rest (norms, mHC mixing, activations, permutations) in the backward.
+_SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+              torch.ops.aten._grouped_mm.default}
+
+
+def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return (CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS
+            else CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+def _selective_context():
+    return create_selective_checkpoint_contexts(_save_matmuls)
+
+
+def checkpoint_layer(layer: nn.Module, policy: str) -> None:
+    """Recompute ``layer``'s forward in its backward (``layer``: keep only its inputs;
+    ``selective``: keep the matmul outputs too). The module and its parameter names are
+    unchanged (no wrapper module: checkpoints and weight sync see the same names)."""
+    if policy not in ACTIVATION_CHECKPOINTING:
+        raise ValueError(f"activation checkpointing {policy!r}: choose from "
+                         f"{ACTIVATION_CHECKPOINTING}")
+    if policy == "none":
+        return
+    inner = layer.forward
+    kw = {"context_fn": _selective_context} if policy == "selective" else {}
+
+    def run(*args, **kwargs):
+        # The recompute runs outside the layer's module call: its fp32 holder's pre-hook has
+        # not handed the mHC parameters back. The holder stays unsharded until its
+        # post-backward, so its parameters are the unsharded ones: hand them over directly (not
+        # through another FSDP call, which selective checkpointing would see as a new op).
+        holder = getattr(layer, FP32_HOLDER, None)
+        if holder is not None:
+            layer.__dict__.update(holder._parameters)
+        return inner(*args, **kwargs)
+
+    def forward(*args, **kwargs):
+        return checkpoint(run, *args, use_reentrant=False, **kw, **kwargs)
+
+    layer.forward = forward
+
+
+def keep_unsharded(model: nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtype) -> bool:
+    """reshard_after_forward by memory: keep the gathered compute-dtype parameters between the
+    forward and the backward when all of them fit in KEEP_UNSHARDED_MEMORY_FRAC of the device."""
+    if mesh.device_type != "cuda":
+        return False
+    need = sum(p.numel() for p in model.parameters()) * compute_dtype.itemsize
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return need <= KEEP_UNSHARDED_MEMORY_FRAC * total
+
+
 def compute_dtype_for(device: torch.device, requested: str = "auto") -> torch.dtype:
     if requested == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -108,11 +167,16 @@ def compute_dtype_for(device: torch.device, requested: str = "auto") -> torch.dt
 
 def parallelize_policy(model: DSV4ForCausalLM, mesh: DeviceMesh, *,
                        compute_dtype: torch.dtype, lm_head_fp32: bool = True,
-                       reshard_after_forward: bool = True,
-                       optimizer_offload: str = "none") -> DSV4ForCausalLM:
+                       reshard_after_forward: bool | None = None,
+                       optimizer_offload: str = "none",
+                       activation_checkpointing: str = "none") -> DSV4ForCausalLM:
     """Shard ``model`` (fp32 master weights, any device) in place over the 1-D ``mesh``;
     ``optimizer_offload="fsdp"`` gives every group FSDP2's CPUOffloadPolicy (shards and
-    gradients on the host), the other modes keep them on the mesh's device."""
+    gradients on the host), the other modes keep them on the mesh's device.
+    ``reshard_after_forward`` None: by memory (keep_unsharded). Each decoder layer prefetches
+    the next one's all-gather in the forward and the previous one's in the backward."""
+    if reshard_after_forward is None:
+        reshard_after_forward = not keep_unsharded(model, mesh, compute_dtype)
     for name, p in model.named_parameters():
         if p.requires_grad and p.dtype != torch.float32:
             raise ValueError(f"parameter {name} is {p.dtype}: build the trainer's model in fp32 "
@@ -136,6 +200,7 @@ def parallelize_policy(model: DSV4ForCausalLM, mesh: DeviceMesh, *,
                 fully_shard(holder, mp_policy=fp32, **held)
         fully_shard(layer.ffn.gate, mp_policy=router, **kw)
         layer.register_forward_hook(_touch_every_parameter)
+        checkpoint_layer(layer, activation_checkpointing)
         fully_shard(layer, mp_policy=low, **kw)
     hc_head = move_fp32_params(model)  # V4's hc_head_*; V4.1 has none (mhc_combine)
     extra = [hc_head] if hc_head is not None else []
@@ -146,4 +211,8 @@ def parallelize_policy(model: DSV4ForCausalLM, mesh: DeviceMesh, *,
             fully_shard(hc_head, mp_policy=fp32, **held)
         fully_shard([model.norm, model.head], mp_policy=low, **held)
     fully_shard(model, mp_policy=low, **kw)
+    layers = list(model.layers)
+    for prev, nxt in zip(layers, layers[1:]):
+        prev.set_modules_to_forward_prefetch([nxt])
+        nxt.set_modules_to_backward_prefetch([prev])
     return model

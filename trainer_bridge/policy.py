@@ -52,7 +52,9 @@ def build_policy(cfg: ModelConfig, mesh: DeviceMesh, device: torch.device, *,
     model.to(device)
     compute_dtype = compute_dtype_for(device, cfg.compute_dtype)
     parallelize_policy(model, mesh, compute_dtype=compute_dtype, lm_head_fp32=cfg.lm_head_fp32,
-                       optimizer_offload=optimizer_offload)
+                       optimizer_offload=optimizer_offload,
+                       activation_checkpointing=cfg.activation_checkpointing if trainable
+                       else "none")
     if not trainable:
         model.eval()
     return Policy(model, cfg.model_path, device, serving_numerics=cfg.serving_numerics)
