@@ -90,8 +90,8 @@ class OutputAssembler:
 
     def _add_logprobs(self, meta: dict[str, Any]) -> None:
         """SGLang's logprob keys: [logprob, token id, text or None] per token; the top-N and
-        token-id lists hold such entries per position, None where SGLang has none (the
-        logprob_start_len position, which has no scored prefix in the request's window)."""
+        token-id lists hold such entries per position, None where SGLang has none (always the
+        logprob_start_len position; any position whose token-id list is empty)."""
         req = self.req
         start = req.logprob_start_len
         scored = start >= 0 and self.input_logprobs is not None
