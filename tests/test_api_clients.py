@@ -190,6 +190,21 @@ def test_top_logprobs_and_token_ids_match_the_reference_model(server):
                                             sampling_params={"max_new_tokens": 1})["meta_info"]
 
 
+def test_sglang_schema_encodes_the_logprob_request_and_decodes_the_response(server):
+    types = sglang_api_types()
+    body = types.encode_GenerateRequest(types.GenerateRequest(
+        input_ids=[[5, 6, 7], [8, 9]], return_logprob=True, logprob_start_len=[0, 1],
+        top_logprobs_num=[2, 3], token_ids_logprob=[[1, 2], [3]], return_text_in_logprobs=True,
+        sampling_params=types.SamplingParams(max_new_tokens=2, temperature=0)))
+    outs = server.http.post("/generate", json=body).json()
+    for out, k, ids, n_in in zip(outs, [2, 3], [[1, 2], [3]], [3, 1]):
+        meta = types.decode_GenerateResponse(out).meta_info   # SGLang's contract, or it raises
+        assert len(meta.input_top_logprobs) == len(meta.input_token_ids_logprobs) == n_in
+        assert [len(row) for row in meta.output_top_logprobs] == [k, k]
+        assert [[e.token_id for e in row] for row in meta.output_token_ids_logprobs] == [ids] * 2
+        assert meta.output_token_logprobs_length == 2
+
+
 def test_streamed_top_logprobs_equal_the_whole_response(server):
     body = {"input_ids": [5, 6, 7], "return_logprob": True, "top_logprobs_num": 4,
             "token_ids_logprob": [1, 2], "logprob_start_len": 0,
