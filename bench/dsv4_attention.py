@@ -5,10 +5,13 @@ our Triton kernels vs transformers' eager DeepseekV4 attention, per layer kind, 
     python bench/dsv4_attention.py --sweep         # only: tile configs at 4k CSA
     python bench/dsv4_attention.py --decode-sweep  # only: decode tile configs
     python bench/dsv4_attention.py --lengths 4096  # fewer lengths
+    python bench/dsv4_attention.py --profile       # only: kernel split of the core, module ops
 
 Rows: "core" = the attention the kernel replaces (scores, sinks, softmax, values) on the same
-q/kv/selection; "module" = transformers' DeepseekV4Attention (projections, compressor, indexer,
-RoPE) with attn_implementation eager vs ours. FLOPs count only the pairs the sparse pattern
+q/kv/selection; the whole attention module (projections, compressor, indexer, RoPE) at the same
+shapes, both against transformers' DeepseekV4Attention with attn_implementation eager:
+"tf module" = transformers' module with our kernel registered (register_transformers_attention),
+"our module" = our model's attention module (sglang_dsv41/model/dsv4/attention.py). FLOPs count only the pairs the sparse pattern
 attends: forward 4*H*D per (query, key) pair, forward+backward 3.5x that. Eager is marked OOM
 where it runs out of memory. Decode bandwidth = bytes of keys read / time, vs a device copy.
 On a machine with an older transformers, install the 5.23 wheel into a side path first:
@@ -144,6 +147,30 @@ def module_runner(kind, total, impl):
     return run
 
 
+def our_module_runner(kind, total):
+    """Our model's attention module at the same shapes as transformers' (V4-Flash defaults)."""
+    from sglang_dsv41.model.dsv4.attention import Attention
+    from sglang_dsv41.model.dsv4.config import DSV4Config
+    from sglang_dsv41.model.dsv4.context import DSV4Context
+    from sglang_dsv41.model.dsv4.model import default_dtype
+
+    ratio = {"sliding": 0, "CSA": 4, "HCA": 128}[kind]
+    cfg = DSV4Config(num_hidden_layers=1, compress_ratios=[ratio], num_hash_layers=0)
+    torch.manual_seed(0)
+    with default_dtype(DT):
+        attn = Attention(cfg, 0).to(DEV)
+    with torch.no_grad():
+        for p in attn.parameters():
+            if p.dim() > 1 and p.dtype == DT:
+                torch.nn.init.normal_(p, std=0.02)
+    x = torch.randn(total, cfg.hidden_size, device=DEV, dtype=DT, requires_grad=True)
+    ctx = DSV4Context.packed([total], DEV)
+
+    def run():
+        attn(x, ctx).float().square().mean().backward()
+    return run
+
+
 def fmt(ms, peak, flops=None):
     if ms is None:
         return f"{peak:>9} {'':>7} {'':>8}"
@@ -155,7 +182,7 @@ def table(lengths):
     name = register_transformers_attention()
     print(f"H={H} D={D} window={W} bf16; ms | TFLOP/s of the sparse pattern (peak {PEAK}) | "
           f"peak GiB; ratio = eager ms / ours ms")
-    print(f"{'tokens':>6} {'kind':>7} {'what':>12} | {'ours ms':>9} {'TF/s':>7} {'GiB':>8} | "
+    print(f"{'tokens':>6} {'kind':>7} {'what':>14} | {'ours ms':>9} {'TF/s':>7} {'GiB':>8} | "
           f"{'eager ms':>9} {'':>7} {'GiB':>8} | ratio")
     for total in lengths:
         for kind in KINDS:
@@ -168,16 +195,19 @@ def table(lengths):
                 eager = measure(eager_core(*ins, backward=bwd)) if total <= 16384 else \
                     (None, "not run")
                 ratio = f"{eager[0] / ours[0]:6.1f}x" if eager[0] and ours[0] else "   -"
-                print(f"{total:6d} {kind:>7} {what:>12} | {fmt(*ours, flops)} | "
+                print(f"{total:6d} {kind:>7} {what:>14} | {fmt(*ours, flops)} | "
                       f"{fmt(*eager)} | {ratio}", flush=True)
             del ins
-            ours = measure(module_runner(kind, total, name), reps=5)
             eager = measure(module_runner(kind, total, "eager"), reps=5) if total <= 16384 \
                 else (None, "not run")
-            ratio = f"{eager[0] / ours[0]:6.1f}x" if eager[0] and ours[0] else "   -"
-            print(f"{total:6d} {kind:>7} {'module f+b':>12} | {fmt(*ours)} | {fmt(*eager)} | "
-                  f"{ratio}", flush=True)
             torch.cuda.empty_cache()
+            for what, runner in (("tf module f+b", lambda: module_runner(kind, total, name)),
+                                 ("our module f+b", lambda: our_module_runner(kind, total))):
+                ours = measure(runner(), reps=5)
+                ratio = f"{eager[0] / ours[0]:6.1f}x" if eager[0] and ours[0] else "   -"
+                print(f"{total:6d} {kind:>7} {what:>14} | {fmt(*ours)} | {fmt(*eager)} | "
+                      f"{ratio}", flush=True)
+                torch.cuda.empty_cache()
 
 
 def decode(batch=512, seq=8192, page=64, heads=H):
@@ -207,42 +237,49 @@ def decode(batch=512, seq=8192, page=64, heads=H):
 
 
 def profile(total=4096):
-    """Kernel time split of one CSA forward+backward."""
+    """Kernel time split of one CSA core forward+backward, then of our attention module."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    run = ours_core(*core_inputs("CSA", total))
-    run()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+    for what, run, rows in (("CSA core", ours_core(*core_inputs("CSA", total)), 8),
+                            ("CSA our module", our_module_runner("CSA", total), 25),
+                            ("sliding our module", our_module_runner("sliding", total), 12)):
         run()
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8), flush=True)
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        print(f"# {what}, {total} tokens", flush=True)
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows),
+              flush=True)
 
 
 def sweep(total=4096):
+    """Tile configs of each kernel at 4k CSA, one kernel's config varied at a time."""
+    import dataclasses
+
     ins = core_inputs("CSA", total)
     fwd_flops = 4 * H * D * pairs(total, ins[3])
-    for bh, bn, warps, stages in [(64, 32, 8, 1), (64, 16, 8, 1), (64, 64, 8, 1), (32, 32, 4, 1),
-                                  (64, 32, 8, 2), (32, 64, 8, 2), (16, 64, 4, 2)]:
-        b = DSV4Blocks(bh, bn, warps, stages)
+    base = default_blocks(H)
+    # (kernel, (tile, keys, warps, stages)); tile = heads for fwd/dq, D columns for dkv/dcomp.
+    trials = [("fwd", c) for c in [(64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2),
+                                   (64, 64, 8, 3), (64, 32, 16, 2), (64, 64, 16, 2),
+                                   (32, 64, 4, 2), (32, 32, 4, 3)]]
+    trials += [("dq", c) for c in [(32, 64, 8, 1), (32, 64, 8, 2), (32, 32, 8, 2),
+                                   (64, 32, 16, 2), (64, 64, 16, 2), (32, 64, 4, 2)]]
+    trials += [("dcomp", c) for c in [(128, 64, 4, 2), (128, 64, 4, 3), (256, 64, 8, 2),
+                                      (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)]]
+    for kernel, (tile, bn, warps, stages) in trials:
+        names = {"fwd": ("fwd_bh", "fwd_bn", "fwd_warps", "fwd_stages"),
+                 "dq": ("dq_bh", "dq_bn", "dq_warps", "dq_stages"),
+                 "dcomp": ("dcomp_bd", "dcomp_bn", "dcomp_warps", "dcomp_stages")}[kernel]
+        b = dataclasses.replace(base, **dict(zip(names, (tile, bn, warps, stages))))
+        bwd = kernel != "fwd"
         try:
-            ms = do_bench(ours_core(*ins, blocks=b, backward=False))
-            print(f"fwd bh={bh} bn={bn} w={warps} s={stages}: {ms:.3f} ms "
-                  f"{fwd_flops / ms / 1e9:.0f} TF/s", flush=True)
+            ms = do_bench(ours_core(*ins, blocks=b, backward=bwd))
+            tf = (3.5 if bwd else 1) * fwd_flops / ms / 1e9
+            print(f"{'fwd+bwd' if bwd else 'fwd'} {kernel}={(tile, bn, warps, stages)}: "
+                  f"{ms:.3f} ms {tf:.0f} TF/s", flush=True)
         except Exception as e:  # resource limits of a config: report and go on
-            print(f"fwd bh={bh} bn={bn} w={warps} s={stages}: {type(e).__name__}", flush=True)
-    fwd = default_blocks(H)
-    # dq = (heads, keys, warps, stages); dkv = (D columns, keys, warps, stages).
-    for dq, dkv in [((32, 32, 4, 1), (128, 64, 4, 2)), ((32, 32, 4, 1), (128, 64, 8, 2)),
-                    ((32, 32, 4, 1), (64, 64, 4, 2)), ((32, 32, 4, 1), (256, 64, 8, 2)),
-                    ((32, 32, 4, 1), (128, 32, 4, 2)), ((32, 32, 4, 1), (128, 128, 8, 2)),
-                    ((64, 16, 8, 1), (128, 64, 4, 2)), ((32, 64, 8, 1), (128, 64, 4, 2))]:
-        b = DSV4Blocks(fwd.fwd_bh, fwd.fwd_bn, fwd.fwd_warps, fwd.fwd_stages, *dq, *dkv)
-        try:
-            ms = do_bench(ours_core(*ins, blocks=b))
-            print(f"fwd+bwd dq={dq} dkv={dkv}: {ms:.3f} ms "
-                  f"{3.5 * fwd_flops / ms / 1e9:.0f} TF/s", flush=True)
-        except Exception as e:
-            print(f"fwd+bwd dq={dq} dkv={dkv}: {type(e).__name__}", flush=True)
+            print(f"{kernel}={(tile, bn, warps, stages)}: {type(e).__name__}", flush=True)
 
 
 def decode_sweep(batch=512, seq=8192, page=64):
@@ -256,9 +293,10 @@ def decode_sweep(batch=512, seq=8192, page=64):
         sinks = torch.randn(heads, device=DEV)
         for k in (0, 512):
             idx = torch.randint(0, comp.shape[0], (batch, k), device=DEV).int() if k else None
-            for bh, bn, warps, stages in [(16, 64, 4, 2), (64, 32, 8, 2), (64, 64, 8, 2),
-                                          (32, 64, 4, 3), (16, 32, 4, 3), (16, 128, 8, 2),
-                                          (64, 64, 4, 3)]:
+            configs = ([(64, 32, 8, 2), (64, 32, 8, 3), (64, 32, 16, 2), (64, 64, 16, 2),
+                        (64, 32, 16, 3)] if heads > 16 else
+                       [(16, 64, 4, 2), (16, 32, 4, 3), (16, 64, 4, 3), (16, 128, 8, 2)])
+            for bh, bn, warps, stages in configs:
                 b = DSV4Blocks(bh, bn, warps, stages)
                 try:
                     ms = do_bench(lambda: dsv4_decode_triton(q, cache, table_, lens, sinks, W,
@@ -281,14 +319,13 @@ if __name__ == "__main__":
     parser.add_argument("--decode-sweep", action="store_true")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
-    if args.profile:
-        profile()
-    if args.decode_sweep:
-        decode_sweep()
-    if args.sweep:
-        sweep()
-    elif args.decode_sweep:
-        pass
+    if args.profile or args.sweep or args.decode_sweep:
+        if args.profile:
+            profile()
+        if args.sweep:
+            sweep()
+        if args.decode_sweep:
+            decode_sweep()
     elif args.only_decode:
         decode()
         decode(heads=8)

@@ -8,7 +8,8 @@ Three kernels; the scores are recomputed once, not once per output:
   * query pass: one program per (token, head block) walks the token's keys as the forward does,
     accumulates dQ in registers and stores P and scale * dS in the operand dtype to a
     [T, H, window + K] buffer (slot s < window: key t - window + 1 + s; slot window + j: the
-    token's j-th selected entry). O(T x (window + K) x H) memory, like the reference.
+    token's j-th selected entry; slots past the token's last valid pick are neither written nor
+    read). O(T x (window + K) x H) memory, like the reference.
   * window dKV, key-major: one program per (block of keys, D columns) loops over the queries
     that see those keys (k .. k + window - 1) and sums scale*dS^T @ Q + P^T @ dO over all heads
     with tensor-core tiles [keys x heads] x [heads x D]. Each key is owned by one program: no
@@ -40,7 +41,7 @@ def _tile_grads(q, do, k, valid, lse, delta, qk_scale, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
-def _dsv4_dq_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, first_ptr, do_ptr, o_ptr, lse_ptr,
+def _dsv4_dq_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, first_ptr, do_ptr, o_ptr, lse_ptr,
                     delta_ptr, dq_ptr, p_ptr, ds_ptr, H, D, window, num_sel, qk_scale, scale,
                     stride_qt, stride_qh, stride_kv, stride_c, stride_idx, BH: tl.constexpr,
                     BN: tl.constexpr, BD: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -76,18 +77,17 @@ def _dsv4_dq_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, first_ptr, do_ptr, o_ptr, 
         smask = hmask[:, None] & valid[None, :]
         tl.store(p_ptr + ptrs, to_dtype(p, k.dtype, DOT_PREC), mask=smask)
         tl.store(ds_ptr + ptrs, ds, mask=smask)
-    for n in range(0, num_sel, BN):
-        k, valid, row = _load_keys(kv_ptr, comp_ptr, idx_ptr, idx_ptr, t, n, lo, hi, num_sel,
-                                   stride_kv, stride_c, stride_idx, 0, offs_n, offs_d, dmask,
-                                   False, False, 1)
-        if tl.max(row, 0) >= 0:
-            p, ds = _tile_grads(q, do, k, valid, lse, delta, qk_scale, DOT_PREC)
-            ds = to_dtype(ds * scale, k.dtype, DOT_PREC)
-            acc += mma(ds, k, DOT_PREC)
-            ptrs = prow[:, None] + (window + n + offs_n)[None, :]
-            smask = hmask[:, None] & valid[None, :]
-            tl.store(p_ptr + ptrs, to_dtype(p, k.dtype, DOT_PREC), mask=smask)
-            tl.store(ds_ptr + ptrs, ds, mask=smask)
+    for n in range(0, tl.load(end_ptr + t), BN):
+        k, valid, _ = _load_keys(kv_ptr, comp_ptr, idx_ptr, idx_ptr, t, n, lo, hi, num_sel,
+                                 stride_kv, stride_c, stride_idx, 0, offs_n, offs_d, dmask,
+                                 False, False, 1)
+        p, ds = _tile_grads(q, do, k, valid, lse, delta, qk_scale, DOT_PREC)
+        ds = to_dtype(ds * scale, k.dtype, DOT_PREC)
+        acc += mma(ds, k, DOT_PREC)
+        ptrs = prow[:, None] + (window + n + offs_n)[None, :]
+        smask = hmask[:, None] & valid[None, :]
+        tl.store(p_ptr + ptrs, to_dtype(p, k.dtype, DOT_PREC), mask=smask)
+        tl.store(ds_ptr + ptrs, ds, mask=smask)
     tl.store(dq_ptr + qo, acc.to(dq_ptr.dtype.element_ty), mask=qmask)
 
 
@@ -128,8 +128,8 @@ def _dsv4_dkv_window_kernel(q_ptr, do_ptr, p_ptr, ds_ptr, first_ptr, dkv_ptr, T,
 
 
 @triton.jit
-def _dsv4_dcomp_kernel(q_ptr, do_ptr, p_ptr, ds_ptr, idx_ptr, dcomp_ptr, H, D, window, num_sel,
-                       stride_qt, stride_qh, stride_idx, BN: tl.constexpr, BHH: tl.constexpr,
+def _dsv4_dcomp_kernel(q_ptr, do_ptr, p_ptr, ds_ptr, idx_ptr, end_ptr, dcomp_ptr, H, D, window,
+                       num_sel, stride_qt, stride_qh, stride_idx, BN: tl.constexpr, BHH: tl.constexpr,
                        BD: tl.constexpr, DOT_PREC: tl.constexpr):
     t = tl.program_id(0)
     offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -139,22 +139,21 @@ def _dsv4_dcomp_kernel(q_ptr, do_ptr, p_ptr, ds_ptr, idx_ptr, dcomp_ptr, H, D, w
     dmask = offs_d < D
     q, do = _token_rows(q_ptr, do_ptr, t, offs_h, offs_d, hmask, dmask, stride_qt, stride_qh)
     prow = (t.to(tl.int64) * H + offs_h) * (window + num_sel) + window
-    for n in range(0, num_sel, BN):
+    # Slots past sel_end[t] were not visited by the query pass and hold nothing.
+    for n in range(0, tl.load(end_ptr + t), BN):
         j = n + offs_n
         row = tl.load(idx_ptr + t * stride_idx + j, mask=j < num_sel, other=-1)
         valid = row >= 0
-        # Tiles of -1 were skipped by the query pass and hold nothing.
-        if tl.max(row, 0) >= 0:
-            pmask = hmask[:, None] & valid[None, :]
-            p = tl.load(p_ptr + prow[:, None] + j[None, :], mask=pmask, other=0.0)
-            ds = tl.load(ds_ptr + prow[:, None] + j[None, :], mask=pmask, other=0.0)
-            dc = mma(tl.trans(ds), q, DOT_PREC) + mma(tl.trans(p), do, DOT_PREC)
-            tl.atomic_add(dcomp_ptr + row[:, None].to(tl.int64) * D + offs_d[None, :], dc,
-                          mask=valid[:, None] & dmask[None, :], sem="relaxed")
+        pmask = hmask[:, None] & valid[None, :]
+        p = tl.load(p_ptr + prow[:, None] + j[None, :], mask=pmask, other=0.0)
+        ds = tl.load(ds_ptr + prow[:, None] + j[None, :], mask=pmask, other=0.0)
+        dc = mma(tl.trans(ds), q, DOT_PREC) + mma(tl.trans(p), do, DOT_PREC)
+        tl.atomic_add(dcomp_ptr + row[:, None].to(tl.int64) * D + offs_d[None, :], dc,
+                      mask=valid[:, None] & dmask[None, :], sem="relaxed")
 
 
-def dsv4_backward(q, kv, sinks, first_rows, window, scale, comp_kv, comp_idx, out, lse, dout,
-                  blocks: DSV4Blocks):
+def dsv4_backward(q, kv, sinks, first_rows, window, scale, comp_kv, comp_idx, sel_end, out,
+                  lse, dout, blocks: DSV4Blocks):
     """-> (dq, dkv, dsinks or None, dcomp_kv) for contiguous inputs saved by the forward."""
     total, heads, dim = q.shape
     dout = dout.contiguous()
@@ -168,7 +167,8 @@ def dsv4_backward(q, kv, sinks, first_rows, window, scale, comp_kv, comp_idx, ou
     p_buf = torch.empty(total, heads, window + num_sel, device=q.device, dtype=q.dtype)
     ds_buf = torch.empty_like(p_buf)
     _dsv4_dq_kernel[(total, triton.cdiv(heads, blocks.dq_bh))](
-        q, kv, comp_kv, comp_idx, first_rows, dout, out, lse, delta, dq, p_buf, ds_buf, heads,
+        q, kv, comp_kv, comp_idx, sel_end, first_rows, dout, out, lse, delta, dq, p_buf, ds_buf,
+        heads,
         dim, window, num_sel, scale * LOG2E, scale, q.stride(0), q.stride(1), kv.stride(0),
         comp_kv.stride(0), comp_idx.stride(0), BH=blocks.dq_bh, BN=blocks.dq_bn, BD=bd,
         DOT_PREC=prec, num_warps=blocks.dq_warps, num_stages=blocks.dq_stages)
@@ -181,9 +181,11 @@ def dsv4_backward(q, kv, sinks, first_rows, window, scale, comp_kv, comp_idx, ou
         q, dout, p_buf, ds_buf, first_rows, dkv, total, heads, dim, window, num_sel, q.stride(0),
         q.stride(1), **launch)
     if num_sel:
+        cols = min(blocks.dcomp_bd, bd)
         _dsv4_dcomp_kernel[(total, triton.cdiv(dim, cols))](
-            q, dout, p_buf, ds_buf, comp_idx, dcomp32, heads, dim, window, num_sel, q.stride(0),
-            q.stride(1), comp_idx.stride(0), **launch)
+            q, dout, p_buf, ds_buf, comp_idx, sel_end, dcomp32, heads, dim, window, num_sel,
+            q.stride(0), q.stride(1), comp_idx.stride(0), BN=blocks.dcomp_bn, BHH=bhh, BD=cols,
+            DOT_PREC=prec, num_warps=blocks.dcomp_warps, num_stages=blocks.dcomp_stages)
     return dq, dkv, _dsinks(sinks, lse, delta), dcomp32.to(comp_kv.dtype)
 
 
@@ -200,10 +202,11 @@ class DSV4AttentionFunction(torch.autograd.Function):
         total, heads, dim = q.shape
         q, kv = q.contiguous(), kv.contiguous()
         first_rows = sequence_first_rows(cu_seqlens, total)
-        ckv, cidx = selection_or_empty(comp_kv, comp_idx, total, dim, kv)
+        ckv, cidx, sel_end = selection_or_empty(comp_kv, comp_idx, total, dim, kv)
         sink32 = sinks.float().contiguous() if sinks is not None else None
-        out, lse = dsv4_forward(q, kv, sink32, first_rows, window, scale, ckv, cidx, blocks)
-        ctx.save_for_backward(q, kv, sink32, ckv, cidx, first_rows, out, lse)
+        out, lse = dsv4_forward(q, kv, sink32, first_rows, window, scale, ckv, cidx, sel_end,
+                                blocks)
+        ctx.save_for_backward(q, kv, sink32, ckv, cidx, sel_end, first_rows, out, lse)
         ctx.window, ctx.scale, ctx.blocks = window, scale, blocks
         ctx.has_comp = comp_kv is not None
         ctx.comp_rows = 0 if comp_kv is None else comp_kv.shape[0]
@@ -212,9 +215,9 @@ class DSV4AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        q, kv, sink32, ckv, cidx, first_rows, out, lse = ctx.saved_tensors
+        q, kv, sink32, ckv, cidx, sel_end, first_rows, out, lse = ctx.saved_tensors
         dq, dkv, dsinks, dcomp = dsv4_backward(q, kv, sink32, first_rows, ctx.window, ctx.scale,
-                                               ckv, cidx, out, lse, dout, ctx.blocks)
+                                               ckv, cidx, sel_end, out, lse, dout, ctx.blocks)
         if dsinks is not None:
             dsinks = dsinks.to(ctx.sink_dtype)
         dcomp = dcomp[:ctx.comp_rows] if ctx.has_comp else None

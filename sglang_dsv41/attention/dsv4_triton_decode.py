@@ -30,9 +30,10 @@ def dsv4_decode_triton(q, kv_cache, page_table, seq_lens, sinks, window, scale, 
         blocks = default_blocks(heads)
     elif blocks is None:
         blocks = MANY_HEADS_DECODE_BLOCKS if heads > 16 else FEW_HEADS_DECODE_BLOCKS
-    ckv, cidx = selection_or_empty(comp_kv, comp_idx, batch, dim, kv_cache)
-    out, _ = dsv4_forward(q.contiguous(), kv_cache.reshape(-1, dim), sinks, seq_lens.to(torch.int32)
-                          .contiguous(), window, scale, ckv, cidx, blocks, store_lse=False,
+    ckv, cidx, sel_end = selection_or_empty(comp_kv, comp_idx, batch, dim, kv_cache)
+    lens = seq_lens.to(torch.int32).contiguous()
+    out, _ = dsv4_forward(q.contiguous(), kv_cache.reshape(-1, dim), sinks, lens, window, scale,
+                          ckv, cidx, sel_end, blocks, store_lse=False,
                           page_table=page_table.to(torch.int32).contiguous(),
                           page_size=kv_cache.shape[1])
     return out

@@ -6,8 +6,10 @@ Two key sources per token, walked in order with one online softmax seeded by the
   1. the sliding window, positions (pos - window, pos] of the token's sequence, contiguous rows
      of `kv` (packed prefill) or rows found through a page table (paged decode, PAGED=True);
   2. the token's compressed selection, rows of `comp_kv` listed in comp_idx[t] (-1 = none).
-Tiles of the selection whose indices are all -1 are skipped (the indexer puts its invalid picks
-last, so most padding costs one index load).
+The selection loop stops at the token's last valid pick (sel_end[t], one torch reduction before
+the launch; the indexer puts its invalid picks last, so padding costs nothing) and has no branch
+in its body, so Triton can software-pipeline its index and key loads (a branch in a loop body
+keeps Triton's pipeliner off, and each gathered tile then pays its full load latency).
 
 Scores use exp2 with log2(e) folded into the scale; the saved LSE is in the same log2 units and
 sink-inclusive; a row that sees nothing (and has no sink) stores +inf so the backward's
@@ -28,7 +30,8 @@ from .triton_common import LOG2E, dot_precision, interpreting, mma, to_dtype
 @dataclass(frozen=True)
 class DSV4Blocks:
     """Tile sizes of the DSV4 kernels: heads per program (bh), keys per tile (bn), warps, stages;
-    the dKV kernels take all heads at once and split D instead (dkv_bd columns per program)."""
+    the dKV kernels (window: dkv_*, selection: dcomp_*) take all heads at once and split D
+    instead (bd columns per program)."""
 
     fwd_bh: int = 64
     fwd_bn: int = 32
@@ -42,15 +45,20 @@ class DSV4Blocks:
     dkv_bn: int = 64
     dkv_warps: int = 4
     dkv_stages: int = 2
+    dcomp_bd: int = 128
+    dcomp_bn: int = 64
+    dcomp_warps: int = 4
+    dcomp_stages: int = 2
 
     def __post_init__(self):
-        for name in ("fwd_bh", "fwd_bn", "dq_bh", "dq_bn", "dkv_bd", "dkv_bn"):
+        for name in ("fwd_bh", "fwd_bn", "dq_bh", "dq_bn", "dkv_bd", "dkv_bn", "dcomp_bd",
+                     "dcomp_bn"):
             val = getattr(self, name)
             if val < 16 or val & (val - 1):
                 raise ValueError(f"DSV4Blocks.{name}={val}: must be a power of two >= 16")
 
 
-INTERPRET_BLOCKS = DSV4Blocks(16, 16, 1, 1, 16, 16, 1, 1, 16, 16, 1, 1)
+INTERPRET_BLOCKS = DSV4Blocks(16, 16, 1, 1, 16, 16, 1, 1, 16, 16, 1, 1, 16, 16, 1, 1)
 
 
 def default_blocks(heads: int) -> DSV4Blocks:
@@ -98,9 +106,9 @@ def _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC: tl.cons
 
 
 @triton.jit
-def _dsv4_fwd_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, sink_ptr, first_ptr, page_ptr, o_ptr,
-                     lse_ptr, H, D, window, num_sel, qk_scale, stride_qt, stride_qh, stride_kv,
-                     stride_c, stride_idx, stride_page, stride_ot, stride_oh,
+def _dsv4_fwd_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_ptr, first_ptr, page_ptr,
+                     o_ptr, lse_ptr, H, D, window, num_sel, qk_scale, stride_qt, stride_qh,
+                     stride_kv, stride_c, stride_idx, stride_page, stride_ot, stride_oh,
                      HAS_SINK: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
                      STORE_LSE: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
                      BD: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -131,13 +139,11 @@ def _dsv4_fwd_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, sink_ptr, first_ptr, page
                                  stride_kv, stride_c, stride_idx, stride_page, offs_n, offs_d,
                                  dmask, True, PAGED, PAGE)
         m_i, l_i, acc = _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC)
-    for n in range(0, num_sel, BN):
-        k, valid, row = _load_keys(kv_ptr, comp_ptr, idx_ptr, page_ptr, t, n, lo, hi, num_sel,
-                                   stride_kv, stride_c, stride_idx, stride_page, offs_n, offs_d,
-                                   dmask, False, PAGED, PAGE)
-        if tl.max(row, 0) >= 0:
-            m_i, l_i, acc = _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale,
-                                                 DOT_PREC)
+    for n in range(0, tl.load(end_ptr + t), BN):
+        k, valid, _ = _load_keys(kv_ptr, comp_ptr, idx_ptr, page_ptr, t, n, lo, hi, num_sel,
+                                 stride_kv, stride_c, stride_idx, stride_page, offs_n, offs_d,
+                                 dmask, False, PAGED, PAGE)
+        m_i, l_i, acc = _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC)
     out = acc / tl.maximum(l_i, 1.0e-30)[:, None]
     tl.store(o_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
@@ -155,18 +161,21 @@ def sequence_first_rows(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 
 
 def selection_or_empty(comp_kv, comp_idx, total, dim, like):
-    """(comp_kv [C>=1, D], comp_idx [T, K] int32 contiguous) with a dummy row when empty."""
+    """-> (comp_kv [C>=1, D], comp_idx [T, K] int32 contiguous, sel_end [T] int32: one past each
+    token's last valid pick), with a dummy row when empty."""
     if comp_idx is None or comp_idx.shape[1] == 0 or comp_kv is None or comp_kv.shape[0] == 0:
         k = 0 if comp_idx is None else comp_idx.shape[1]
         idx = torch.full((total, k), -1, dtype=torch.int32, device=like.device)
-        return like.new_zeros(1, dim), idx
-    return comp_kv.contiguous(), comp_idx.to(torch.int32).contiguous()
+        return like.new_zeros(1, dim), idx, idx.new_zeros(total)
+    idx = comp_idx.to(torch.int32).contiguous()
+    slot = torch.arange(1, idx.shape[1] + 1, device=idx.device, dtype=torch.int32)
+    return comp_kv.contiguous(), idx, torch.where(idx >= 0, slot, 0).amax(1).to(torch.int32)
 
 
-def dsv4_forward(q, kv, sinks, first_rows, window, scale, comp_kv, comp_idx,
+def dsv4_forward(q, kv, sinks, first_rows, window, scale, comp_kv, comp_idx, sel_end,
                  blocks: DSV4Blocks, store_lse: bool = True, page_table=None, page_size=1):
     """-> (out [T, H, D], lse [T, H] fp32 log2 units or None). Inputs already validated and
-    contiguous; comp_kv/comp_idx from selection_or_empty. With page_table, `kv` is the paged
+    contiguous; comp_kv/comp_idx/sel_end from selection_or_empty. With page_table, `kv` is the paged
     cache [pages * page_size, D], T is the batch and first_rows holds the sequence lengths."""
     total, heads, dim = q.shape
     out = torch.empty_like(q)
@@ -176,7 +185,7 @@ def dsv4_forward(q, kv, sinks, first_rows, window, scale, comp_kv, comp_idx,
     paged = page_table is not None
     grid = (total, triton.cdiv(heads, blocks.fwd_bh))
     _dsv4_fwd_kernel[grid](
-        q, kv, comp_kv, comp_idx, sinks if sinks is not None else q, first_rows,
+        q, kv, comp_kv, comp_idx, sel_end, sinks if sinks is not None else q, first_rows,
         page_table if paged else first_rows, out, lse if store_lse else out, heads, dim, window,
         comp_idx.shape[1], scale * LOG2E, q.stride(0), q.stride(1), kv.stride(0),
         comp_kv.stride(0), comp_idx.stride(0), page_table.stride(0) if paged else 0,

@@ -105,6 +105,9 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
         self.compressor = Compressor(cfg.hidden_size, self.head_dim, ratio, cfg.rms_norm_eps)
 
+    # The picks are integers: no gradient reaches the indexer through them, so its graph (the
+    # fp32 [T, heads, entries] scores, 1 GiB at 4k tokens) is never built.
+    @torch.no_grad()
     def forward(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor,
                 bounds: list[tuple[int, int]], cu_entries: torch.Tensor, freqs: torch.Tensor
                 ) -> torch.Tensor:

@@ -42,6 +42,35 @@ def layer_inv_freq(cfg: DSV4Config, compressed: bool) -> torch.Tensor:
                     float(s.get("beta_fast", 32)), float(s.get("beta_slow", 1)))
 
 
+def _rotate_pairs(tail: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved pairs (2i, 2i+1) of tail rotated by the angles of cos/sin, in fp32."""
+    pairs = tail.float().unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+
+
+class _Rope(torch.autograd.Function):
+    """RoPE on the trailing slice with a hand-written backward: autograd's own backward of the
+    slice + cat materialises two zero-filled full-size gradients and adds them (5 passes over
+    a [T, H, D] tensor, ~4 ms of a 4k-token attention layer on an H200); this one is one copy.
+    Bitwise the same gradient: the transpose of a rotation is the rotation by -angle, and each
+    gradient element is the same two fp32 products summed (IEEE addition commutes)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        rope_dim = 2 * cos.shape[-1]
+        rotated = _rotate_pairs(x[..., -rope_dim:], cos, sin).to(x.dtype)
+        return torch.cat([x[..., :-rope_dim], rotated], dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        rope_dim = 2 * cos.shape[-1]
+        rotated = _rotate_pairs(grad[..., -rope_dim:], cos, -sin).to(grad.dtype)
+        return torch.cat([grad[..., :-rope_dim], rotated], dim=-1), None, None
+
+
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
                inverse: bool = False) -> torch.Tensor:
     """Rotate the last 2*len(freqs) channels of x [T, ..., D] by positions [T] (interleaved
@@ -51,9 +80,4 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
     if inverse:
         angles = -angles
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rope_dim // 2,)
-    cos, sin = angles.cos().view(shape), angles.sin().view(shape)
-    head, tail = x[..., :-rope_dim], x[..., -rope_dim:]
-    pairs = tail.float().unflatten(-1, (-1, 2))
-    even, odd = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
-    return torch.cat([head, rotated.to(x.dtype)], dim=-1)
+    return _Rope.apply(x, angles.cos().view(shape), angles.sin().view(shape))

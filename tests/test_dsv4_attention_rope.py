@@ -1,0 +1,40 @@
+"""The attention module's RoPE (model/dsv4/rope.py) has a hand-written backward; it must give
+autograd's gradient of the plain formula bit for bit, in every dtype, both directions."""
+
+import pytest
+import torch
+
+from sglang_dsv41.model.dsv4.rope import apply_rope, inv_freq
+
+
+def rope_by_autograd(x, positions, freqs, inverse):
+    """The formula in plain torch ops, differentiated by autograd."""
+    rope_dim = 2 * freqs.shape[0]
+    angles = positions.float()[:, None] * freqs[None, :] * (-1 if inverse else 1)
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rope_dim // 2,)
+    cos, sin = angles.cos().view(shape), angles.sin().view(shape)
+    pairs = x[..., -rope_dim:].float().unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), -1).flatten(-2)
+    return torch.cat([x[..., :-rope_dim], rotated.to(x.dtype)], dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("shape", [(200, 4, 96), (200, 96)])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_gradient_is_autograds_bit_for_bit(dtype, shape, inverse):
+    gen = torch.Generator().manual_seed(0)
+    freqs = inv_freq(64, 10000.0)
+    x = (torch.randn(*shape, generator=gen) * 3).to(dtype)
+    positions = torch.randint(0, 1 << 20, (shape[0],), generator=gen)
+    grad = torch.randn(*shape, generator=gen).to(dtype)
+    ours, ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, want = apply_rope(ours, positions, freqs, inverse), rope_by_autograd(ref, positions,
+                                                                                freqs, inverse)
+    out.backward(grad)
+    want.backward(grad)
+    assert out.dtype == dtype and torch.equal(out, want)
+    assert torch.equal(ours.grad, ref.grad)
+    # The head channels pass through; the rope channels really rotate.
+    assert torch.equal(out[..., :-64], x[..., :-64])
+    assert not torch.equal(out[..., -64:], x[..., -64:])
