@@ -129,8 +129,8 @@ def _dsv4_dkv_window_kernel(q_ptr, do_ptr, p_ptr, ds_ptr, first_ptr, dkv_ptr, T,
 
 @triton.jit
 def _dsv4_dcomp_kernel(q_ptr, do_ptr, p_ptr, ds_ptr, idx_ptr, end_ptr, dcomp_ptr, H, D, window,
-                       num_sel, stride_qt, stride_qh, stride_idx, BN: tl.constexpr, BHH: tl.constexpr,
-                       BD: tl.constexpr, DOT_PREC: tl.constexpr):
+                       num_sel, stride_qt, stride_qh, stride_idx, BN: tl.constexpr,
+                       BHH: tl.constexpr, BD: tl.constexpr, DOT_PREC: tl.constexpr):
     t = tl.program_id(0)
     offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
     offs_h = tl.arange(0, BHH)

@@ -15,9 +15,9 @@ Mirrors transformers' DeepseekV4HCACompressor / DeepseekV4CSACompressor / Deepse
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ...attention.indexer_scores import indexer_scores
 from .config import DSV4Config
 from .norm import RMSNorm
 from .rope import apply_rope
@@ -105,8 +105,7 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
         self.compressor = Compressor(cfg.hidden_size, self.head_dim, ratio, cfg.rms_norm_eps)
 
-    # The picks are integers: no gradient reaches the indexer through them, so its graph (the
-    # fp32 [T, heads, entries] scores, 1 GiB at 4k tokens) is never built.
+    # The picks are integers: no gradient reaches the indexer through them, so no graph is built.
     @torch.no_grad()
     def forward(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor,
                 bounds: list[tuple[int, int]], cu_entries: torch.Tensor, freqs: torch.Tensor
@@ -122,9 +121,8 @@ class Indexer(nn.Module):
             n = counts[s]
             if n == 0:
                 continue
-            k = keys[cu_keys[s]:cu_keys[s] + n].float()
-            scores = torch.einsum("thd,nd->thn", q[start:end].float(), k)
-            scores = (F.relu(scores) * self.head_dim ** -0.5 * w[start:end, :, None]).sum(dim=1)
+            scores = indexer_scores(q[start:end], keys[cu_keys[s]:cu_keys[s] + n],
+                                    w[start:end], self.head_dim ** -0.5)
             seen = visible_entries(positions[start:end], self.ratio)
             future = torch.arange(n, device=x.device)[None, :] >= seen[:, None]
             picks = stable_topk(scores.masked_fill(future, float("-inf")), min(self.topk, n))[1]
