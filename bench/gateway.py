@@ -84,7 +84,8 @@ def wait_ready(url: str, timeout: float = 60) -> None:
     raise TimeoutError(url)
 
 
-async def open_loop(url: str, bodies, rate: float, seconds: float, headers_of) -> list[float]:
+async def open_loop(url: str, bodies, rate: float, seconds: float, headers_of,
+                    quiet: bool = False) -> list[float]:
     """Send at a fixed rate regardless of answers (aiohttp: httpx's client alone could not
     send 150/s here); latency of each, failures counted."""
     import aiohttp
@@ -117,8 +118,9 @@ async def open_loop(url: str, bodies, rate: float, seconds: float, headers_of) -
         sent = len(tasks) / (time.perf_counter() - start)
         await asyncio.gather(*tasks)
         took = time.perf_counter() - start
-    print(f"    {url}: {len(latencies)} ok, {len(errors)} failed {sorted(set(errors))[:3]}, "
-          f"offered {rate:.0f}/s, sent {sent:.0f}/s, answered {len(latencies) / took:.0f}/s")
+    if not quiet:
+        print(f"    {url}: {len(latencies)} ok, {len(errors)} failed {sorted(set(errors))[:3]}, "
+              f"offered {rate:.0f}/s, sent {sent:.0f}/s, answered {len(latencies) / took:.0f}/s")
     return latencies
 
 
@@ -138,16 +140,24 @@ def overhead(rate: float, seconds: float) -> None:
     wait_ready(f"http://127.0.0.1:{gw_port}/health")
     try:
         msgs = [{"role": "user", "content": "run the tests and report"}]
-        direct = asyncio.run(open_loop(
-            f"http://127.0.0.1:{stub_port}/generate",
-            lambda i: {"input_ids": list(range(1, 60)), "sampling_params": {"max_new_tokens": 3}},
-            rate, seconds, lambda i: {}))
+        direct_url = f"http://127.0.0.1:{stub_port}/generate"
+        gw_url = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
+
+        def engine_body(i):
+            return {"input_ids": list(range(1, 60)), "sampling_params": {"max_new_tokens": 3}}
+
+        def chat_body(i):
+            return {"model": "tiny", "messages": msgs, "max_tokens": 3}
+
+        # Steady state: one second at the rate first (first-call imports, new connections).
+        asyncio.run(open_loop(direct_url, engine_body, rate, 1.0, lambda i: {}, quiet=True))
+        asyncio.run(open_loop(gw_url, chat_body, rate, 1.0, lambda i: {"X-Session-ID": f"w{i}"},
+                              quiet=True))
+        direct = asyncio.run(open_loop(direct_url, engine_body, rate, seconds, lambda i: {}))
         cpu = psutil.Process(gw.pid)
         cpu0 = sum(cpu.cpu_times()[:2])
-        through = asyncio.run(open_loop(
-            f"http://127.0.0.1:{gw_port}/v1/chat/completions",
-            lambda i: {"model": "tiny", "messages": msgs, "max_tokens": 3}, rate, seconds,
-            lambda i: {"X-Session-ID": f"s{i}"}))
+        through = asyncio.run(open_loop(gw_url, chat_body, rate, seconds,
+                                        lambda i: {"X-Session-ID": f"s{i}"}))
         cpu_per_request = (sum(cpu.cpu_times()[:2]) - cpu0) / len(through)
     finally:
         gw.terminate()
@@ -217,11 +227,14 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=10)
     p.add_argument("--sessions", type=int, default=8)
     p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--only", choices=("overhead", "prefix"), default=None)
     a = p.parse_args()
-    print(f"1. overhead at {a.rate:.0f} requests/s for {a.seconds:.0f} s (stub engine)")
-    overhead(a.rate, a.seconds)
-    print(f"2. prefix hit ratio, {a.sessions} sessions x {a.turns} turns, tiny tp=2 dp=2")
-    prefix(a.sessions, a.turns)
+    if a.only != "prefix":
+        print(f"1. overhead at {a.rate:.0f} requests/s for {a.seconds:.0f} s (stub engine)")
+        overhead(a.rate, a.seconds)
+    if a.only != "overhead":
+        print(f"2. prefix hit ratio, {a.sessions} sessions x {a.turns} turns, tiny tp=2 dp=2")
+        prefix(a.sessions, a.turns)
 
 
 if __name__ == "__main__":

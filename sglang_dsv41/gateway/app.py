@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import time
 import uuid
 from collections import OrderedDict
@@ -216,7 +217,15 @@ class Gateway:
 
 
 def create_gateway_app(gateway: Gateway) -> FastAPI:
-    app = FastAPI(title="sglang-dsv41 agent gateway", max_body_size=MAX_BODY_BYTES)
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        aclose = getattr(gateway.router, "aclose", None)  # its pooled engine connections
+        if aclose is not None:
+            await aclose()
+
+    app = FastAPI(title="sglang-dsv41 agent gateway", max_body_size=MAX_BODY_BYTES,
+                  lifespan=lifespan)
 
     @app.exception_handler(GatewayError)
     async def gateway_error(_: Request, exc: GatewayError):
