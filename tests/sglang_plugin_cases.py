@@ -43,6 +43,9 @@ def entry_points(installed: list[str]) -> dict:
         and hasattr(loader.initialize_dummy_weights, "__wrapped__"),
         "serve_generate_request": hasattr(import_sglang(
             "sglang.srt.entrypoints.http_server").serve_generate_request, "__wrapped__"),
+        "WeightUpdater.update_weights_from_tensor": hasattr(import_sglang(
+            "sglang.srt.model_executor.model_runner_components.weight_updater").WeightUpdater
+            .update_weights_from_tensor, "__wrapped__"),
     }
     return dict(installed=installed, wrapped=wrapped)
 
@@ -95,59 +98,12 @@ def case_mlp_sync(rank: str, port: str, delay: str) -> None:
                                                  f"stall-rank{rank}.json")))
 
 
-# ---- HTTP: /generate pins, /health with a stall report, Engram updates -------------------------
-def http(run_dir: str) -> dict:
-    from fastapi.testclient import TestClient
+# ---- HTTP: /generate pins, sticky dispatch, /health with a stall report, Engram updates ------
+def http(work_dir: str, run_dir: str) -> dict:
+    from sglang_plugin_generate import request_path_case
 
     os.environ["SGLANG_DSV41_RUN_DIR"] = run_dir  # read by the health middleware per request
-    http = import_sglang("sglang.srt.entrypoints.http_server")
-    mixin = import_sglang("sglang.srt.managers.tokenizer_control_mixin")
-    from sglang_dsv41.policies.watchdog import StallReport
-    from sglang_dsv41.sglang_backend.watchdog_hooks import write_stall_report
-
-    seen, reached = [], []
-
-    class Backend(mixin.TokenizerControlMixin):
-        """What stands behind the HTTP process here: no scheduler runs, so the request that
-        SGLang's route hands on is recorded (SGLang's own range check is left to SGLang)."""
-        elastic_worker_count = 2
-
-        async def generate_request(self, obj, request=None):
-            seen.append(obj.routed_dp_rank)
-            yield {"text": "", "meta_info": {"routed_dp_rank": obj.routed_dp_rank}}
-
-        def auto_create_handle_loop(self):  # the first thing SGLang's update method does
-            reached.append("update_weights_from_distributed")
-            raise LookupError("no scheduler here")
-
-    http.set_global_state(http._GlobalState(tokenizer_manager=Backend(), template_manager=None,
-                                            scheduler_info={}))
-    client = TestClient(http.app, raise_server_exceptions=False)
-    body = {"text": "hi", "sampling_params": {"max_new_tokens": 1}}
-    out = {}
-    for label, extra, headers in (
-            ("header", {}, {"X-Data-Parallel-Rank": "1"}), ("none", {}, {}),
-            ("empty_header", {}, {"X-Data-Parallel-Rank": " "}),
-            ("body_agrees", {"routed_dp_rank": 1}, {"X-Data-Parallel-Rank": "1"}),
-            ("conflict", {"routed_dp_rank": 0}, {"X-Data-Parallel-Rank": "1"}),
-            ("out_of_range", {}, {"X-Data-Parallel-Rank": "2"}),
-            ("not_int", {}, {"X-Data-Parallel-Rank": "one"})):
-        r = client.post("/generate", json={**body, **extra}, headers=headers)
-        out[label] = [r.status_code, r.text]
-    out["seen"] = seen
-    write_stall_report(run_dir, StallReport(rank=3, step=7, op="mlp_sync", waited_s=2.5))
-    r = client.get("/health")
-    out["health"] = [r.status_code, r.json()]
-    r = client.get("/health_generate")
-    out["health_generate"] = r.status_code
-    upd = {"names": ["model.layers.0.engram.embed.weight"], "dtypes": ["float8_e4m3fn"],
-           "shapes": [[4, 64]], "group_name": "g"}
-    r = client.post("/update_weights_from_distributed", json=upd)
-    out["engram_update"] = [r.status_code, r.json()]
-    client.post("/update_weights_from_distributed",
-                json={**upd, "names": ["model.layers.0.self_attn.wo_a.weight"]})
-    out["dense_update"] = reached
-    return out
+    return request_path_case(work_dir, run_dir)
 
 
 # ---- R3 rows of hash layers -------------------------------------------------------------------
@@ -234,7 +190,8 @@ def case_in_process(ckpt_dir: str, run_dir: str, model_dir: str) -> None:
 
     installed = load_plugins()
     cases = [("entry_points", lambda: entry_points(installed)),
-             ("dummy_load", lambda: dummy_load(ckpt_dir)), ("http", lambda: http(run_dir)),
+             ("dummy_load", lambda: dummy_load(ckpt_dir)),
+             ("http", lambda: http(os.path.dirname(run_dir), run_dir)),
              ("r3", r3), ("plain_sglang", lambda: plain_sglang(model_dir)),
              ("launch", lambda: launch(model_dir)), ("switches", switches)]
     facts = {}

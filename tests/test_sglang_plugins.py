@@ -78,7 +78,8 @@ def test_sglang_loads_every_plugin_through_its_entry_point(in_process):
     assert sorted(facts["installed"]) == sorted(ALL_PLUGINS)
     assert facts["wrapped"] == {"DummyModelLoader.load_model": True,
                                 "loader.initialize_dummy_weights": True,
-                                "serve_generate_request": True}
+                                "serve_generate_request": True,
+                                "WeightUpdater.update_weights_from_tensor": True}
     assert sorted(facts["allow_list"]) == ["layout_guards", "stall_watchdog"]  # SGLANG_PLUGINS
     assert facts["disabled"] == ["stall_watchdog"]  # SGLANG_DSV41_DISABLED_PLUGINS
 
@@ -149,21 +150,55 @@ def test_watchdog_names_the_waiting_rank_over_a_gloo_group(tmp_path):
     assert not (run_dir / "stall-rank1.json").exists()  # the late rank never waited
 
 
-def test_generate_header_health_and_engram_update_through_sglangs_app(in_process):
+def test_generate_pins_through_sglangs_request_path(in_process):
+    """SGLang's HTTP app, TokenizerManager, DataParallelController and DetokenizerManager; what
+    reached the (stand-in) GPU scheduler is the real TokenizedGenerateReqInput."""
     facts = case_facts(in_process, "http")
-    assert facts["header"][0] == 200 and facts["none"][0] == 200
-    assert facts["empty_header"][0] == 200 and facts["body_agrees"][0] == 200
-    assert facts["seen"] == [1, None, None, 1]
-    assert facts["conflict"][0] == 400 and "conflicting DP ranks" in str(facts["conflict"][1])
-    assert facts["out_of_range"][0] == 400 and "valid ranks are [0, 2)" in str(facts["out_of_range"])
-    assert facts["not_int"][0] == 400 and "must be an integer" in str(facts["not_int"])
+    prompt = [3, 4, 5]  # "hello world again" through the WordLevel tokenizer, echoed back
+    # (DP worker socket, routed_dp_rank, routing_key, input_ids) at the scheduler
+    assert facts["header"]["reached"] == [[1, 1, None, prompt]]
+    assert facts["body_agrees"]["reached"] == [[1, 1, None, prompt]]
+    for label in ("header", "body_agrees"):
+        assert facts[label]["status"] == 200 and facts[label]["dp_rank"] == 1
+        assert facts[label]["text"] == "hello world again"
+    for label in ("none", "empty_header"):  # no pin: SGLang's round robin decides
+        assert facts[label]["status"] == 200
+        assert [r[1] for r in facts[label]["reached"]] == [None]
+    for label, message in (("conflict", "conflicting DP ranks"),
+                           ("out_of_range", "valid ranks are [0, 2)"),
+                           ("not_int", "must be an integer")):
+        assert facts[label]["status"] == 400 and message in facts[label]["error"], facts[label]
+        assert facts[label]["reached"] == []  # refused before the scheduler
+
+
+def test_routing_key_sticks_to_one_dp_rank_in_sglangs_dp_controller(in_process):
+    facts = case_facts(in_process, "http")
+    worker_of = {}
+    for worker, routed, key in facts["sticky"]:
+        assert worker == routed  # the controller sent it to the rank it was pinned to
+        assert worker_of.setdefault(key, worker) == worker, (key, facts["sticky"])
+    assert sorted(worker_of.values()) == [0, 0, 1, 1]  # 4 new keys spread over 2 ranks
+    assert facts["sticky_pinned"][0][:2] == [1, 1]  # an explicit pin beats the key's rank
+
+
+def test_health_answers_503_naming_the_stalled_rank(in_process):
+    facts = case_facts(in_process, "http")
     status, body = facts["health"]
     assert status == 503 and body["error"]["stalled_ranks"] == [3]
     assert "rank 3 stuck in collective 'mlp_sync' at step 7" in body["error"]["message"]
     assert facts["health_generate"] == 503
-    assert facts["engram_update"][0] == 400
-    assert "frozen Engram table" in facts["engram_update"][1]["message"]
-    assert facts["dense_update"] == ["update_weights_from_distributed"]  # not refused
+
+
+def test_weight_updates_naming_an_engram_table_get_400(in_process):
+    facts = case_facts(in_process, "http")
+    status, message, reached = facts["engram_distributed"]
+    assert status == 400 and "frozen Engram table" in message and reached == 0
+    assert facts["dense_distributed"] == [200, "UpdateWeightsFromDistributedReqInput"]
+    # from tensor: refused by SGLang's model-runner WeightUpdater, before any tensor is loaded
+    status, message = facts["engram_tensor"]
+    assert status == 400 and "frozen Engram table" in message
+    assert facts["engram_table_untouched"] is True
+    assert facts["dense_tensor"][0] == 200 and facts["dense_loaded"] is True
 
 
 def test_r3_rows_of_hash_layers_come_from_tid2eid(in_process):

@@ -1,5 +1,5 @@
 """Engram plugins: a dummy load that still loads the frozen Engram tables and ``tid2eid``, and
-weight updates that would overwrite an Engram table refused.
+weight updates that would overwrite an Engram table refused (from distributed and from tensor).
 
 SGLang 0.5.23's ``DummyModelLoader.load_model`` (model_loader/loader.py) never reads the
 checkpoint, so the Engram tables stay uninitialised and ``tid2eid`` keeps HashTopK's
@@ -128,13 +128,41 @@ def around_dummy_load_model(original, self, *, model_config, device_config):
     return model
 
 
+def engram_update_refusal(names) -> str | None:
+    """Why a weight update naming these tensors is refused, or None. The trainer never trains
+    the Engram tables; an update naming one would have to send the whole table
+    (EngramEmbedding._load_rows slices the full table), so it is refused unless
+    --dsv41-allow-engram-update."""
+    tables = [n for n in names if is_engram_table(n)]
+    if not tables or ENV.ALLOW_ENGRAM_UPDATE.get():
+        return None
+    return (f"refused: the update names {len(tables)} frozen Engram table(s) ({tables[0]}, ...); "
+            f"leave them out of weight updates or start the server with "
+            f"--dsv41-allow-engram-update")
+
+
 async def around_update_weights_from_distributed(original, self, obj, request=None):
-    """The trainer never trains the Engram tables; a push that names one would have to send
-    the whole table (EngramEmbedding._load_rows slices the full table) and is refused with
-    HTTP 400 unless --dsv41-allow-engram-update."""
-    tables = [n for n in (obj.names or []) if is_engram_table(n)]
-    if tables and not ENV.ALLOW_ENGRAM_UPDATE.get():
-        return False, (f"refused: the update names {len(tables)} frozen Engram table(s) "
-                       f"({tables[0]}, ...); leave them out of weight updates or start the "
-                       f"server with --dsv41-allow-engram-update")
+    """TokenizerControlMixin.update_weights_from_distributed: the names travel in the request,
+    so the refusal is the HTTP process's (HTTP 400), before any scheduler is reached."""
+    refusal = engram_update_refusal(obj.names or [])
+    if refusal:
+        return False, refusal
     return await original(self, obj, request)
+
+
+def tensor_update_names(named_tensors) -> list[str]:
+    """The names of an update_weights_from_tensor payload: (name, tensor) pairs, or SGLang's
+    flattened bucket ({"flattened_tensor", "metadata": [FlattenedTensorMetadata]})."""
+    if isinstance(named_tensors, dict):  # load_format "flattened_bucket"
+        return [meta.name for meta in named_tensors["metadata"]]
+    return [name for name, _ in named_tensors]
+
+
+def around_update_weights_from_tensor(original, self, named_tensors, load_format=None):
+    """Model runner WeightUpdater.update_weights_from_tensor: the names exist only once the
+    scheduler has deserialized the tensors, so the refusal is the runner's result
+    (success False: the scheduler's reply, HTTP 400), before any tensor is loaded."""
+    refusal = engram_update_refusal(tensor_update_names(named_tensors))
+    if refusal:
+        return False, refusal
+    return original(self, named_tensors=named_tensors, load_format=load_format)
