@@ -150,30 +150,30 @@ def launch(model_dir: str) -> dict:
     return dict(codes=codes, children=len(__import__("psutil").Process().children()))
 
 
-def plain_sglang(model_dir: str) -> dict:
-    """``python -m sglang.launch_server`` with our package installed: SGLang calls
-    ServerArgs.check_server_args in its main process before spawning a scheduler, and our AFTER
-    hooks refuse there. SGLang's own validation needs a record resolved on a GPU, so only it is
-    skipped here (its module function, which the method imports at call time)."""
+def plain_sglang(work_dir: str) -> dict:
+    """``python -m sglang.launch_server`` with our package installed: SGLang resolves the
+    arguments (resolve_once) and calls ServerArgs.check_server_args in its main process before
+    it spawns a scheduler (entrypoints/engine.py _launch_subprocesses); SGLang's own validation
+    runs first (``--device cpu``: nothing else here needs a GPU), then our AFTER hooks."""
+    from sglang_plugin_generate import write_tiny_model
+
     sa = import_sglang("sglang.srt.server_args")
-    validation = import_sglang("sglang.srt.arg_groups.validation_hook")
-    original, validation.check_server_args = validation.check_server_args, lambda args: None
+    model_dir = write_tiny_model(os.path.join(work_dir, "plain_sglang_model"))  # o_groups 2
     out = {"hooked": hasattr(sa.ServerArgs.check_server_args, "__wrapped__")}
-    try:
-        for label, argv in (("tp16", ["--tp-size", "16"]),
-                            ("two_nodes", ["--tp-size", "16", "--attn-dp-size", "2",
-                                           "--nnodes", "2"])):
-            for name in ("SGLANG_DSV41_ENGRAM_LAYOUT", "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT"):
-                os.environ.pop(name, None)  # one server per process: no earlier choice
-            args = sa.prepare_server_args(["--model-path", model_dir, *argv])
-            try:
-                args.check_server_args()
-                out[label] = "accepted"
-            except ValueError as e:
-                out[label] = f"{type(e).__name__}: {e}"
-        out["host_layout"] = os.environ.get("SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT")
-    finally:
-        validation.check_server_args = original
+    for label, argv in (("tp16", ["--tp-size", "16"]),
+                        ("two_nodes", ["--tp-size", "16", "--attn-dp-size", "8", "--nnodes", "2"]),
+                        ("sglang_refuses", ["--tp-size", "3", "--nnodes", "2"])):
+        for name in ("SGLANG_DSV41_ENGRAM_LAYOUT", "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT"):
+            os.environ.pop(name, None)  # one server per process: no earlier choice
+        args = sa.prepare_server_args(["--model-path", model_dir, "--device", "cpu", *argv])
+        try:
+            args.resolve_once()
+            args.check_server_args()
+            out[label] = "accepted"
+        except (ValueError, AssertionError) as e:
+            out[label] = f"{type(e).__name__}: {e}"
+        if label == "two_nodes":
+            out["host_layout"] = os.environ.get("SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT")
     return out
 
 
@@ -192,7 +192,7 @@ def case_in_process(ckpt_dir: str, run_dir: str, model_dir: str) -> None:
     cases = [("entry_points", lambda: entry_points(installed)),
              ("dummy_load", lambda: dummy_load(ckpt_dir)),
              ("http", lambda: http(os.path.dirname(run_dir), run_dir)),
-             ("r3", r3), ("plain_sglang", lambda: plain_sglang(model_dir)),
+             ("r3", r3), ("plain_sglang", lambda: plain_sglang(os.path.dirname(run_dir))),
              ("launch", lambda: launch(model_dir)), ("switches", switches)]
     facts = {}
     for name, run in cases:

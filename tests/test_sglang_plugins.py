@@ -219,6 +219,8 @@ def test_launch_refuses_bad_layouts_before_starting_anything(in_process):
 def test_plain_sglang_launch_server_gets_the_guards_through_check_server_args(in_process):
     facts = case_facts(in_process, "plain_sglang")
     assert facts["hooked"] is True
-    assert facts["tp16"].startswith("DeploymentRefused: attention TP size 16 exceeds o_groups=8")
-    assert facts["two_nodes"] == "accepted"
+    assert facts["tp16"].startswith("DeploymentRefused: attention TP size 16 exceeds o_groups=2")
+    assert facts["two_nodes"] == "accepted"  # attention TP 2 = o_groups, per_rank layout
     assert facts["host_layout"] == "per_rank"  # SGLang's own switch, picked by node count
+    # SGLang's own validation ran (not stubbed): its refusal comes before our hooks
+    assert facts["sglang_refuses"].startswith("AssertionError: tp_size must be divisible")
