@@ -1,11 +1,15 @@
-"""Training-step throughput: tokens/s and MFU of the policy (FSDP2 wrapping, mixed precision,
-PPO loss, AdamW step) with our sink-attention kernel vs the eager torch reference, same run.
+"""Training-step throughput of the real model: our trainer (FSDP2 policy, mixed precision, grouped
+expert GEMMs, our sink-attention kernel, PPO loss, AdamW) vs transformers' DeepseekV4ForCausalLM
+(eager attention; eager and grouped_mm experts), same GPU, same run.
 
-GPU (the real measurement): python bench/train.py --preset small --seq 4096
-CPU smoke check:            python bench/train.py --preset tiny --seq 64 --steps 2
+GPU (the real measurement): python bench/train.py --preset small --seqs 4096,16384,65536
+CPU smoke check:            python bench/train.py --preset tiny --seqs 64 --steps 2
 
-The real DSV4 model (sglang_dsv41/model/dsv4), sharded by trainer_bridge.parallelize; the
-attention backend goes through DSV4Context.attention_backend.
+Rows: ours on the preset (V4.1: ratio-1/2 layers, Engram), ours and transformers on its V4 twin
+(same sizes, the layer kinds transformers defines: ratios 1/2 become 4, no Engram). MFU counts
+6 x active parameters x tokens against the device's bf16 peak; attention FLOPs (3 x forward,
+4 H D per query-key pair) are reported separately. A row that runs out of memory says OOM.
+The 64k row prints its memory plan (fp32 master weights, gradients, Adam state, activations).
 """
 
 from __future__ import annotations
@@ -15,22 +19,39 @@ import gc
 import os
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sglang_dsv41.model.dsv4 import DSV4Config, get_preset  # noqa: E402
+from sglang_dsv41.model.dsv4 import DSV4Config, get_preset, names  # noqa: E402
+from sglang_dsv41.model.dsv4.config import V4  # noqa: E402
+from sglang_dsv41.model.dsv4.context import DSV4Context  # noqa: E402
 from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM, init_weights  # noqa: E402
+from sglang_dsv41.model.dsv4.moe import MoE  # noqa: E402
 from trainer_bridge.batch import Sample, pack  # noqa: E402
 from trainer_bridge.config import LossConfig, OptimConfig  # noqa: E402
 from trainer_bridge.dist import close_distributed, init_distributed  # noqa: E402
 from trainer_bridge.loss import ppo_loss  # noqa: E402
 from trainer_bridge.parallelize import parallelize_policy  # noqa: E402
-from trainer_bridge.policy import Policy  # noqa: E402
+from trainer_bridge.policy import ForwardState, Policy  # noqa: E402
 from trainer_bridge.schedule import build_optimizer  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+GiB = 2 ** 30
+
+
+def v4_twin(cfg: DSV4Config) -> DSV4Config:
+    """The same sizes with only what transformers' DeepseekV4 defines: V4.1's ratio-1/2 layers
+    become CSA (4), no shared kv/index sources, no Engram, V4's mHC and q head norm."""
+    return replace(cfg, model_type=V4, compress_ratios=[r if r in (0, 4, 128) else 4
+                                                        for r in cfg.compress_ratios],
+                   kv_source_layer_ids=[], index_source_layer_ids=[],
+                   candidate_source_layer_id=-1, candidate_topk_blocks=0, candidate_block_size=0,
+                   engram_layer_ids=[], engram_num_embeddings=[], engram_n_heads=0,
+                   engram_head_dim=0, engram_vocab_size=0, engram_compressed_vocab_size=0,
+                   engram_max_ngram_size=1, q_head_norm=True, hc_pre_from_prev_sublayer=False)
 
 
 def active_params(cfg: DSV4Config) -> int:
@@ -44,132 +65,312 @@ def active_params(cfg: DSV4Config) -> int:
     return total - cfg.num_hidden_layers * idle * per_expert
 
 
-def step_flops(cfg: DSV4Config, seq: int, batch: int) -> float:
-    """6 N T for the matmuls plus 3 x forward attention (4 H D per query-key pair): the window,
-    plus on compressed layers the selected entries (index_topk on ratio 4, every visible entry
-    on 128, the shared top-k selection on 1/2)."""
+def attention_flops(cfg: DSV4Config, seq: int) -> float:
+    """3 x forward attention (4 H D per query-key pair): the window, plus on compressed layers
+    the selected entries (index_topk on ratio 4, every visible entry on 128, the shared top-k
+    selection on 1/2)."""
     pairs = 0
     for layer in range(cfg.num_hidden_layers):
         ratio = cfg.compress_ratio(layer)
-        for i in range(seq):
-            pairs += min(i + 1, cfg.window_size)
-            if ratio:
-                seen = (i + 1) // ratio
-                pairs += seen if ratio == 128 else min(seen, cfg.index_topk)
-    attn = 3 * 4 * cfg.num_attention_heads * cfg.head_dim * pairs * batch
-    return 6.0 * active_params(cfg) * seq * batch + attn
+        w = min(seq, cfg.window_size)
+        pairs += w * (w + 1) // 2 + (seq - w) * cfg.window_size
+        if ratio:
+            seen = torch.arange(1, seq + 1) // ratio
+            pairs += int((seen if ratio == 128 else seen.clamp(max=cfg.index_topk)).sum())
+    return 3 * 4 * cfg.num_attention_heads * cfg.head_dim * pairs
 
 
-def run_backend(backend: str, cfg: DSV4Config, args, mesh, device) -> dict:
-    torch.manual_seed(0)
-    model = DSV4ForCausalLM(cfg)
-    init_weights(model, seed=0)
-    for name, p in model.named_parameters():
-        if name.endswith("ffn.gate.weight"):
-            p.requires_grad_(False)
-    model.to(device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    parallelize_policy(model, mesh, compute_dtype=dtype, lm_head_fp32=True)
-    policy = Policy(model, "bench", device, attention_backend=backend)
-    opt, _ = build_optimizer(policy, OptimConfig(lr=1e-5, sink_frozen_frac=0, sink_ramp_frac=0), 1)
-    gen = torch.Generator().manual_seed(0)
-    samples = []
-    for i in range(args.batch):
-        toks = torch.randint(0, min(cfg.vocab_size, 256), (args.seq,), generator=gen).tolist()
-        s = Sample(toks, [0] + [1] * (args.seq - 1), [0.0] * args.seq, 1.0, i)
-        s.advantage = 1.0
-        samples.append(s)
-    mb = pack(samples, policy.routed_layers, use_routing=False)
-    mb.old_logprobs = torch.zeros(mb.targets.shape[0])
-    times = []
-    prof = None
-    for i in range(args.warmup + args.steps):
-        if args.profile and i == args.warmup:
-            prof = torch.profiler.profile(activities=_profiler_activities(device))
-            prof.__enter__()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = policy.forward(mb, replay=False)
-        dev = out.logprobs.device
-        ppo_loss(out.logprobs, mb.old_logprobs.to(dev), mb.rollout_logprobs.to(dev),
-                 mb.advantages.to(dev), mb.loss_mask.to(dev), LossConfig(),
-                 global_tokens=float(mb.loss_mask.sum()), world_size=1).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
-    if prof is not None:
-        prof.__exit__(None, None, None)
-        key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-        print(f"--- {backend}: top ops over {args.steps} steps ---")
-        print(prof.key_averages().table(sort_by=key, row_limit=15))
-    step_s = sorted(times)[len(times) // 2]
-    tokens = args.seq * args.batch
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-    del policy, model, opt
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def memory(device: torch.device) -> tuple[int, int]:
+    if device.type != "cuda":
+        return 0, 0
+    return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
+
+
+def free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    return {"step_s": step_s, "tokens_per_s": tokens / step_s,
-            "tflops": step_flops(cfg, args.seq, args.batch) / step_s / 1e12, "peak_mem": peak}
 
 
-def _profiler_activities(device: torch.device) -> list:
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-    return acts
+def time_steps(step, args, device, profile_label: str | None) -> tuple[float, int]:
+    """Median seconds of ``args.steps`` steps after ``args.warmup``; peak bytes."""
+    times, prof = [], None
+    for i in range(args.warmup + args.steps):
+        if profile_label and i == args.warmup:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if device.type == "cuda":
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            prof = torch.profiler.profile(activities=acts)
+            prof.__enter__()
+        sync(device)
+        t0 = time.perf_counter()
+        step()
+        sync(device)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        table = prof.key_averages()
+        for key in (["self_cuda_time_total"] if device.type == "cuda" else []) + \
+                ["self_cpu_time_total"]:
+            print(f"--- {profile_label}: top ops by {key} over {args.steps} steps ---")
+            print(table.table(sort_by=key, row_limit=14))
+    return sorted(times)[len(times) // 2], memory(device)[1]
+
+
+def random_tokens(cfg: DSV4Config, seq: int, seed: int = 0) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, min(cfg.vocab_size, 256), (seq,), generator=gen).tolist()
+
+
+class Ours:
+    """Our trainer's policy on ``cfg``: built once, stepped at every sequence length."""
+
+    def __init__(self, cfg: DSV4Config, mesh, device, args, checkpointing: str):
+        t0 = time.perf_counter()
+        self.cfg, self.device = cfg, device
+        torch.manual_seed(0)
+        model = DSV4ForCausalLM(cfg)
+        init_weights(model, seed=0)
+        for name, p in model.named_parameters():
+            if name.endswith("ffn.gate.weight"):
+                p.requires_grad_(False)  # RL keeps the router frozen (model.freeze_router)
+        model.to(device)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        parallelize_policy(model, mesh, compute_dtype=dtype, lm_head_fp32=True,
+                           activation_checkpointing=checkpointing)
+        self.policy = Policy(model, "bench", device, attention_backend=args.attention)
+        self.opt, _ = build_optimizer(self.policy, OptimConfig(lr=1e-5, sink_frozen_frac=0,
+                                                               sink_ramp_frac=0), 1)
+        self.static_bytes = memory(device)[0]
+        print(f"built ours {checkpointing} in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    def stepper(self, seq: int):
+        s = Sample(random_tokens(self.cfg, seq), [0] + [1] * (seq - 1), [0.0] * seq, 1.0, 0)
+        s.advantage = 1.0
+        mb = pack([s], self.policy.routed_layers, use_routing=False)
+        dev = self.device
+        old, rollout, adv, mask = (t.to(dev) for t in (torch.zeros(seq - 1), mb.rollout_logprobs,
+                                                       mb.advantages, mb.loss_mask))
+        tokens = float(mb.loss_mask.sum())
+
+        def step():
+            out = self.policy.forward(mb, replay=False)
+            ppo_loss(out.logprobs, old, rollout, adv, mask, LossConfig(), global_tokens=tokens,
+                     world_size=1).loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        return step
+
+    def memory_plan(self, peak: int) -> str:
+        params = [p for p in self.policy.model.parameters()]
+        master = sum(p.numel() * p.element_size() for p in params)
+        trained = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        buffers = sum(b.numel() * b.element_size() for b in self.policy.model.buffers())
+        return (f"memory plan: fp32 master weights {master / GiB:.2f} GiB, buffers (Engram "
+                f"tables, tid2eid) {buffers / GiB:.2f}, fp32 gradients {trained / GiB:.2f}, Adam "
+                f"state {2 * trained / GiB:.2f}; activations, gradients and workspace at the "
+                f"peak {(peak - self.static_bytes - 2 * trained) / GiB:.2f}; peak "
+                f"{peak / GiB:.2f} GiB")
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        del self.policy, self.opt
+
+
+class Transformers:
+    """transformers' DeepseekV4ForCausalLM on the V4 twin in bf16 (its usual training setup:
+    bf16 weights, AdamW, cross-entropy), eager attention, the given experts implementation."""
+
+    def __init__(self, cfg: DSV4Config, device, experts: str):
+        from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+        t0 = time.perf_counter()
+        self.cfg, self.device = cfg, device
+        hf_cfg = DeepseekV4Config(**names.to_transformers_config(cfg))
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        torch.manual_seed(0)
+        with torch.device(device):
+            self.model = DeepseekV4ForCausalLM._from_config(
+                hf_cfg, attn_implementation="eager", experts_implementation=experts, dtype=dtype)
+        self.model.train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
+        print(f"built transformers {experts} in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    def stepper(self, seq: int):
+        ids = torch.tensor(random_tokens(self.cfg, seq), device=self.device)[None]
+
+        def step():
+            self.model(input_ids=ids, labels=ids).loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        return step
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        del self.model, self.opt
+
+
+def check_grouped_moe(cfg: DSV4Config, device: torch.device) -> str:
+    """One layer's grouped-GEMM MoE vs its per-expert loop on this device (the GPU runs torch's
+    grouped GEMM kernel, which CPU CI cannot)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(1)
+    moe = MoE(cfg, cfg.num_hash_layers)  # a top-k routed layer
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, cfg.initializer_range)
+    moe = moe.to(device, dtype)
+    x = torch.randn(2048, cfg.hidden_size, device=device, dtype=dtype)
+    ids = torch.randint(0, 256, (2048,), device=device)
+    res = []
+    for grouped in (True, False):
+        moe.grouped = grouped
+        xi = x.clone().requires_grad_(True)
+        out = moe(xi, ids, DSV4Context.packed([2048], device=device, shared=ForwardState()))
+        out.float().square().sum().backward()
+        res.append((out.float(), xi.grad.float(), moe.experts[0].w1.weight.grad.float().clone()))
+        moe.zero_grad()
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+    return ("grouped vs loop MoE on {}: rel. error out {:.1e}, dx {:.1e}, dW {:.1e}".format(
+        device.type, *(rel(a, b) for a, b in zip(*res))))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", default="small")
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--backends", default="triton,reference",
-                   help="comma list: our kernel (triton) and the eager torch reference")
-    p.add_argument("--profile", action="store_true",
-                   help="print the top ops of the timed steps (torch.profiler) per backend")
+    p.add_argument("--seqs", default="4096,16384,65536", help="comma list of tokens per step")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--attention", default=None, help="triton | reference (default: triton on "
+                   "CUDA, the torch reference on CPU)")
+    p.add_argument("--checkpointing", default="none",
+                   help="ours: none | layer | selective; a length that runs out of memory is "
+                   "retried with selective, then layer")
+    p.add_argument("--transformers", default="eager,grouped_mm",
+                   help="comma list of transformers experts implementations, or none")
+    p.add_argument("--no-twin", action="store_true", help="skip ours on the V4 twin")
+    p.add_argument("--profile", action="store_true", help="top ops (torch.profiler) of ours "
+                   "and of transformers at the first length")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="device bf16 peak for MFU (default: known GPUs; none on CPU)")
     args = p.parse_args(argv)
     cfg = get_preset(args.preset)
-    if args.seq > cfg.max_position_embeddings:
-        raise SystemExit(f"--seq {args.seq} exceeds the preset's context")
+    seqs = [int(s) for s in args.seqs.split(",")]
+    if max(seqs) > cfg.max_position_embeddings:
+        raise SystemExit(f"--seqs {max(seqs)} exceeds the preset's context")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.attention is None:
+        args.attention = "triton" if device.type == "cuda" else "reference"
     peak = args.peak_tflops
     if peak is None and device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
     info = init_distributed(device)
-    rows = {}
+    twin = v4_twin(cfg)
+    print(check_grouped_moe(cfg, device), flush=True)
+    rows: list[tuple] = []
+    plans: list[str] = []
+
+    def measure(runner, label, seq, profile):
+        try:
+            step_s, peak_b = time_steps(runner.stepper(seq), args, device,
+                                        f"{label} @ {seq}" if profile else None)
+        except torch.OutOfMemoryError:
+            runner.zero_grad()
+            free(device)
+            return "OOM"
+        if isinstance(runner, Ours) and seq == max(seqs):
+            plans.append(f"{label} @ {seq}: " + runner.memory_plan(peak_b))
+        free(device)
+        return step_s, peak_b
+
+    policies = list(dict.fromkeys([args.checkpointing, "selective", "layer"]))
+    def run_ours(label, c, profile):
+        # One model per checkpointing policy, kept for the longer lengths; a length that
+        # runs out of memory moves on to the next policy.
+        runner, ac = None, 0
+        for i, seq in enumerate(seqs):
+            while True:
+                if runner is None:
+                    runner = Ours(c, info.mesh, device, args, policies[ac])
+                name = f"{label} ac={policies[ac]}"
+                r = measure(runner, name, seq,
+                            profile and i == 0)
+                rows.append((name, c, seq, r))
+                print_row(rows[-1], peak, flush=True)
+                if r != "OOM" or ac + 1 == len(policies):
+                    break
+                runner.close()
+                runner, ac = None, ac + 1
+                free(device)
+        runner.close()
+        del runner
+        free(device)
+
     try:
-        for backend in args.backends.split(","):
-            if backend == "triton" and device.type != "cuda" and \
-                    os.environ.get("TRITON_INTERPRET") != "1":
-                print(f"{backend}: skipped (needs CUDA or TRITON_INTERPRET=1)")
+        run_ours(f"ours {args.preset}", cfg, args.profile)
+        for experts in [e for e in args.transformers.split(",") if e != "none"]:
+            label = f"transformers {args.preset}-v4 experts={experts}"
+            try:
+                runner = Transformers(twin, device, experts)
+            except torch.OutOfMemoryError:
+                rows += [(label, twin, seq, "OOM") for seq in seqs]
                 continue
-            rows[backend] = run_backend(backend, cfg, args, info.mesh, device)
+            for i, seq in enumerate(seqs):
+                rows.append((label, twin, seq, measure(runner, label, seq,
+                                                       False)))
+                print_row(rows[-1], peak, flush=True)
+            runner.close()
+            del runner
+            free(device)
+        if not args.no_twin:
+            run_ours(f"ours {args.preset}-v4", twin, False)
     finally:
         close_distributed()
-    print(f"\n{args.preset} ({active_params(cfg) / 1e6:.1f}M active params), seq {args.seq} "
-          f"x batch {args.batch}, {device.type}, median of {args.steps} steps")
-    print(f"{'backend':<10} {'step ms':>9} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>7} "
-          f"{'mem GiB':>8}")
-    for name, r in rows.items():
-        mfu = f"{100 * r['tflops'] / peak:.1f}%" if peak else "n/a"
-        print(f"{name:<10} {1e3 * r['step_s']:9.1f} {r['tokens_per_s']:10.0f} "
-              f"{r['tflops']:8.2f} {mfu:>7} {r['peak_mem'] / 2**30:8.2f}")
-    if len(rows) == 2:
-        (a, ra), (b, rb) = rows.items()
-        print(f"speed-up {a} / {b}: {ra['tokens_per_s'] / rb['tokens_per_s']:.2f}x")
+    print(f"\n{args.preset}: {active_params(cfg) / 1e6:.1f}M active params "
+          f"({args.preset}-v4: {active_params(twin) / 1e6:.1f}M), {device.type}, median of "
+          f"{args.steps} steps after {args.warmup} warm-up; MFU = 6 x active x tokens / step / "
+          f"{peak} TFLOP/s; attn TFLOP = attention FLOPs per step (not in MFU)")
+    print(f"{'run':<48} {'seq':>6} {'step ms':>9} {'tokens/s':>9} {'MFU':>6} "
+          f"{'attn TFLOP':>10} {'peak GiB':>8}")
+    for row in rows:
+        print_row(row, peak)
+    for seq in seqs:
+        best_hf = max((r[3] for r in rows if r[2] == seq and r[0].startswith("transformers")
+                       and r[3] != "OOM"), default=None, key=lambda r: -r[0])
+        mine = [r for r in rows if r[2] == seq and r[0].startswith("ours") and r[3] != "OOM"]
+        if best_hf and mine:
+            for r in mine:
+                print(f"speed-up at {seq}: {r[0]} / best transformers = "
+                      f"{best_hf[0] / r[3][0]:.2f}x")
+    for plan in plans:
+        print(plan)
     return 0
+
+
+def print_row(row, peak, flush=False) -> None:
+    label, c, seq, r = row
+    if r == "OOM":
+        print(f"{label:<48} {seq:>6} {'OOM':>9}", flush=flush)
+        return
+    step_s, peak_b = r
+    mfu = (f"{100 * 6 * active_params(c) * seq / step_s / 1e12 / peak:.1f}%" if peak
+           else "n/a")
+    print(f"{label:<48} {seq:>6} {1e3 * step_s:9.1f} {seq / step_s:9.0f} {mfu:>6} "
+          f"{attention_flops(c, seq) / 1e12:10.2f} {peak_b / GiB:8.2f}", flush=flush)
 
 
 if __name__ == "__main__":

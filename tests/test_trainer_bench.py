@@ -1,4 +1,6 @@
-"""bench/train.py runs on CPU with a tiny override and prints its comparison table."""
+"""bench/train.py runs on CPU (tiny preset, short sequences) and prints its comparison table:
+ours on the V4.1 preset, transformers' DeepseekV4 (eager experts) and ours on the V4 twin, and
+its grouped-vs-loop MoE check."""
 
 from __future__ import annotations
 
@@ -9,17 +11,32 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# transformers imports torchvision, whose CUDA-built ops need the shim on CPU torch (conftest).
+RUN = ("import runpy, sys; sys.path.insert(0, {tests!r}); "
+       "from sglang_cpu import install_torchvision_shim; install_torchvision_shim(); "
+       "sys.argv = [{bench!r}] + sys.argv[1:]; runpy.run_path({bench!r}, run_name='__main__')")
 
 
 @pytest.mark.timeout(180)
 def test_bench_train_runs_on_cpu():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)  # the interpreted kernel takes minutes; GPUs measure it
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "train.py"), "--preset",
-                          "tiny", "--seq", "64", "--steps", "2", "--warmup", "1"],
+    code = RUN.format(tests=os.path.join(ROOT, "tests"),
+                      bench=os.path.join(ROOT, "bench", "train.py"))
+    out = subprocess.run([sys.executable, "-c", code, "--preset", "tiny", "--seqs", "64",
+                          "--steps", "1", "--warmup", "1", "--transformers", "eager"],
                          env=env, capture_output=True, text=True, timeout=170)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "triton: skipped" in out.stdout
-    row = next(line for line in out.stdout.splitlines() if line.startswith("reference"))
-    step_ms, tokens_per_s = map(float, row.split()[1:3])
-    assert step_ms > 0 and tokens_per_s > 0
+    lines = out.stdout.splitlines()
+    check = next(line for line in lines if line.startswith("grouped vs loop MoE on cpu"))
+    errors = [float(x.rstrip(",")) for x in check.split()[-5::2]]
+    assert len(errors) == 3 and max(errors) < 1e-5, check
+    table = lines[next(i for i, line in enumerate(lines) if line.startswith("run ")) + 1:]
+    rows = {" ".join(line.split()[:-6]): line.split()[-6:] for line in table
+            if line.startswith(("ours", "transformers")) and "memory plan" not in line}
+    assert set(rows) == {"ours tiny ac=none", "transformers tiny-v4 experts=eager",
+                         "ours tiny-v4 ac=none"}, rows
+    for seq, step_ms, tokens_per_s, *_ in rows.values():
+        assert seq == "64" and float(step_ms) > 0 and float(tokens_per_s) > 0
+    assert any(line.startswith("speed-up at 64: ours tiny ac=none") for line in lines)
+    assert any("memory plan: fp32 master weights" in line for line in lines)

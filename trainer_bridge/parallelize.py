@@ -92,13 +92,20 @@ def _in_own_group(name: str) -> bool:
                 or name.startswith("ffn.gate."))
 
 
+def _maybe_unused(layer: nn.Module, name: str) -> bool:
+    # The grouped MoE multiplies a stack of every expert's weights: all of them get a gradient.
+    return not (name.startswith("ffn.experts.") and layer.ffn.grouped)
+
+
 def _touch_every_parameter(layer: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
     # FSDP2 reduce-scatters the gradients of the parameters that have one; an expert (or a
     # compressor) that got no token on one rank but some on another would make the ranks'
     # collectives disagree. A zero term gives every parameter of the layer's own group a
     # gradient on every rank (this hook runs before FSDP reshards that group; the fp32 child
-    # groups are used on every rank anyway).
-    touch = [p.sum() for n, p in layer.named_parameters() if p.requires_grad and _in_own_group(n)]
+    # groups are used on every rank anyway). One launch per parameter: only for those that may
+    # lack a gradient.
+    touch = [p.sum() for n, p in layer.named_parameters()
+             if p.requires_grad and _in_own_group(n) and _maybe_unused(layer, n)]
     if not touch:
         return output
     streams, *rest = output if isinstance(output, tuple) else (output,)  # (streams, mHC pre)
@@ -199,7 +206,8 @@ def parallelize_policy(model: DSV4ForCausalLM, mesh: DeviceMesh, *,
             if holder is not None:
                 fully_shard(holder, mp_policy=fp32, **held)
         fully_shard(layer.ffn.gate, mp_policy=router, **kw)
-        layer.register_forward_hook(_touch_every_parameter)
+        if mesh.size() > 1:  # one rank: no collective to keep in step
+            layer.register_forward_hook(_touch_every_parameter)
         checkpoint_layer(layer, activation_checkpointing)
         fully_shard(layer, mp_policy=low, **kw)
     hc_head = move_fp32_params(model)  # V4's hc_head_*; V4.1 has none (mhc_combine)
