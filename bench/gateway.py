@@ -4,12 +4,15 @@
    gateway (its own process) to a stub engine that answers /generate at once (its own process),
    against the same load sent straight to the stub's /generate; p50/p99 latency of both and the
    difference (the gateway's cost: OpenAI conversion, DeepSeek V4.1 encoding, tokenization,
-   routing, response parsing, one more HTTP hop).
+   routing, response parsing, one more HTTP hop), and the gateway process's CPU per request.
 2. prefix: multi-turn sessions through the gateway to a real embedded server (tiny, tp=2 dp=2):
    prefix-cache hit ratio (sum cached_tokens / sum prompt_tokens, turns 2+) with the gateway's
-   sticky routing vs round robin over the DP ranks.
+   sticky routing vs round robin over the DP ranks, what bounds any prefix cache on the same
+   turns (the tokens computed in each previous turn, per token and in whole pages), and where
+   each turn's new prompt tokens come from.
 
     python bench/gateway.py [--rate 500] [--seconds 10] [--sessions 8] [--turns 5]
+                            [--only overhead|prefix]
 """
 
 from __future__ import annotations
@@ -182,14 +185,20 @@ class RoundRobinRouter(StickyRouter):
             return route
 
 
-async def sessions_through(gateway, sessions: int, turns: int, rng: random.Random) -> float:
-    cached = prompt = 0
+async def sessions_through(gateway, sessions: int, turns: int, rng: random.Random,
+                           page_size: int) -> dict[str, float]:
+    """Turns 2+ of every session, summed: prompt and cached tokens, what any prefix cache could
+    reuse (the tokens the engine computed in the session's previous turn: its prompt and output
+    but the last token, per token or in whole pages), and the new prompt tokens of each turn
+    (the message's own text, the rest the chat template's)."""
+    sums = dict.fromkeys(("turns", "prompt", "cached", "computed", "computed_pages", "new",
+                          "text"), 0)
 
     async def session(s: int):
-        nonlocal cached, prompt
         system = "You are an agent in a repository. " + "".join(
             rng.choice("abcdefghij ") for _ in range(1500))
         msgs = [{"role": "system", "content": system}]
+        prev = None
         for t in range(turns):
             msgs.append({"role": "user", "content": f"step {t}: " + "".join(
                 rng.choice("klmnop ") for _ in range(40))})
@@ -197,12 +206,20 @@ async def sessions_through(gateway, sessions: int, turns: int, rng: random.Rando
             conv, turn, out = await gateway.chat(f"bench-{id(gateway)}-{s}", body)
             msgs.append({"role": "assistant", "content": gateway.tokenizer.decode(
                 turn.output_ids)})
-            if t:
-                cached += turn.cached_tokens
-                prompt += len(turn.prompt_ids)
+            if prev is not None:
+                computed = len(prev.prompt_ids) + len(prev.output_ids) - 1
+                sums["turns"] += 1
+                sums["prompt"] += len(turn.prompt_ids)
+                sums["cached"] += turn.cached_tokens
+                sums["computed"] += computed
+                sums["computed_pages"] += computed // page_size * page_size
+                sums["new"] += len(turn.prompt_ids) - computed - 1
+                sums["text"] += len(gateway.tokenizer.encode(msgs[-2]["content"]))
+            prev = turn
 
     await asyncio.gather(*(session(s) for s in range(sessions)))
-    return cached / prompt
+    await gateway.router.aclose()
+    return sums
 
 
 def prefix(sessions: int, turns: int) -> None:
@@ -211,14 +228,27 @@ def prefix(sessions: int, turns: int) -> None:
     layout = ["--model-path", "tiny", "--tp-size", "2", "--dp-size", "2",
               "--enable-dp-attention", "--context-length", "4096"]
     with ServerProcess(layout) as server:
+        n: dict[str, float] = {}
         for name, router_cls in (("gateway (sticky)", StickyRouter),
                                  ("round robin", RoundRobinRouter)):
             server_flush = httpx.post(server.url + "/flush_cache")
             assert server_flush.status_code == 200, server_flush.text
             gw = build_gateway([server.url], "tiny")
             gw.router = router_cls([server.url])
-            ratio = asyncio.run(sessions_through(gw, sessions, turns, random.Random(0)))
-            print(f"  {name:18s} prefix hit ratio (turns 2-{turns}): {ratio:.3f}")
+            page = httpx.get(server.url + "/server_info").json()["page_size"]
+            sums = asyncio.run(sessions_through(gw, sessions, turns, random.Random(0), page))
+            print(f"  {name:18s} prefix hit ratio (turns 2-{turns}): "
+                  f"{sums['cached'] / sums['prompt']:.3f}")
+            if router_cls is StickyRouter:
+                n = sums
+        # What bounds any prefix cache on this workload (the sticky run's turns).
+        print(f"  bound: every token computed in the previous turn reused "
+              f"{n['computed'] / n['prompt']:.3f}, its whole pages of {page} reused "
+              f"{n['computed_pages'] / n['prompt']:.3f}")
+        print(f"  per turn: {n['prompt'] / n['turns']:.0f} prompt tokens, "
+              f"{n['new'] / n['turns']:.0f} new ({n['text'] / n['turns']:.0f} of the message's "
+              f"text, {(n['new'] - n['text']) / n['turns']:.0f} of the chat template) + 1 (the "
+              f"previous turn's last output token, never computed)")
 
 
 def main() -> None:
