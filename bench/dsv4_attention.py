@@ -241,6 +241,7 @@ def profile(total=4096):
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     for what, run, rows in (("CSA core", ours_core(*core_inputs("CSA", total)), 8),
+                            ("HCA core", ours_core(*core_inputs("HCA", total)), 8),
                             ("CSA our module", our_module_runner("CSA", total), 25),
                             ("sliding our module", our_module_runner("sliding", total), 12)):
         run()
@@ -259,17 +260,17 @@ def sweep(total=4096):
     ins = core_inputs("CSA", total)
     fwd_flops = 4 * H * D * pairs(total, ins[3])
     base = default_blocks(H)
-    # (kernel, (tile, keys, warps, stages)); tile = heads for fwd/dq, D columns for dkv/dcomp.
-    trials = [("fwd", c) for c in [(64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2),
-                                   (64, 64, 8, 3), (64, 32, 16, 2), (64, 64, 16, 2),
-                                   (32, 64, 4, 2), (32, 32, 4, 3)]]
-    trials += [("dq", c) for c in [(32, 64, 8, 1), (32, 64, 8, 2), (32, 32, 8, 2),
-                                   (64, 32, 16, 2), (64, 64, 16, 2), (32, 64, 4, 2)]]
-    trials += [("dcomp", c) for c in [(128, 64, 4, 2), (128, 64, 4, 3), (256, 64, 8, 2),
-                                      (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)]]
+    # (kernel, (tile, keys, warps, stages)); tile = heads for fwd/ds, D columns for dq/dcomp.
+    trials = [("fwd", c) for c in [(64, 64, 8, 2), (64, 32, 8, 3), (32, 64, 4, 2)]]
+    trials += [("ds", c) for c in [(32, 64, 8, 2), (64, 32, 8, 2), (64, 64, 8, 1),
+                                   (64, 32, 8, 3), (32, 64, 4, 2), (32, 32, 4, 3)]]
+    trials += [("dq", c) for c in [(128, 64, 4, 2), (256, 64, 8, 2), (128, 32, 4, 3),
+                                   (64, 64, 4, 2), (128, 64, 8, 3)]]
+    trials += [("dcomp", c) for c in [(128, 64, 4, 2), (64, 64, 4, 2)]]
     for kernel, (tile, bn, warps, stages) in trials:
         names = {"fwd": ("fwd_bh", "fwd_bn", "fwd_warps", "fwd_stages"),
-                 "dq": ("dq_bh", "dq_bn", "dq_warps", "dq_stages"),
+                 "ds": ("ds_bh", "ds_bn", "ds_warps", "ds_stages"),
+                 "dq": ("dq_bd", "dq_bn", "dq_warps", "dq_stages"),
                  "dcomp": ("dcomp_bd", "dcomp_bn", "dcomp_warps", "dcomp_stages")}[kernel]
         b = dataclasses.replace(base, **dict(zip(names, (tile, bn, warps, stages))))
         bwd = kernel != "fwd"
@@ -320,10 +321,10 @@ if __name__ == "__main__":
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     if args.profile or args.sweep or args.decode_sweep:
-        if args.profile:
-            profile()
         if args.sweep:
             sweep()
+        if args.profile:
+            profile()
         if args.decode_sweep:
             decode_sweep()
     elif args.only_decode:

@@ -4,12 +4,16 @@ With P the sink-inclusive probabilities (recomputed from the saved LSE), Delta =
   dS = P * (dO @ V^T - Delta),  dQ = scale * dS @ K,
   dKV = scale * dS^T @ Q + P^T @ dO   (K = V: the latent gets both roles' gradients),
   dsink_h = -sum_t exp(sink_h - LSE_th) * Delta_th.
-Three kernels; the scores are recomputed once, not once per output:
-  * query pass: one program per (token, head block) walks the token's keys as the forward does,
-    accumulates dQ in registers and stores P and scale * dS in the operand dtype to a
-    [T, H, window + K] buffer (slot s < window: key t - window + 1 + s; slot window + j: the
-    token's j-th selected entry; slots past the token's last valid pick are neither written nor
-    read). O(T x (window + K) x H) memory, like the reference.
+Four kernels; the scores are recomputed once, not once per output:
+  * P/dS pass: one program per (token, head block) walks the token's keys as the forward does
+    and stores P and scale * dS in the operand dtype to a [T, H, window + K] buffer (slot
+    s < window: key t - window + 1 + s; slot window + j: the token's j-th selected entry; slots
+    past the token's last valid pick are neither written nor read). O(T x (window + K) x H)
+    memory, like the reference. It holds q and dO of all 64 heads, and no dQ accumulator:
+    [64 heads x D] fp32 next to them spilled registers, and 32-head blocks read every gathered
+    key twice on narrower MMAs.
+  * dQ pass: one program per (token, head block, D columns) sums scale*dS @ K over the token's
+    keys from that buffer.
   * window dKV, key-major: one program per (block of keys, D columns) loops over the queries
     that see those keys (k .. k + window - 1) and sums scale*dS^T @ Q + P^T @ dO over all heads
     with tensor-core tiles [keys x heads] x [heads x D]. Each key is owned by one program: no
@@ -41,9 +45,9 @@ def _tile_grads(q, do, k, valid, lse, delta, qk_scale, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
-def _dsv4_dq_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, first_ptr, do_ptr, o_ptr, lse_ptr,
-                    delta_ptr, dq_ptr, p_ptr, ds_ptr, H, D, window, num_sel, qk_scale, scale,
-                    stride_qt, stride_qh, stride_kv, stride_c, stride_idx, BH: tl.constexpr,
+def _dsv4_ds_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, first_ptr, do_ptr, o_ptr, lse_ptr,
+                    delta_ptr, p_ptr, ds_ptr, H, D, window, num_sel, qk_scale, scale, stride_qt,
+                    stride_qh, stride_kv, stride_c, stride_idx, BH: tl.constexpr,
                     BN: tl.constexpr, BD: tl.constexpr, DOT_PREC: tl.constexpr):
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -61,9 +65,7 @@ def _dsv4_dq_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, first_ptr, do_ptr
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     tl.store(delta_ptr + t * H + offs_h, delta, mask=hmask)
     # Row (t, h) of the P / dS buffers; slots as in the module docstring.
-    slots = window + num_sel
-    prow = (t.to(tl.int64) * H + offs_h) * slots
-    acc = tl.zeros([BH, BD], tl.float32)
+    prow = (t.to(tl.int64) * H + offs_h) * (window + num_sel)
     hi = t + 1
     lo = tl.maximum(tl.load(first_ptr + t), t + 1 - window)
     for n in range(lo, hi, BN):
@@ -71,24 +73,53 @@ def _dsv4_dq_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, first_ptr, do_ptr
                                  stride_kv, stride_c, stride_idx, 0, offs_n, offs_d, dmask,
                                  True, False, 1)
         p, ds = _tile_grads(q, do, k, valid, lse, delta, qk_scale, DOT_PREC)
-        ds = to_dtype(ds * scale, k.dtype, DOT_PREC)
-        acc += mma(ds, k, DOT_PREC)
         ptrs = prow[:, None] + (n + offs_n - (t + 1 - window))[None, :]
         smask = hmask[:, None] & valid[None, :]
         tl.store(p_ptr + ptrs, to_dtype(p, k.dtype, DOT_PREC), mask=smask)
-        tl.store(ds_ptr + ptrs, ds, mask=smask)
+        tl.store(ds_ptr + ptrs, to_dtype(ds * scale, k.dtype, DOT_PREC), mask=smask)
     for n in range(0, tl.load(end_ptr + t), BN):
         k, valid, _ = _load_keys(kv_ptr, comp_ptr, idx_ptr, idx_ptr, t, n, lo, hi, num_sel,
                                  stride_kv, stride_c, stride_idx, 0, offs_n, offs_d, dmask,
                                  False, False, 1)
         p, ds = _tile_grads(q, do, k, valid, lse, delta, qk_scale, DOT_PREC)
-        ds = to_dtype(ds * scale, k.dtype, DOT_PREC)
-        acc += mma(ds, k, DOT_PREC)
         ptrs = prow[:, None] + (window + n + offs_n)[None, :]
         smask = hmask[:, None] & valid[None, :]
         tl.store(p_ptr + ptrs, to_dtype(p, k.dtype, DOT_PREC), mask=smask)
-        tl.store(ds_ptr + ptrs, ds, mask=smask)
-    tl.store(dq_ptr + qo, acc.to(dq_ptr.dtype.element_ty), mask=qmask)
+        tl.store(ds_ptr + ptrs, to_dtype(ds * scale, k.dtype, DOT_PREC), mask=smask)
+
+
+@triton.jit
+def _dsv4_dq_kernel(ds_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, first_ptr, dq_ptr, H, D, window,
+                    num_sel, stride_qt, stride_qh, stride_kv, stride_c, stride_idx,
+                    BH: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                    DOT_PREC: tl.constexpr):
+    """dQ[t, heads, D columns] = (scale * dS)[t, heads, slots] @ keys[slots, D columns]."""
+    t = tl.program_id(0)
+    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+    offs_d = tl.program_id(2) * BD + tl.arange(0, BD)
+    offs_n = tl.arange(0, BN)
+    hmask = offs_h < H
+    dmask = offs_d < D
+    prow = (t.to(tl.int64) * H + offs_h) * (window + num_sel)
+    acc = tl.zeros([BH, BD], tl.float32)
+    hi = t + 1
+    lo = tl.maximum(tl.load(first_ptr + t), t + 1 - window)
+    for n in range(lo, hi, BN):
+        k, valid, _ = _load_keys(kv_ptr, comp_ptr, idx_ptr, idx_ptr, t, n, lo, hi, num_sel,
+                                 stride_kv, stride_c, stride_idx, 0, offs_n, offs_d, dmask,
+                                 True, False, 1)
+        ds = tl.load(ds_ptr + prow[:, None] + (n + offs_n - (t + 1 - window))[None, :],
+                     mask=hmask[:, None] & valid[None, :], other=0.0)
+        acc += mma(ds, k, DOT_PREC)
+    for n in range(0, tl.load(end_ptr + t), BN):
+        k, valid, _ = _load_keys(kv_ptr, comp_ptr, idx_ptr, idx_ptr, t, n, lo, hi, num_sel,
+                                 stride_kv, stride_c, stride_idx, 0, offs_n, offs_d, dmask,
+                                 False, False, 1)
+        ds = tl.load(ds_ptr + prow[:, None] + (window + n + offs_n)[None, :],
+                     mask=hmask[:, None] & valid[None, :], other=0.0)
+        acc += mma(ds, k, DOT_PREC)
+    tl.store(dq_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+             acc.to(dq_ptr.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
 
 
 @triton.jit
@@ -166,12 +197,17 @@ def dsv4_backward(q, kv, sinks, first_rows, window, scale, comp_kv, comp_idx, se
     # P and scale*dS in the MMA operand dtype (what the old fused kernel fed its MMAs too).
     p_buf = torch.empty(total, heads, window + num_sel, device=q.device, dtype=q.dtype)
     ds_buf = torch.empty_like(p_buf)
-    _dsv4_dq_kernel[(total, triton.cdiv(heads, blocks.dq_bh))](
-        q, kv, comp_kv, comp_idx, sel_end, first_rows, dout, out, lse, delta, dq, p_buf, ds_buf,
-        heads,
-        dim, window, num_sel, scale * LOG2E, scale, q.stride(0), q.stride(1), kv.stride(0),
-        comp_kv.stride(0), comp_idx.stride(0), BH=blocks.dq_bh, BN=blocks.dq_bn, BD=bd,
-        DOT_PREC=prec, num_warps=blocks.dq_warps, num_stages=blocks.dq_stages)
+    _dsv4_ds_kernel[(total, triton.cdiv(heads, blocks.ds_bh))](
+        q, kv, comp_kv, comp_idx, sel_end, first_rows, dout, out, lse, delta, p_buf, ds_buf,
+        heads, dim, window, num_sel, scale * LOG2E, scale, q.stride(0), q.stride(1), kv.stride(0),
+        comp_kv.stride(0), comp_idx.stride(0), BH=blocks.ds_bh, BN=blocks.ds_bn, BD=bd,
+        DOT_PREC=prec, num_warps=blocks.ds_warps, num_stages=blocks.ds_stages)
+    dq_cols = min(blocks.dq_bd, bd)
+    _dsv4_dq_kernel[(total, triton.cdiv(heads, blocks.dq_bh), triton.cdiv(dim, dq_cols))](
+        ds_buf, kv, comp_kv, comp_idx, sel_end, first_rows, dq, heads, dim, window, num_sel,
+        dq.stride(0), dq.stride(1), kv.stride(0), comp_kv.stride(0), comp_idx.stride(0),
+        BH=blocks.dq_bh, BN=blocks.dq_bn, BD=dq_cols, DOT_PREC=prec,
+        num_warps=blocks.dq_warps, num_stages=blocks.dq_stages)
     dkv = torch.empty_like(kv)
     bhh = max(16, triton.next_power_of_2(heads))
     cols = min(blocks.dkv_bd, bd)

@@ -18,7 +18,8 @@ probabilities are 0 there.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, fields
 
 import torch
 import triton
@@ -29,17 +30,22 @@ from .triton_common import LOG2E, dot_precision, interpreting, mma, to_dtype
 
 @dataclass(frozen=True)
 class DSV4Blocks:
-    """Tile sizes of the DSV4 kernels: heads per program (bh), keys per tile (bn), warps, stages;
-    the dKV kernels (window: dkv_*, selection: dcomp_*) take all heads at once and split D
-    instead (bd columns per program)."""
+    """Tile sizes of the DSV4 kernels: heads per program (bh), keys per tile (bn), D columns per
+    program (bd), warps, stages. fwd: forward; ds: the backward's P/dS pass; dq: dQ = dS @ K;
+    dkv / dcomp: window / selection dKV (all heads at once, split over D)."""
 
     fwd_bh: int = 64
     fwd_bn: int = 64
     fwd_warps: int = 8
     fwd_stages: int = 2
-    dq_bh: int = 32
+    ds_bh: int = 64
+    ds_bn: int = 64
+    ds_warps: int = 8
+    ds_stages: int = 1
+    dq_bh: int = 64
+    dq_bd: int = 128
     dq_bn: int = 64
-    dq_warps: int = 8
+    dq_warps: int = 4
     dq_stages: int = 2
     dkv_bd: int = 128
     dkv_bn: int = 64
@@ -51,14 +57,17 @@ class DSV4Blocks:
     dcomp_stages: int = 2
 
     def __post_init__(self):
-        for name in ("fwd_bh", "fwd_bn", "dq_bh", "dq_bn", "dkv_bd", "dkv_bn", "dcomp_bd",
-                     "dcomp_bn"):
-            val = getattr(self, name)
-            if val < 16 or val & (val - 1):
-                raise ValueError(f"DSV4Blocks.{name}={val}: must be a power of two >= 16")
+        for f in fields(self):
+            val = getattr(self, f.name)
+            if f.name.endswith(("_bh", "_bn", "_bd")) and (val < 16 or val & (val - 1)):
+                raise ValueError(f"DSV4Blocks.{f.name}={val}: must be a power of two >= 16")
 
 
-INTERPRET_BLOCKS = DSV4Blocks(16, 16, 1, 1, 16, 16, 1, 1, 16, 16, 1, 1, 16, 16, 1, 1)
+# The interpreter runs programs one by one: small tiles, but the dQ pass split in 32 columns (a
+# 48-wide test head still splits in two, with half the programs of 16).
+INTERPRET_BLOCKS = dataclasses.replace(
+    DSV4Blocks(**{f.name: 1 if f.name.endswith(("_warps", "_stages")) else 16
+                  for f in fields(DSV4Blocks)}), dq_bd=32)
 
 
 def default_blocks(heads: int) -> DSV4Blocks:
@@ -66,9 +75,10 @@ def default_blocks(heads: int) -> DSV4Blocks:
         return INTERPRET_BLOCKS
     # Best of small sweeps at 64 heads, D 512, 4k CSA on one H200 (bench/dsv4_attention.py
     # --sweep, saved in bench/results/dsv4_attention_h200.txt): forward 64 keys per tile 1.39 ms
-    # vs 1.74 ms at 32; dQ pass 2 stages 0.2 ms faster than 1.
+    # vs 1.74 ms at 32; P/dS pass all 64 heads, 64 keys, 1 stage (2 stages exceed shared
+    # memory): fwd+bwd 6.30 ms vs 7.23 ms with 32-head blocks.
     bh = max(16, min(64, triton.next_power_of_2(heads)))
-    return DSV4Blocks(fwd_bh=bh, dq_bh=min(bh, 32))
+    return DSV4Blocks(fwd_bh=bh, ds_bh=bh, dq_bh=bh)
 
 
 @triton.jit
