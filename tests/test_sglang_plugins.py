@@ -112,7 +112,8 @@ def write_checkpoint(path, seed: int) -> dict:
 
 
 def test_dummy_load_fills_real_engram_modules_with_each_ranks_rows(in_process):
-    # the case compares each module's bytes with its rows of the checkpoint file
+    """SGLang's DummyModelLoader.load_model end to end; the case compares each EngramEmbedding's
+    bytes with its rows of the checkpoint file and each HashTopK's tid2eid with the file's."""
     facts = case_facts(in_process, "dummy_load")
     rows = {"0": [[0, 50], [0, 45]], "1": [[50, 50], [45, 45]]}  # EngramEmbedding's own split
     for rank in ("0", "1"):
@@ -123,9 +124,15 @@ def test_dummy_load_fills_real_engram_modules_with_each_ranks_rows(in_process):
              for layer, (lo, n) in zip(LAYERS, rows[rank]) for part in ("scale", "weight")])
         assert facts[rank]["finished"] == ["model.layers.0.engram.embed",
                                            "model.layers.1.engram.embed"]
-        assert len(facts[rank]["loaded"]) == 6  # 2 layers x (weight, scale, tid2eid)
+        # SGLang's dummy fill ran on the dense weights and left the tables alone
+        assert facts[rank]["dummy_fill_ran"] is True
+        assert facts[rank]["tables_kept_by_fill"] is True
+        # tid2eid is SGLang's HashTopK parameter, loaded through its weight-loader path
+        assert facts[rank]["tid2eid_in"] == ["HashTopK"]
+        assert facts[rank]["tid2eid_equal"] == [True, True]
     assert "lacks 6 frozen tensor(s)" in facts["missing"]
     assert "model.layers.0.engram.embed" in facts["missing"]
+    assert "model.layers.0.mlp.topk.tid2eid" in facts["missing"]
 
 
 def test_watchdog_names_the_waiting_rank_over_a_gloo_group(tmp_path):
