@@ -1,8 +1,9 @@
 """The engine's cache in one process (ModelRunner without a world): chunked prefill with padding
-rows, mixed extend/decode batches and a prefix restored at a page boundary inside compression
-blocks all give the logits of a whole-sequence recompute of the reference model (tiny: every
-V4.1 layer kind, Engram with its n-gram history), with SGLang's serving numerics and without;
-model loading and --dtype."""
+rows, mixed extend/decode batches, a prefix restored at a page boundary inside compression
+blocks and one restored mid-page by copying a cached page's rows (copy-on-write) all give the
+logits of a whole-sequence recompute of the reference model (tiny: every V4.1 layer kind,
+Engram with its n-gram history), with SGLang's serving numerics and without; the radix cache's
+partial pages; model loading and --dtype."""
 
 from __future__ import annotations
 
@@ -80,6 +81,51 @@ def test_prefix_restored_at_a_page_boundary_inside_compression_blocks(runner):
                  pages=list(range(100, 116)) + [130, 131])
     second.num_computed = 64
     close(forward(runner, "extend", [second], [5])[0], recompute(runner, second.all_ids))
+
+
+def test_prefix_restored_mid_page_by_copying_the_cached_rows(runner):
+    history = [(13 * i + 7) % 256 for i in range(66)]
+    first = Req("c1", history, SamplingParams(), pages=list(range(200, 217)))
+    forward(runner, "extend", [first], [66])
+    # Turn 2 shares 65 tokens: 16 pages by reference and 1 row of page 216, which the prefix
+    # cache matches part-way: its row is copied into the request's own page 230 (page 216 is
+    # shared and never written), and only the 3 new tokens are computed.
+    second = Req("c2", history[:65] + [9, 8, 7], SamplingParams(),
+                 pages=list(range(200, 216)) + [230, 231])
+    second.num_computed = 65
+    hist = runner.cfg.engram_max_ngram_size - 1
+    plan = build_plan("extend", [second], [3], PAGE, 1, False, hist, False)
+    plan.copy_src, plan.copy_dst = torch.tensor([216 * PAGE]), torch.tensor([230 * PAGE])
+    before = runner.pool.rows["layers.0.kv"][216 * PAGE:217 * PAGE].clone()
+    hidden, _ = runner.forward(plan, [plan.padded_tokens])
+    close(runner.compute_logits(hidden, plan.logit_rows)[0], recompute(runner, second.all_ids))
+    assert torch.equal(runner.pool.rows["layers.0.kv"][216 * PAGE:217 * PAGE], before)
+
+
+def test_radix_cache_keeps_partial_pages_for_copy_on_write_matches():
+    from sglang_dsv41.engine.kv_cache import PageAllocator
+    from sglang_dsv41.engine.prefix_cache import RadixPrefixCache
+
+    alloc = PageAllocator(16, 4)
+    cache = RadixPrefixCache(alloc)
+    pages = alloc.alloc(3)
+    # A finished request computed 10 tokens: 2 whole pages and 2 rows of a third.
+    assert cache.insert(list(range(10)), pages) == 0
+    cache.check_integrity()
+    m = cache.match_prefix(list(range(9)) + [99, 98])
+    assert (m.pages, m.num_tokens, m.copy_page, m.copy_tokens) == (pages[:2], 8, pages[2], 1)
+    m = cache.match_prefix(list(range(10)) + [50])
+    assert (m.num_tokens, m.copy_page, m.copy_tokens) == (8, pages[2], 2)
+    m = cache.match_prefix([0, 1, 2, 3, 4, 5, 77])   # part-way into a whole cached page
+    assert (m.pages, m.num_tokens, m.copy_page, m.copy_tokens) == (pages[:1], 4, pages[1], 2)
+    assert cache.match_prefix([5, 6]).copy_tokens == 0
+    with pytest.raises(ValueError, match="part of one"):
+        cache.insert(list(range(10)), pages[:2])
+    alloc.decref(pages)                               # the request drops its references
+    assert cache.num_cached_pages == 3 and alloc.num_free == 15 - 3
+    assert cache.evict(3) == 3 and alloc.num_free == 15
+    cache.check_integrity()
+    alloc.check()
 
 
 def test_serving_dtype_keeps_sinks_norms_and_mhc_fp32(runner):

@@ -148,6 +148,18 @@ def test_streaming_forwards_tokens_as_they_come_and_matches_the_whole_answer(eng
     assert "".join(deltas) == whole.choices[0].message.content
     assert a["token_ids"] == b["token_ids"] and a["loss_mask"] == b["loss_mask"]
     assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-5)
+    # The same prompt again on that engine and rank: all of it but the last token comes from
+    # the prefix cache, the tail part-way into a page by copy-on-write, and greedy decoding
+    # still gives the tokens and logprobs of the turn computed from scratch.
+    t = a["turns"][0]
+    n = t["prompt_len"]
+    again = httpx.post(t["engine"] + "/generate", timeout=60, json={
+        "input_ids": a["token_ids"][:n], "routed_dp_rank": t["dp_rank"], "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 48, "temperature": 0}}).json()
+    assert (n - 1) % 16 and again["meta_info"]["cached_tokens"] == n - 1
+    assert again["output_ids"] == a["token_ids"][n:]
+    assert [lp for lp, _, _ in again["meta_info"]["output_token_logprobs"]] == \
+        pytest.approx(a["logprobs"][n:], abs=1e-5)
 
 
 def test_a_client_leaving_mid_stream_aborts_the_engine_request(engines, gateway):

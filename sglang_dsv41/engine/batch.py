@@ -31,6 +31,9 @@ class Req:
     in_prefill: bool = False     # admitted, next token not sampled yet (extend batches)
     epoch: int = 0               # prefix-cache epoch its K/V belong to (a flush bumps it)
     cache_handle: Any = None     # locked prefix-cache node (set by the leader at admission)
+    # (src, dst) slots of a prefix-cache page matched part-way, copied into this request's own
+    # page by its first forward (ForwardPlan.copy_src/copy_dst)
+    pending_copy: tuple[list[int], list[int]] | None = None
     generator: torch.Generator | None = None
     finish_reason: dict[str, Any] | None = None
     num_sent: int = 0            # output tokens already streamed
@@ -83,6 +86,10 @@ class ForwardPlan:
     # sit just before its sampled row
     score_targets: list[list[int]] = field(default_factory=list)
     record_routing: bool = False
+    # cache rows copied src -> dst before this forward: a prefix matched part-way into a cached
+    # page continues in a copy of that page's rows (the shared page is never written)
+    copy_src: torch.Tensor | None = None
+    copy_dst: torch.Tensor | None = None
 
     @property
     def padded_tokens(self) -> int:

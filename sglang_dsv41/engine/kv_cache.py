@@ -103,6 +103,12 @@ class TokenRowPool:
     def gather(self, name: str, slots: torch.Tensor) -> torch.Tensor:
         return self.rows[name][slots]
 
+    def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every quantity's rows at slots ``src`` into slots ``dst`` (copy-on-write of a
+        prefix-cache page matched part-way)."""
+        for buf in self.rows.values():
+            buf[dst.to(buf.device)] = buf[src.to(buf.device)]
+
 
 def row_bytes_per_token(widths: dict[str, int], dtype: torch.dtype) -> int:
     return sum(widths.values()) * torch.empty(0, dtype=dtype).element_size()
@@ -140,6 +146,10 @@ class RoutedExpertsBuffer:
         for layer, (ids, weights) in routed.items():
             self.ids[slots, layer] = ids[rows].to("cpu", torch.int32)
             self.weights[slots, layer] = weights[rows].to("cpu", torch.float32)
+
+    def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.ids[dst] = self.ids[src]
+        self.weights[dst] = self.weights[src]
 
     def read(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         idx = torch.tensor(slots, dtype=torch.long)

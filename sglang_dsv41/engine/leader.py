@@ -140,6 +140,17 @@ class LeaderScheduler:
         req.pages, req.num_computed, req.cache_handle = list(match.pages), match.num_tokens, \
             match.handle
         req.epoch = self.cache_epoch
+        if match.copy_tokens:
+            # The match goes on part-way into a cached page: copy those rows into a page of
+            # the request's own (its first forward does) rather than recompute them. The
+            # source rows stay intact until then: rows are only written by forwards.
+            own = self._reserve(1)
+            if own is not None:
+                k, ps = match.copy_tokens, self.ps
+                req.pending_copy = ([match.copy_page * ps + i for i in range(k)],
+                                    [own[0] * ps + i for i in range(k)])
+                req.pages.append(own[0])
+                req.num_computed += k
 
     def _on_admitted(self, req: Req) -> None:
         if not req.admitted:
@@ -151,9 +162,13 @@ class LeaderScheduler:
 
     def _release(self, req: Req) -> None:
         """Gives the request's computed whole pages to the prefix cache and drops its pages."""
-        full = req.num_computed // self.ps
-        if full and getattr(req, "epoch", 0) == self.cache_epoch:
-            self.cache.insert(req.all_ids[:full * self.ps], req.pages[:full])
+        computed = req.num_computed
+        if req.pending_copy is not None:  # released before its copy ran: that page is not
+            req.pending_copy = None       # filled
+            computed -= computed % self.ps
+        if computed and getattr(req, "epoch", 0) == self.cache_epoch:
+            # Whole pages and the partial last one (copy-on-write matches read it).
+            self.cache.insert(req.all_ids[:computed], req.pages[:-(-computed // self.ps)])
         self.allocator.decref(req.pages)
         self.cache.unlock(req.cache_handle)
         req.pages, req.cache_handle = [], None
@@ -179,6 +194,14 @@ class LeaderScheduler:
         record = self.r3 is not None
         plan = build_plan(mode, reqs, chunks, self.ps, a, self.args.enable_prefill_padding,
                           max(self.cfg.engram_max_ngram_size - 1, 0), record)
+        copies = [r.pending_copy for r in reqs if r.pending_copy is not None]
+        if copies:
+            plan.copy_src = torch.tensor([s for src, _ in copies for s in src], dtype=torch.long)
+            plan.copy_dst = torch.tensor([d for _, dst in copies for d in dst], dtype=torch.long)
+            if self.r3 is not None:
+                self.r3.copy_rows(plan.copy_src, plan.copy_dst)
+            for r in reqs:
+                r.pending_copy = None
         return plan, reqs, chunks
 
     def _schedule_extend(self) -> tuple[list[Req], list[int]]:

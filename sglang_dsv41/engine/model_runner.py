@@ -91,6 +91,8 @@ class ModelRunner:
             serving_numerics=self.serving_numerics, plan=plan, pool=self.pool,
             groups=self.groups, dp_tokens=dp_tokens)
         with torch.no_grad(), self.hooks.active(ctx):
+            if plan.copy_src is not None:
+                self.pool.copy_rows(plan.copy_src, plan.copy_dst)
             hidden = self.model.hidden(plan.input_ids.to(dev), ctx)
         return hidden, ctx
 

@@ -3,10 +3,14 @@
 Contract (BasePrefixCache):
 - match_prefix(ids) -> PrefixMatch: the longest cached page-aligned prefix of ids, its pages and
   a handle. The caller increfs the pages it keeps and lock()s the handle while it uses them, so
-  eviction cannot take them; unlock() when done.
-- insert(ids, pages): ids cover len(pages) * page_size tokens (whole pages only). The cache takes
-  its own reference on every page it adopts; for a prefix it already holds, the caller's pages
-  are duplicates and stay the caller's to drop. Returns the number of tokens already cached.
+  eviction cannot take them; unlock() when done. Past the whole pages, ``copy_page`` and
+  ``copy_tokens`` name a cached page whose first ``copy_tokens`` rows continue the match: the
+  caller may copy those rows into a page of its own (copy-on-write; a shared page is never
+  written) and start computing after them.
+- insert(ids, pages): ids cover the pages, the last one possibly in part (a finished request's
+  partial last page, kept as a leaf that only copy-on-write matches read). The cache takes its
+  own reference on every page it adopts; for a prefix it already holds, the caller's pages are
+  duplicates and stay the caller's to drop. Returns the number of tokens already cached.
 - evict(num_pages): drops unlocked entries least recently used first, leaves first; returns the
   pages actually freed.
 - reset(): drops every entry (after a weight update its K/V are stale); handles taken before
@@ -28,6 +32,8 @@ class PrefixMatch:
     pages: list[int]
     num_tokens: int
     handle: Any = None
+    copy_page: int | None = None   # a cached page whose first copy_tokens rows extend the match
+    copy_tokens: int = 0
 
 
 class BasePrefixCache(ABC):
@@ -89,7 +95,8 @@ class NaivePrefixCache(BasePrefixCache):
 
 @dataclass(eq=False)
 class _Node:
-    key: tuple[int, ...]                  # tokens of this edge, a whole number of pages
+    key: tuple[int, ...]                  # tokens of this edge: whole pages, or part of one page
+                                          # (a partial leaf: read only by copy-on-write matches)
     pages: list[int]
     parent: "_Node | None"
     children: dict[tuple[int, ...], "_Node"] = field(default_factory=dict)
@@ -142,7 +149,16 @@ class RadixPrefixCache(BasePrefixCache):
 
     def match_prefix(self, ids: list[int]) -> PrefixMatch:
         node, pages, i = self._walk(self._page_keys(ids))
-        return PrefixMatch(pages, i * self.page_size, node)
+        match = PrefixMatch(pages, i * self.page_size, node)
+        # Past the whole pages: the child page (whole or a partial leaf) sharing the most of
+        # the next tokens.
+        nxt = tuple(ids[i * self.page_size:(i + 1) * self.page_size])
+        for child in node.children.values():
+            k = _common_prefix(child.key, nxt)
+            if k > match.copy_tokens:
+                match.copy_page, match.copy_tokens = child.pages[0], k
+                child.last_access = time.monotonic()
+        return match
 
     def lock(self, handle: Any) -> None:
         node = handle
@@ -160,16 +176,22 @@ class RadixPrefixCache(BasePrefixCache):
 
     def insert(self, ids: list[int], pages: list[int]) -> int:
         chunks = self._page_keys(ids)
-        if len(chunks) != len(pages):
-            raise ValueError(f"insert: {len(ids)} tokens make {len(chunks)} whole pages, "
-                             f"{len(pages)} pages given")
+        tail = tuple(ids[len(chunks) * self.page_size:])   # a partial last page's tokens
+        if len(chunks) + bool(tail) != len(pages):
+            raise ValueError(f"insert: {len(ids)} tokens fill {len(chunks)} pages"
+                             f"{' and part of one' if tail else ''}, {len(pages)} pages given")
         node, _, i = self._walk(chunks)
         if i < len(chunks):
-            new_pages = pages[i:]
+            new_pages = pages[i:len(chunks)]
             self.allocator.incref(new_pages)
             child = _Node(tuple(t for c in chunks[i:] for t in c), list(new_pages), node)
             node.children[chunks[i]] = child
             self._num_pages += len(new_pages)
+            node = child
+        if tail and tail not in node.children:
+            self.allocator.incref(pages[-1:])
+            node.children[tail] = _Node(tail, pages[-1:], node)
+            self._num_pages += 1
         return i * self.page_size
 
     def _leaves(self) -> list[_Node]:
@@ -214,7 +236,10 @@ class RadixPrefixCache(BasePrefixCache):
         while stack:
             n = stack.pop()
             if n is not self.root:
-                if len(n.key) != len(n.pages) * self.page_size or not n.pages:
+                partial_leaf = not n.children and len(n.pages) == 1 and \
+                    0 < len(n.key) < self.page_size
+                if (len(n.key) != len(n.pages) * self.page_size or not n.pages) and \
+                        not partial_leaf:
                     raise AssertionError(f"node key of {len(n.key)} tokens vs {len(n.pages)} pages")
                 if n.parent.children.get(n.key[:self.page_size]) is not n:
                     raise AssertionError("node not reachable under its own first page")
@@ -228,6 +253,15 @@ class RadixPrefixCache(BasePrefixCache):
             stack.extend(n.children.values())
         if total != self._num_pages:
             raise AssertionError(f"page count {self._num_pages} != {total} pages in the tree")
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 PREFIX_CACHES = {"radix": RadixPrefixCache, "naive": NaivePrefixCache}
