@@ -262,8 +262,8 @@ def main(argv=None) -> int:
     p.add_argument("--transformers", default="eager,grouped_mm",
                    help="comma list of transformers experts implementations, or none")
     p.add_argument("--no-twin", action="store_true", help="skip ours on the V4 twin")
-    p.add_argument("--profile", action="store_true", help="top ops (torch.profiler) of ours "
-                   "and of transformers at the first length")
+    p.add_argument("--profile-seq", type=int, default=0,
+                   help="print the top ops (torch.profiler) of ours on the preset at this length")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="device bf16 peak for MFU (default: known GPUs; none on CPU)")
     args = p.parse_args(argv)
@@ -302,13 +302,12 @@ def main(argv=None) -> int:
         # One model per checkpointing policy, kept for the longer lengths; a length that
         # runs out of memory moves on to the next policy.
         runner, ac = None, 0
-        for i, seq in enumerate(seqs):
+        for seq in seqs:
             while True:
                 if runner is None:
                     runner = Ours(c, info.mesh, device, args, policies[ac])
                 name = f"{label} ac={policies[ac]}"
-                r = measure(runner, name, seq,
-                            profile and i == 0)
+                r = measure(runner, name, seq, profile and seq == args.profile_seq)
                 rows.append((name, c, seq, r))
                 print_row(rows[-1], peak, flush=True)
                 if r != "OOM" or ac + 1 == len(policies):
@@ -321,7 +320,7 @@ def main(argv=None) -> int:
         free(device)
 
     try:
-        run_ours(f"ours {args.preset}", cfg, args.profile)
+        run_ours(f"ours {args.preset}", cfg, True)
         for experts in [e for e in args.transformers.split(",") if e != "none"]:
             label = f"transformers {args.preset}-v4 experts={experts}"
             try:
@@ -329,9 +328,8 @@ def main(argv=None) -> int:
             except torch.OutOfMemoryError:
                 rows += [(label, twin, seq, "OOM") for seq in seqs]
                 continue
-            for i, seq in enumerate(seqs):
-                rows.append((label, twin, seq, measure(runner, label, seq,
-                                                       False)))
+            for seq in seqs:
+                rows.append((label, twin, seq, measure(runner, label, seq, False)))
                 print_row(rows[-1], peak, flush=True)
             runner.close()
             del runner

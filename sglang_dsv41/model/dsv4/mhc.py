@@ -9,6 +9,8 @@ in fp32). Parameters sit on their owners under SGLang's flat names (``hc_attn_fn
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,7 +44,20 @@ def hc_mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Te
 
 def hc_weights(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
                sinkhorn_iters: int, hc_eps: float):
-    """mix [T, (2+hc)*hc] -> pre [T, hc], post [T, hc], comb [T, hc, hc] (fp32)."""
+    """mix [T, (2+hc)*hc] -> pre [T, hc], post [T, hc], comb [T, hc, hc] (fp32). On CUDA one
+    torch.compile'd kernel: eagerly, Sinkhorn alone launches 6 x iters tiny kernels per
+    sublayer (and twice that in the backward), which made training steps host-bound."""
+    fn = _compiled_hc_weights() if mix.is_cuda else _hc_weights
+    return fn(mix, base, scale, hc, sinkhorn_iters, hc_eps)
+
+
+@functools.cache
+def _compiled_hc_weights():
+    return torch.compile(_hc_weights, dynamic=True)
+
+
+def _hc_weights(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
+                sinkhorn_iters: int, hc_eps: float):
     pre_w, post_w, comb_w = mix.split([hc, hc, hc * hc], dim=-1)
     pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
     s_pre, s_post, s_comb = scale.float().unbind(0)
