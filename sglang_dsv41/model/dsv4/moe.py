@@ -140,7 +140,7 @@ class MoE(nn.Module):
         order = torch.argsort(local, stable=True)
         offs = torch.cumsum(torch.bincount(local, minlength=len(experts)), 0).to(torch.int32)
         # [T*k, H] broadcast of each token to its k slots, then gathered in expert order.
-        rows = x[:, None, :].expand(n_tok, k, x.shape[-1]).reshape(n_tok * k, -1)
+        rows = x[:, None, :].expand(n_tok, k, x.shape[-1]).reshape(n_tok * k, x.shape[-1])
         slot_order = order if slots is None else slots[order]
         rows = rows[slot_order]
         mods = [self.experts[e] for e in experts]
@@ -155,5 +155,5 @@ class MoE(nn.Module):
         else:  # slots of other ranks' experts contribute zero
             y_slot = y.new_zeros(n_tok * k, y.shape[-1])
         y_slot = y_slot.index_put((slot_order,), y)
-        y_slot = y_slot.view(n_tok, k, -1) * weights.to(x.dtype)[..., None]
+        y_slot = y_slot.view(n_tok, k, y.shape[-1]) * weights.to(x.dtype)[..., None]
         return y_slot.sum(dim=1).to(x.dtype)
