@@ -47,11 +47,12 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 @dataclass
 class LossTerms:
     loss: torch.Tensor                # the scalar to backward
-    # Token sums (divide by the token count for means), detached floats.
-    pg_sum: float
-    kl_sum: float
-    clip_frac_sum: float
-    tis_sum: float
+    # Token sums (divide by the token count for means), detached 0-dim tensors: reading them
+    # is a host sync, which the trainer does once per step.
+    pg_sum: torch.Tensor
+    kl_sum: torch.Tensor
+    clip_frac_sum: torch.Tensor
+    tis_sum: torch.Tensor
 
 
 def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp: torch.Tensor,
@@ -76,7 +77,7 @@ def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp: torch.Ten
     scale = world_size / global_tokens
     loss = (token_loss * mask).sum() * scale
     clipped = (pg_clipped > pg_unclipped).float()
-    return LossTerms(loss=loss, pg_sum=float((pg * mask).sum().detach()),
-                     kl_sum=float((kl * mask).sum().detach()),
-                     clip_frac_sum=float((clipped * mask).sum()),
-                     tis_sum=float((tis * mask).sum()))
+    return LossTerms(loss=loss, pg_sum=(pg * mask).sum().detach(),
+                     kl_sum=(kl * mask).sum().detach(),
+                     clip_frac_sum=(clipped * mask).sum().detach(),
+                     tis_sum=(tis * mask).sum().detach())

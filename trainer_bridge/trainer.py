@@ -31,6 +31,7 @@ from .telemetry import Telemetry, memory_metrics, rollout_metrics
 from .weight_sync import WeightSyncer
 
 log = logging.getLogger("trainer_bridge")
+STEP_SUMS = ("loss", "pg", "kl", "clip", "tis")  # forward_backward_step's vector
 
 
 class Trainer:
@@ -151,7 +152,9 @@ class Trainer:
                                                         / agree[checked, 1]).min())
         return out
 
-    def forward_backward_step(self, mb: MicroBatch, global_tokens: float) -> dict[str, float]:
+    def forward_backward_step(self, mb: MicroBatch, global_tokens: float) -> torch.Tensor:
+        """Forward and backward of one micro-batch -> float64 [5] on the device: loss, and the
+        token sums of pg, kl, clipped and tis (STEP_SUMS)."""
         out = self.policy.forward(mb, replay=self.cfg.model.r3)
         dev = out.logprobs.device
         terms = ppo_loss(out.logprobs, mb.old_logprobs.to(dev), mb.rollout_logprobs.to(dev),
@@ -159,8 +162,9 @@ class Trainer:
                          global_tokens=global_tokens, world_size=self.dist.world_size,
                          ref_logp=None if mb.ref_logprobs is None else mb.ref_logprobs.to(dev))
         terms.loss.backward()
-        return {"loss": float(terms.loss.detach()), "pg": terms.pg_sum, "kl": terms.kl_sum,
-                "clip": terms.clip_frac_sum, "tis": terms.tis_sum}
+        # On the device, read once per step (train_step): no host sync per micro-batch.
+        return torch.stack([terms.loss.detach(), terms.pg_sum, terms.kl_sum,
+                            terms.clip_frac_sum, terms.tis_sum]).double()
 
     def train_step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -168,25 +172,26 @@ class Trainer:
         t_rollout = time.perf_counter() - t0
         mini_batches = self.build_mini_batches(samples)
         metrics = self.reference_pass(mini_batches)
-        sums = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "clip": 0.0, "tis": 0.0}
-        grad_norm = sink_norm = 0.0
+        sums = torch.zeros(len(STEP_SUMS), dtype=torch.float64, device=self.device)
+        norms = torch.zeros(2, device=self.device)  # the last mini-batch's grad and sink norms
         lr, sink_lr = self.scheduler.get_last_lr()  # the LRs this step uses
         for mini in mini_batches:
             self.optimizer.zero_grad(set_to_none=True)
             global_tokens = max(all_reduce_scalar(sum(mb.num_loss_tokens for mb in mini)), 1.0)
             for mb in mini:
-                for k, v in self.forward_backward_step(mb, global_tokens).items():
-                    sums[k] += v
+                sums += self.forward_backward_step(mb, global_tokens)
             sink_norm = self.sink_grad_norm()
-            grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(
-                [p for _, p in self.policy.trainable_parameters()], self.cfg.optim.max_grad_norm)))
+            grad_norm = _full(torch.nn.utils.clip_grad_norm_(
+                [p for _, p in self.policy.trainable_parameters()], self.cfg.optim.max_grad_norm))
+            norms = torch.stack([grad_norm.float().to(norms.device), sink_norm.to(norms.device)])
             self.optimizer.step()
         self.scheduler.step()
-        tokens = metrics["train_tokens"]
-        for k in ("pg", "kl", "clip", "tis"):
-            metrics[f"{k}_mean" if k != "clip" else "clip_frac"] = all_reduce_scalar(sums[k]) / \
-                max(tokens, 1.0)
-        metrics["loss"] = all_reduce_scalar(sums["loss"]) / self.dist.world_size
+        # The step's one read of device metrics: one all-reduce, one copy to the host.
+        loss, pg, kl, clip, tis = all_reduce_tensor(sums).tolist()
+        grad_norm, sink_norm = norms.tolist()
+        tokens = max(metrics["train_tokens"], 1.0)
+        metrics.update(loss=loss / self.dist.world_size, pg_mean=pg / tokens, kl_mean=kl / tokens,
+                       clip_frac=clip / tokens, tis_mean=tis / tokens)
         metrics.update(rollout_metrics(samples), grad_norm=grad_norm, sink_grad_norm=sink_norm,
                        lr=lr, sink_lr=sink_lr, rollout_s=t_rollout)
         if self.syncer is not None:
@@ -200,12 +205,12 @@ class Trainer:
             return 0.0
         return self.syncer.sync(self.policy.model, version, self.dist.is_primary)["weight_sync_s"]
 
-    def sink_grad_norm(self) -> float:
+    def sink_grad_norm(self) -> torch.Tensor:
         grads = [p.grad for n, p in self.policy.trainable_parameters()
                  if is_sink_param(n) and p.grad is not None]
         if not grads:
-            return 0.0
-        return float(torch.sqrt(sum(_full(g).float().pow(2).sum() for g in grads)))
+            return torch.zeros((), device=self.device)
+        return torch.sqrt(sum(_full(g).float().pow(2).sum() for g in grads))
 
     def sink_grads(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) sink gradients, identical on every rank."""
