@@ -162,7 +162,12 @@ def plain_sglang(work_dir: str) -> dict:
     out = {"hooked": hasattr(sa.ServerArgs.check_server_args, "__wrapped__")}
     for label, argv in (("tp16", ["--tp-size", "16"]),
                         ("two_nodes", ["--tp-size", "16", "--attn-dp-size", "8", "--nnodes", "2"]),
-                        ("sglang_refuses", ["--tp-size", "3", "--nnodes", "2"])):
+                        ("sglang_refuses", ["--tp-size", "3", "--nnodes", "2"]),
+                        ("workers2", ["--tp-size", "2", "--tokenizer-worker-num", "2"]),
+                        ("workers2_own_app", ["--tp-size", "2", "--tokenizer-worker-num", "2"])):
+        app_path = os.environ.get("SGLANG_HTTP_SERVER_APP_PATH")
+        if label == "workers2_own_app":
+            os.environ["SGLANG_HTTP_SERVER_APP_PATH"] = "my_server:app"
         for name in ("SGLANG_DSV41_ENGRAM_LAYOUT", "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT"):
             os.environ.pop(name, None)  # one server per process: no earlier choice
         args = sa.prepare_server_args(["--model-path", model_dir, "--device", "cpu", *argv])
@@ -174,7 +179,24 @@ def plain_sglang(work_dir: str) -> dict:
             out[label] = f"{type(e).__name__}: {e}"
         if label == "two_nodes":
             out["host_layout"] = os.environ.get("SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT")
+        out[label + "_app_path"] = app_path  # as our plugins' load left it
+        if app_path is not None:
+            os.environ["SGLANG_HTTP_SERVER_APP_PATH"] = app_path
     return out
+
+
+def case_http_worker() -> None:
+    """A tokenizer worker process: what uvicorn does in each worker with SGLang's app path
+    (the environment our plugins' main process left), nothing else."""
+    from uvicorn.importer import import_from_string
+
+    install_torchvision_shim()
+    app = import_from_string(os.environ["SGLANG_HTTP_SERVER_APP_PATH"])
+    http = sys.modules["sglang.srt.entrypoints.http_server"]
+    from sglang_dsv41.sglang_backend.plugins import INSTALLED
+
+    done(installed=sorted(INSTALLED), same_app=app is http.app,
+         generate_hooked=hasattr(http.serve_generate_request, "__wrapped__"))
 
 
 def dummy_load(ckpt_dir: str) -> dict:

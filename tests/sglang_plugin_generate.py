@@ -65,6 +65,7 @@ class SchedulerStandIn:
         self.to_tokenizer = self.ctx.socket(zmq.PUSH)
         self.to_tokenizer.connect(port_args.tokenizer_ipc_name)
         self.received: list[tuple[int, object]] = []  # (DP worker, request) in arrival order
+        self.errors: list[str] = []
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
@@ -78,7 +79,10 @@ class SchedulerStandIn:
                 rank = self.pulls.index(sock)
                 req = self.io.sock_recv(sock)
                 self.received.append((rank, req))
-                self._answer(rank, req)
+                try:
+                    self._answer(rank, req)
+                except Exception as e:  # the case reports it; the HTTP request times out
+                    self.errors.append(f"{type(req).__name__}: {type(e).__name__}: {e}")
 
     def _answer(self, rank: int, req) -> None:
         io = self.io
@@ -320,4 +324,5 @@ def request_path_case(work_dir: str, run_dir: str) -> dict:
         out["dense_loaded"] = bool((runner_model.get_parameter(DENSE_NAME) == 2).all())
     finally:
         close()
+    out["scheduler_errors"] = schedulers.errors
     return out

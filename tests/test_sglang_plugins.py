@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from sglang_dsv41.server_process import free_port
+from sglang_dsv41.sglang_backend.http_workers import PLUGIN_APP
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ALL_PLUGINS = ["engram_dummy_load", "engram_layout", "layout_guards", "generate_dp_rank_header",
@@ -161,6 +162,7 @@ def test_generate_pins_through_sglangs_request_path(in_process):
     """SGLang's HTTP app, TokenizerManager, DataParallelController and DetokenizerManager; what
     reached the (stand-in) GPU scheduler is the real TokenizedGenerateReqInput."""
     facts = case_facts(in_process, "http")
+    assert facts["scheduler_errors"] == []
     prompt = [3, 4, 5]  # "hello world again" through the WordLevel tokenizer, echoed back
     # (DP worker socket, routed_dp_rank, routing_key, input_ids) at the scheduler
     assert facts["header"]["reached"] == [[1, 1, None, prompt]]
@@ -231,3 +233,17 @@ def test_plain_sglang_launch_server_gets_the_guards_through_check_server_args(in
     assert facts["host_layout"] == "per_rank"  # SGLang's own switch, picked by node count
     # SGLang's own validation ran (not stubbed): its refusal comes before our hooks
     assert facts["sglang_refuses"].startswith("AssertionError: tp_size must be divisible")
+    # --tokenizer-worker-num 2: the worker processes import our app (plugins loaded) ...
+    assert facts["workers2"] == "accepted"
+    assert facts["workers2_app_path"] == PLUGIN_APP
+    # ... and a deployment's own app path with several workers is refused before launch
+    assert facts["workers2_own_app"].startswith("ValueError: --tokenizer-worker-num 2 with "
+                                                "SGLANG_HTTP_SERVER_APP_PATH=my_server:app")
+
+
+def test_tokenizer_worker_processes_load_the_plugins():
+    """SGLang imports the app path in each tokenizer worker process without load_plugins();
+    ours loads them (and it is SGLang's own app object)."""
+    facts, _ = run_case("http_worker", SGLANG_HTTP_SERVER_APP_PATH=PLUGIN_APP)
+    assert facts == {"installed": sorted(ALL_PLUGINS), "same_app": True,
+                     "generate_hooked": True}

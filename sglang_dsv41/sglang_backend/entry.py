@@ -12,6 +12,7 @@ import logging
 import tempfile
 
 from .env import ENV
+from .http_workers import HTTP_SIDE_PLUGINS, use_plugin_app
 from .plugins import install
 
 logger = logging.getLogger(__name__)
@@ -30,10 +31,12 @@ def _install(name: str) -> None:
     if _in_detokenizer():
         return
     try:
-        install(name)
+        installed = install(name)
     except Exception:
         logger.exception("sglang-dsv41 plugin %s failed to install", name)
         raise
+    if installed and name in HTTP_SIDE_PLUGINS:
+        use_plugin_app()  # SGLang's tokenizer worker processes load them too
 
 
 def engram_dummy_load() -> None:

@@ -17,6 +17,8 @@ from ..policies.engram_layout import (SGLANG_LAYOUT_NAMES, choose_engram_layout,
                                       layout_from_sglang_name)
 from ..policies.launch_guards import check_attention_tp, check_pp_with_r3
 from .env import ENV
+from .http_workers import check_http_workers
+from .plugins import INSTALLED
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +56,13 @@ def model_o_groups(model_path: str) -> int | None:
 
 
 def check_layout(server_args) -> None:
-    """Attention TP <= o_groups, no pp with R3; raises DeploymentRefused naming the cause."""
+    """Attention TP <= o_groups, no pp with R3, several tokenizer workers only with our app;
+    raises naming the cause."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
     view = resolving_view(server_args)
     check_pp_with_r3(view.pp_size, bool(view.enable_return_routed_experts))
+    check_http_workers(int(view.tokenizer_worker_num), INSTALLED)
     o_groups = model_o_groups(view.model_path)
     if o_groups is None:
         logger.warning("sglang-dsv41: no o_groups in %s/config.json; attention-TP guard skipped",
