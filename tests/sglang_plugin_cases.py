@@ -107,30 +107,50 @@ def http(work_dir: str, run_dir: str) -> dict:
 
 
 # ---- R3 rows of hash layers -------------------------------------------------------------------
-def r3() -> dict:
+def r3(work_dir: str) -> dict:
+    """SGLang's HashTopK.forward (its torch path: SGLANG_OPT_USE_FUSED_HASH_TOPK=0, the fused
+    one is a CUDA JIT kernel) in a scheduler's published context with R3 on."""
+    sa = import_sglang("sglang.srt.server_args")
+    rc = import_sglang("sglang.srt.runtime_context")
     hash_topk = import_sglang("sglang.srt.layers.moe.hash_topk")
+    moe_utils = import_sglang("sglang.srt.layers.moe.utils")
     routed = import_sglang("sglang.srt.state_capturer.routed_experts")
     base = import_sglang("sglang.srt.state_capturer.base")
-    from sglang_dsv41.sglang_backend import r3_hooks
+    weight_utils = import_sglang("sglang.srt.model_loader.weight_utils")
+    from sglang_plugin_generate import write_tiny_model
 
-    # SGLang's capturer with its device buffer only: the host half pins memory through CUDA
+    os.environ["SGLANG_OPT_USE_FUSED_HASH_TOPK"] = "0"
+    args = sa.prepare_server_args([
+        "--model-path", write_tiny_model(os.path.join(work_dir, "r3_model")), "--device", "cpu",
+        "--enable-return-routed-experts"])
+    args.resolve_once()
+    rc.publish(args, role="scheduler", ranks=rc.SpawnRanks(world_rank=0))
+    # SGLang's capturer with its device buffer only: its host half pins memory through CUDA
     capturer = routed.RoutedExpertsCapturer.__new__(routed.RoutedExpertsCapturer)
     capturer.num_layers, capturer.topk_size, capturer.num_fused_shared_experts = 4, 3, 0
     capturer.device_cache = base.BaseDeviceCache(16, 4, 3, "cpu", name="routed_experts")
     routed.set_global_experts_capturer(capturer)
-    layer = torch.nn.Module()
-    layer.layer_id, layer.is_draft = 1, False
-    layer.tid2eid = torch.randint(0, 16, (50, 3), dtype=torch.int32)
+    shared = moe_utils.SharedExpertsConfig(fusion_disabled=True, num_fused_shared_experts=0,
+                                           use_waterfill=False)
+    layers = {}
+    with rc.get_model().override(shared_experts=shared):  # as SGLang's loader builds a model
+        for name, draft in (("target", False), ("draft", True)):
+            layers[name] = hash_topk.HashTopK(3, 16, vocab_size=50, layer_id=1, is_draft=draft)
+    tid2eid = torch.randint(0, 16, (50, 3), dtype=torch.int32)
+    for layer in layers.values():  # the checkpoint's table, through SGLang's loader path
+        weight_utils.default_weight_loader(layer.tid2eid, tid2eid)
     ids = torch.tensor([5, 9, 0, 49, 7])
     before = capturer.device_cache.buffer[:5, 1].clone()
-    r3_hooks.after_hash_topk_forward(None, layer, torch.zeros(5, 8), torch.zeros(5, 16), ids)
-    rows_equal = torch.equal(capturer.device_cache.buffer[:5, 1], layer.tid2eid[ids])
-    layer.is_draft = True
+    out = layers["target"](torch.zeros(5, 8), torch.randn(5, 16), ids)
+    rows = capturer.device_cache.buffer[:5, 1]
+    facts = dict(installed=hasattr(hash_topk.HashTopK.forward, "__wrapped__"),
+                 rows_equal=torch.equal(rows, tid2eid[ids]),
+                 rows_are_routed=torch.equal(rows, out.topk_ids.to(rows.dtype)),
+                 were_zero=bool((before == 0).all()))
     capturer.device_cache.buffer.zero_()
-    r3_hooks.after_hash_topk_forward(None, layer, torch.zeros(5, 8), torch.zeros(5, 16), ids)
-    return dict(installed=hasattr(hash_topk.HashTopK.forward, "__wrapped__"),
-                rows_equal=rows_equal, were_zero=bool((before == 0).all()),
-                draft_untouched=bool((capturer.device_cache.buffer == 0).all()))
+    layers["draft"](torch.zeros(5, 8), torch.randn(5, 16), ids)
+    facts["draft_untouched"] = bool((capturer.device_cache.buffer == 0).all())
+    return facts
 
 
 # ---- launch_server --backend sglang refusals ----------------------------------------------------
@@ -214,7 +234,8 @@ def case_in_process(ckpt_dir: str, run_dir: str, model_dir: str) -> None:
     cases = [("entry_points", lambda: entry_points(installed)),
              ("dummy_load", lambda: dummy_load(ckpt_dir)),
              ("http", lambda: http(os.path.dirname(run_dir), run_dir)),
-             ("r3", r3), ("plain_sglang", lambda: plain_sglang(os.path.dirname(run_dir))),
+             ("r3", lambda: r3(os.path.dirname(run_dir))),
+             ("plain_sglang", lambda: plain_sglang(os.path.dirname(run_dir))),
              ("launch", lambda: launch(model_dir)), ("switches", switches)]
     facts = {}
     for name, run in cases:

@@ -212,8 +212,9 @@ def test_weight_updates_naming_an_engram_table_get_400(in_process):
 
 def test_r3_rows_of_hash_layers_come_from_tid2eid(in_process):
     facts = case_facts(in_process, "r3")
-    assert facts == {"installed": True, "rows_equal": True, "were_zero": True,
-                     "draft_untouched": True}
+    # the rows SGLang's HashTopK.forward routed to, captured by our AFTER hook
+    assert facts == {"installed": True, "rows_equal": True, "rows_are_routed": True,
+                     "were_zero": True, "draft_untouched": True}
 
 
 def test_launch_refuses_bad_layouts_before_starting_anything(in_process):
