@@ -239,7 +239,7 @@ def check_grouped_moe(cfg: DSV4Config, device: torch.device) -> str:
         xi = x.clone().requires_grad_(True)
         out = moe(xi, ids, DSV4Context.packed([2048], device=device, shared=ForwardState()))
         out.float().square().sum().backward()
-        res.append((out.float(), xi.grad.float(), moe.experts[0].w1.weight.grad.float().clone()))
+        res.append((out.detach().float(), xi.grad.float(), moe.experts[0].w1.weight.grad.float().clone()))
         moe.zero_grad()
 
     def rel(a, b):
@@ -298,6 +298,7 @@ def main(argv=None) -> int:
         return step_s, peak_b
 
     policies = list(dict.fromkeys([args.checkpointing, "selective", "layer"]))
+
     def run_ours(label, c, profile):
         # One model per checkpointing policy, kept for the longer lengths; a length that
         # runs out of memory moves on to the next policy.
