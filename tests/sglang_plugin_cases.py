@@ -10,7 +10,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sglang_cpu import import_sglang, install_torchvision_shim  # noqa: E402
+from sglang_cpu import (import_sglang, install_torchvision_shim,  # noqa: E402
+                        write_tiny_model)
 
 install_torchvision_shim()  # before anything imports torchvision (through transformers)
 import torch  # noqa: E402
@@ -117,8 +118,6 @@ def r3(work_dir: str) -> dict:
     routed = import_sglang("sglang.srt.state_capturer.routed_experts")
     base = import_sglang("sglang.srt.state_capturer.base")
     weight_utils = import_sglang("sglang.srt.model_loader.weight_utils")
-    from sglang_plugin_generate import write_tiny_model
-
     os.environ["SGLANG_OPT_USE_FUSED_HASH_TOPK"] = "0"
     args = sa.prepare_server_args([
         "--model-path", write_tiny_model(os.path.join(work_dir, "r3_model")), "--device", "cpu",
@@ -175,8 +174,6 @@ def plain_sglang(work_dir: str) -> dict:
     arguments (resolve_once) and calls ServerArgs.check_server_args in its main process before
     it spawns a scheduler (entrypoints/engine.py _launch_subprocesses); SGLang's own validation
     runs first (``--device cpu``: nothing else here needs a GPU), then our AFTER hooks."""
-    from sglang_plugin_generate import write_tiny_model
-
     sa = import_sglang("sglang.srt.server_args")
     model_dir = write_tiny_model(os.path.join(work_dir, "plain_sglang_model"))  # o_groups 2
     out = {"hooked": hasattr(sa.ServerArgs.check_server_args, "__wrapped__")}

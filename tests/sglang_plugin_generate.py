@@ -7,12 +7,12 @@ Real SGLang code: the FastAPI app of ``http_server`` served by uvicorn on loopba
 ``DetokenizerManager``. The stand-in is ``SchedulerStandIn``: the DP-attention scheduler
 processes a GPU would run. It reads the ``TokenizedGenerateReqInput`` each DP worker socket
 receives and answers as a scheduler does, with a ``BatchTokenIDOutput`` to the detokenizer
-(echoing the prompt's token ids) and the control replies to the tokenizer.
+(echoing the prompt's token ids) and the control replies to the tokenizer; for
+``/update_weights_from_tensor`` it runs SGLang's model-runner ``WeightUpdater`` on a CPU module.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -20,30 +20,7 @@ from array import array
 
 import zmq
 
-from sglang_cpu import import_sglang
-
-WORDS = ["<unk>", "<s>", "</s>", "hello", "world", "again", "sticky", "turn"]
-
-
-def write_tiny_model(model_dir: str) -> str:
-    """A config SGLang's ModelConfig reads as DeepSeek V4 and a WordLevel tokenizer dir."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from sglang_dsv41.model.dsv4.presets import get_preset
-    from sglang_dsv41.tools.make_checkpoint import release_config
-
-    os.makedirs(model_dir, exist_ok=True)
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                            unk_token="<unk>").save_pretrained(model_dir)
-    config = release_config(get_preset("tiny-v4"), [32, 32], "fp8")
-    config["sliding_window"] = config["window_size"]  # the name SGLang's ModelConfig reads
-    with open(os.path.join(model_dir, "config.json"), "w") as f:
-        json.dump(config, f)
-    return model_dir
-
+from sglang_cpu import import_sglang, write_tiny_model
 
 class SchedulerStandIn:
     """Stand-in for the GPU scheduler processes (the boundary we cannot run on CPU): one PULL

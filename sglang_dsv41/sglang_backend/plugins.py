@@ -45,7 +45,7 @@ class Plugin:
     name: str
     fixes: str
     targets: tuple[Target, ...]
-    opt_in: str = ""            # the flag that turns the hook's effect on, when it is off by default
+    opt_in: str = ""  # the flag that turns the hook's effect on, when it is off by default
 
     @property
     def entry_point(self) -> str:
