@@ -137,3 +137,12 @@ def test_whole_model_loss_and_gradients_equal_the_loop_path():
     assert set(grads_l) <= set(grads_g)
     for n, g in grads_g.items():
         assert_close(g, grads_l.get(n, torch.zeros_like(g)), 1e-5, n)
+
+
+def test_grouped_takes_zero_tokens():
+    """An idle rank (DP attention) runs the MoE on no token: an empty output and no error."""
+    g, _ = moe_pair(3, torch.float32)
+    x = torch.zeros(0, g.gate.weight.shape[1], requires_grad=True)
+    out = g(x, torch.zeros(0, dtype=torch.long), DSV4Context.packed([]))
+    assert out.shape == x.shape
+    out.sum().backward()
