@@ -261,6 +261,8 @@ def request_path_case(work_dir: str, run_dir: str) -> dict:
                 ("empty_header", {}, {"X-Data-Parallel-Rank": ""}),
                 ("body_agrees", {"routed_dp_rank": 1}, {"X-Data-Parallel-Rank": "1"}),
                 ("conflict", {"routed_dp_rank": 0}, {"X-Data-Parallel-Rank": "1"}),
+                ("alias_agrees", {"data_parallel_rank": 1}, {"X-Data-Parallel-Rank": "1"}),
+                ("alias_conflict", {"data_parallel_rank": 0}, {"X-Data-Parallel-Rank": "1"}),
                 ("out_of_range", {}, {"X-Data-Parallel-Rank": "2"}),
                 ("not_int", {}, {"X-Data-Parallel-Rank": "one"})):
             out[label] = generate(extra, headers)

@@ -167,13 +167,15 @@ def test_generate_pins_through_sglangs_request_path(in_process):
     # (DP worker socket, routed_dp_rank, routing_key, input_ids) at the scheduler
     assert facts["header"]["reached"] == [[1, 1, None, prompt]]
     assert facts["body_agrees"]["reached"] == [[1, 1, None, prompt]]
-    for label in ("header", "body_agrees"):
+    assert facts["alias_agrees"]["reached"] == [[1, 1, None, prompt]]  # data_parallel_rank
+    for label in ("header", "body_agrees", "alias_agrees"):
         assert facts[label]["status"] == 200 and facts[label]["dp_rank"] == 1
         assert facts[label]["text"] == "hello world again"
     for label in ("none", "empty_header"):  # no pin: SGLang's round robin decides
         assert facts[label]["status"] == 200
         assert [r[1] for r in facts[label]["reached"]] == [None]
     for label, message in (("conflict", "conflicting DP ranks"),
+                           ("alias_conflict", "conflicting DP ranks"),
                            ("out_of_range", "valid ranks are [0, 2)"),
                            ("not_int", "must be an integer")):
         assert facts[label]["status"] == 400 and message in facts[label]["error"], facts[label]
