@@ -111,9 +111,10 @@ def dummy_load_case(ckpt_dir: str) -> dict:
     def load(rank: int, checkpoint: str):
         os.environ["SGLANG_DSV41_ENGRAM_CHECKPOINT"] = checkpoint  # --dsv41-engram-checkpoint
         with rc.get_parallel().override(tp_size=2, tp_rank=rank):
-            return loader.DummyModelLoader(load_config.LoadConfig(load_format="dummy")) \
-                .load_model(model_config=config,
-                            device_config=device_config.DeviceConfig("cpu"))
+            chosen = loader.get_model_loader(load_config.LoadConfig(load_format="dummy"), config)
+            assert type(chosen) is loader.DummyModelLoader
+            return chosen.load_model(model_config=config,
+                                     device_config=device_config.DeviceConfig("cpu"))
 
     results = {}
     try:
