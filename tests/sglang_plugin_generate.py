@@ -239,6 +239,7 @@ def request_path_case(work_dir: str, run_dir: str) -> dict:
     from sglang_dsv41.sglang_backend.watchdog_hooks import write_stall_report
 
     serializer = import_sglang("sglang.srt.utils.common").MultiprocessingSerializer
+    tensor_bucket = import_sglang("sglang.srt.weight_sync.tensor_bucket")
     updater, runner_model = cpu_runner_weight_updater()
     url, schedulers, close = serve_request_path(os.path.join(work_dir, "request_path_model"),
                                                 free_port, updater)
@@ -290,14 +291,20 @@ def request_path_case(work_dir: str, run_dir: str) -> dict:
                           json={**upd, "names": [DENSE_NAME]}, timeout=20)
         out["dense_distributed"] = [r.status_code, type(schedulers.received[-1][1]).__name__]
 
-        def push_tensor(name, value):
-            payload = serializer.serialize([(name, value)], output_str=True)
+        def push_tensor(name, value, load_format="direct"):
+            named = [(name, value)]
+            if load_format == "flattened_bucket":  # SGLang's bucket: one tensor + metadata
+                bucket = tensor_bucket.FlattenedTensorBucket(named_tensors=named)
+                named = {"flattened_tensor": bucket.get_flattened_tensor(),
+                         "metadata": bucket.get_metadata()}
+            payload = serializer.serialize(named, output_str=True)
             r = requests.post(f"{url}/update_weights_from_tensor", json={
-                "serialized_named_tensors": [payload, payload], "load_format": "direct"},
+                "serialized_named_tensors": [payload, payload], "load_format": load_format},
                 timeout=20)
             return [r.status_code, r.json()["message"]]
 
         out["engram_tensor"] = push_tensor(ENGRAM_NAME, torch.ones(8, 4))
+        out["engram_bucket"] = push_tensor(ENGRAM_NAME, torch.ones(8, 4), "flattened_bucket")
         out["engram_table_untouched"] = bool((runner_model.get_parameter(ENGRAM_NAME) == 0).all())
         out["dense_tensor"] = push_tensor(DENSE_NAME, torch.full((4, 4), 2.0))
         out["dense_loaded"] = bool((runner_model.get_parameter(DENSE_NAME) == 2).all())

@@ -206,8 +206,9 @@ def test_weight_updates_naming_an_engram_table_get_400(in_process):
     assert status == 400 and "frozen Engram table" in message and reached == 0
     assert facts["dense_distributed"] == [200, "UpdateWeightsFromDistributedReqInput"]
     # from tensor: refused by SGLang's model-runner WeightUpdater, before any tensor is loaded
-    status, message = facts["engram_tensor"]
-    assert status == 400 and "frozen Engram table" in message
+    for label in ("engram_tensor", "engram_bucket"):  # (name, tensor) pairs; flattened bucket
+        status, message = facts[label]
+        assert status == 400 and "frozen Engram table" in message, facts[label]
     assert facts["engram_table_untouched"] is True
     assert facts["dense_tensor"][0] == 200 and facts["dense_loaded"] is True
 
