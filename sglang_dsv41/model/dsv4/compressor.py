@@ -72,6 +72,20 @@ def stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     return values[..., :k], indices[..., :k]
 
 
+# Selection scores are built for at most this many (query, head, entry) products at a time, so
+# their memory is O(chunk x entries) and not O(T x entries): V4.1's ratio-1 index scores of one
+# 65,536-token sequence would be a [T, 16, T] bf16 block of 128 GiB. The picks have no gradient,
+# so the chunks cost no recompute. Read at call time (tests shrink it to force many chunks).
+SELECTION_CHUNK_PRODUCTS = 1 << 28
+
+
+def query_chunks(start: int, end: int, entries: int, heads: int) -> list[tuple[int, int]]:
+    """Row ranges [a, b) covering queries start..end-1 whose [rows, heads, entries] score block
+    holds at most SELECTION_CHUNK_PRODUCTS products (one row at least)."""
+    rows = max(1, SELECTION_CHUNK_PRODUCTS // max(1, heads * entries))
+    return [(a, min(a + rows, end)) for a in range(start, end, rows)]
+
+
 def visible_entries(positions: torch.Tensor, ratio: int) -> torch.Tensor:
     """[T] number of compressed entries a query may see (their span ended at or before it)."""
     return torch.div(positions + 1, ratio, rounding_mode="floor")
@@ -118,14 +132,21 @@ class Indexer(nn.Module):
         width = min(self.topk, max(counts, default=0))
         out = torch.full((x.shape[0], width), -1, dtype=torch.int32, device=x.device)
         for s, (start, end) in enumerate(bounds):
-            n = counts[s]
-            if n == 0:
+            if counts[s] == 0:
                 continue
-            scores = indexer_scores(q[start:end], keys[cu_keys[s]:cu_keys[s] + n],
-                                    w[start:end], self.head_dim ** -0.5)
-            seen = visible_entries(positions[start:end], self.ratio)
-            future = torch.arange(n, device=x.device)[None, :] >= seen[:, None]
-            picks = stable_topk(scores.masked_fill(future, float("-inf")), min(self.topk, n))[1]
-            picks = torch.where(picks < seen[:, None], picks + cu_entries[s], torch.full_like(picks, -1))
-            out[start:end, :picks.shape[1]] = picks.to(torch.int32)
+            for a, b in query_chunks(start, end, counts[s], self.n_heads):
+                seen = visible_entries(positions[a:b], self.ratio)
+                # Only the entries some query of the chunk sees: a row's picks do not depend on
+                # the masked tail (stable_topk), and -1 pads rows that see fewer than top-k.
+                n = min(counts[s], int(seen.max()))
+                if n <= 0:
+                    continue
+                scores = indexer_scores(q[a:b], keys[cu_keys[s]:cu_keys[s] + n], w[a:b],
+                                        self.head_dim ** -0.5)
+                future = torch.arange(n, device=x.device)[None, :] >= seen[:, None]
+                scores.masked_fill_(future, float("-inf"))
+                picks = stable_topk(scores, min(self.topk, n))[1]
+                picks = torch.where(picks < seen[:, None], picks + cu_entries[s],
+                                    torch.full_like(picks, -1))
+                out[a:b, :picks.shape[1]] = picks.to(torch.int32)
         return out

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .compressor import stable_topk
+from .compressor import query_chunks, stable_topk
 from .config import DSV4Config
 from .norm import RMSNorm
 from .rope import apply_rope, layer_inv_freq
@@ -223,33 +223,38 @@ def _select(cfg: DSV4Config, layer_id: int, indexer: V41Indexer, x: torch.Tensor
     blocks = shared.get(("v41_candidates",)) if consumes else None
     if consumes and blocks is None:
         raise RuntimeError(f"index layer {layer_id} needs the candidate blocks of layer {cand}")
-    published = []
-    for s, (a, b) in enumerate(layout.token_bounds):
-        lens_s = lens[a:b]
-        lc = int(lens_s.max()) if b > a else 0
-        if lc == 0:
-            continue
-        start = layout.entry_start[s]
-        cols = torch.arange(lc, device=x.device)
-        scores = torch.einsum("bhd,nd->bhn", q[a:b], keys[start:start + lc])
-        scores = (scores.relu() * weights[a:b].unsqueeze(-1)).sum(dim=1).float()
-        scores = scores.masked_fill(cols[None, :] >= lens_s[:, None], -torch.inf)
-        k = min(indexer.topk, lc)
-        if consumes:
-            idx = topk_among_blocks(scores, lens_s, blocks[a:b], k, cfg.candidate_block_size)
-            idx = idx.masked_fill(idx < 0, lc)
-        else:
-            idx = stable_topk(scores, k)[1]
-        if publishes:
-            published.append((a, b, select_candidate_block_ids(
-                scores, lens_s[:, None], cfg.candidate_topk_blocks, cfg.candidate_block_size)))
-        idx = idx.sort(dim=-1).values
-        out[a:b, :k] = torch.where(idx < lens_s[:, None], idx + start, -1).to(torch.int32)
+    table = None
     if publishes:
-        width = max((ids.shape[1] for *_, ids in published), default=0)
+        longest = max(((b - a) // ratio for a, b in layout.token_bounds), default=0)
+        width = min(cfg.candidate_topk_blocks, -(-longest // cfg.candidate_block_size))
         table = torch.full((T, width), -1, dtype=torch.int32, device=x.device)
-        for a, b, ids in published:
-            table[a:b, :ids.shape[1]] = ids
+    for s, (a, b) in enumerate(layout.token_bounds):
+        start = layout.entry_start[s]
+        for c0, c1 in query_chunks(a, b, (b - a) // ratio, indexer.n_heads):
+            # Positions are 0..n-1 (EntryLayout.build): the chunk's last query sees the most
+            # entries. A row's picks do not depend on the masked tail (stable_topk), so scoring
+            # only the entries the chunk sees picks what the whole sequence's scores pick.
+            lc = (c1 - a) // ratio
+            if lc == 0:
+                continue
+            lens_c = lens[c0:c1]
+            cols = torch.arange(lc, device=x.device)
+            scores = torch.einsum("bhd,nd->bhn", q[c0:c1], keys[start:start + lc])
+            scores = (scores.relu_() * weights[c0:c1].unsqueeze(-1)).sum(dim=1).float()
+            scores.masked_fill_(cols[None, :] >= lens_c[:, None], -torch.inf)
+            k = min(indexer.topk, lc)
+            if consumes:
+                idx = topk_among_blocks(scores, lens_c, blocks[c0:c1], k, cfg.candidate_block_size)
+                idx = idx.masked_fill(idx < 0, lc)
+            else:
+                idx = stable_topk(scores, k)[1]
+            if publishes:
+                ids = select_candidate_block_ids(scores, lens_c[:, None], cfg.candidate_topk_blocks,
+                                                 cfg.candidate_block_size)
+                table[c0:c1, :ids.shape[1]] = ids
+            idx = idx.sort(dim=-1).values
+            out[c0:c1, :k] = torch.where(idx < lens_c[:, None], idx + start, -1).to(torch.int32)
+    if publishes:
         shared[("v41_candidates",)] = table
     return out
 
