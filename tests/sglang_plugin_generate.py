@@ -22,6 +22,7 @@ import zmq
 
 from sglang_cpu import import_sglang, write_tiny_model
 
+
 class SchedulerStandIn:
     """Stand-in for the GPU scheduler processes (the boundary we cannot run on CPU): one PULL
     socket per DP worker port of the real DataParallelController; answers each request like
@@ -126,6 +127,10 @@ def start_http_server(app, port: int):
     return server, thread
 
 
+DENSE_NAME = "model.layers.0.self_attn.wo_a.weight"
+ENGRAM_NAME = "model.layers.1.engram.embed.weight"
+
+
 def cpu_runner_weight_updater():
     """SGLang's model-runner WeightUpdater over a CPU module holding one dense weight and one
     Engram table under SGLang's parameter names. -> (updater, module)."""
@@ -149,10 +154,6 @@ def cpu_runner_weight_updater():
     return updater, model
 
 
-DENSE_NAME = "model.layers.0.self_attn.wo_a.weight"
-ENGRAM_NAME = "model.layers.1.engram.embed.weight"
-
-
 def serve_request_path(model_dir: str, free_port, weight_updater):
     """SGLang's TokenizerManager, DataParallelController (2 attention-DP ranks) and
     DetokenizerManager wired by SGLang's own PortArgs, behind its HTTP app.
@@ -168,8 +169,8 @@ def serve_request_path(model_dir: str, free_port, weight_updater):
     http_port = free_port()
     args = sa.prepare_server_args([
         "--model-path", write_tiny_model(model_dir), "--device", "cpu", "--tp-size", "2",
-        "--attn-dp-size", "2",
-        "--load-balance-method", "round_robin", "--host", "127.0.0.1", "--port", str(http_port)])
+        "--attn-dp-size", "2", "--load-balance-method", "round_robin", "--host", "127.0.0.1",
+        "--port", str(http_port)])
     args.resolve_once()  # what Engine._launch_subprocesses does before it publishes
     rc.publish(args, role="tokenizer")
     port_args = sa.PortArgs.init_new(args)
@@ -180,8 +181,7 @@ def serve_request_path(model_dir: str, free_port, weight_updater):
 
         def launch_tensor_parallel_group(self, server_args, port_args, base_gpu_id, dp_rank,
                                          worker_ports=None):
-            self.schedulers = SchedulerStandIn(io, worker_ports, port_args,
-                                              weight_updater)
+            self.schedulers = SchedulerStandIn(io, worker_ports, port_args, weight_updater)
 
     controller = DataParallelController(args, port_args, run_scheduler_process_func=None)
     detokenizer = detok.DetokenizerManager(args, port_args)
