@@ -56,7 +56,7 @@ def write_flat_checkpoint(path: str, cfg, model) -> str:
 
     os.makedirs(path, exist_ok=True)
     cfg.save_pretrained(path)
-    save_file({n: t.contiguous() for n, t in model.state_dict().items()},
+    save_file({n: t.clone() for n, t in model.state_dict().items()},  # experts: views
               os.path.join(path, "model.safetensors"))
     return path
 

@@ -1,6 +1,7 @@
 """make_checkpoint's weights are the real model's (DSV4ForCausalLM + init_weights) in checkpoint
 dtypes, and ``--layout hf`` is transformers' own DeepseekV4 checkpoint of them: transformers
-5.23 reloads it and gives our model's logits."""
+5.23 reloads it and gives our model's logits. The model holds each layer's routed experts
+stacked, yet its state dict is the checkpoint's, per expert, both ways."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import os
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
+from sglang_dsv41.loader.serving import load_serving_model
 from sglang_dsv41.loader.shards import checkpoint_files
 from sglang_dsv41.model.dsv4 import get_preset
 from sglang_dsv41.model.dsv4.context import DSV4Context
@@ -84,3 +87,43 @@ def test_hf_layout_refuses_v41_presets(tmp_path):
     with pytest.raises(ValueError, match="--layout hf needs a V4 preset"):
         make_checkpoint(str(tmp_path / "hf"), get_preset("tiny"), "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_stacked_routed_experts_round_trip_under_per_expert_names(tmp_path):
+    """bf16 checkpoint -> model -> safetensors -> a fresh model: the same names in the same
+    order and the same values, though each MoE layer holds two expert parameters, not 3E."""
+    cfg = get_preset("tiny")
+    make_checkpoint(str(tmp_path / "bf16"), cfg, "bf16", seed=SEED, num_shards=2)
+    stored = read_dir(tmp_path / "bf16")
+    model = load_serving_model(str(tmp_path / "bf16"), torch.float32, "cpu")
+    n_exp, hidden, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    layer = dict(model.layers[3].named_parameters())
+    assert layer["ffn.experts.w13"].shape == (n_exp, 2 * inter, hidden)
+    assert layer["ffn.experts.w2"].shape == (n_exp, hidden, inter)
+    assert not [n for n in layer if n.startswith("ffn.experts.") and n[12].isdigit()]
+
+    state = model.state_dict()
+    assert set(state) == set(stored)
+    for n, t in state.items():
+        assert torch.equal(t.to(stored[n].dtype).view(torch.uint8), stored[n].view(torch.uint8)), n
+    # The per-expert entries are views: expert 5's w3 is the second half of its w13 rows.
+    assert torch.equal(state["layers.3.ffn.experts.5.w3.weight"],
+                       model.layers[3].ffn.experts.w13[5, inter:])
+
+    save_file({n: t.clone() for n, t in state.items()}, str(tmp_path / "again.safetensors"))
+    again = load_file(str(tmp_path / "again.safetensors"))
+    fresh = DSV4ForCausalLM(cfg)
+    fresh.load_state_dict(again, strict=True)
+    back = fresh.state_dict()
+    assert list(back) == list(state)
+    for n, t in state.items():
+        assert torch.equal(back[n].view(torch.uint8), t.view(torch.uint8)), n
+
+    missing = dict(again)
+    del missing["layers.3.ffn.experts.5.w3.weight"]
+    with pytest.raises(RuntimeError, match=r"layers\.3\.ffn\.experts\.5\.w3\.weight: missing"):
+        fresh.load_state_dict(missing)
+    misshapen = dict(again, **{"layers.3.ffn.experts.2.w2.weight": torch.zeros(inter, hidden)})
+    with pytest.raises(RuntimeError, match=r"experts\.2\.w2\.weight: shape \[%d, %d\]" % (
+            inter, hidden)):
+        fresh.load_state_dict(misshapen)

@@ -40,7 +40,7 @@ def transformers_twin(model: DSV4ForCausalLM, tmp_path) -> DeepseekV4ForCausalLM
     """Save our flat checkpoint and let transformers load it with its own name conversion."""
     hf_cfg = DeepseekV4Config(**names.to_transformers_config(model.cfg))
     hf_cfg.save_pretrained(tmp_path)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+    save_file({k: v.clone() for k, v in model.state_dict().items()},  # experts: views
               str(tmp_path / "model.safetensors"))
     twin = DeepseekV4ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     return twin.eval()

@@ -183,3 +183,7 @@ def test_fp32_groups_frozen_tables_and_weight_push(results):
     assert pushed["layers.0.attn.attn_sink"] == ("torch.float32", "torch.float32")
     assert pushed["layers.3.hc_ffn_fn"][1] == "torch.float32"
     assert pushed["layers.3.ffn.experts.0.w1.weight"][1] == "torch.bfloat16"
+    # FSDP2 holds each layer's routed experts as two stacks (2 parameters, not 3E); the push
+    # above still names them per expert.
+    layer3 = {n for n in dtypes if n.startswith("layers.3.ffn.experts.")}
+    assert layer3 == {"layers.3.ffn.experts.w13", "layers.3.ffn.experts.w2"}

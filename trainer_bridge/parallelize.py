@@ -5,7 +5,7 @@ Groups (torchtitan's order: every decoder layer, then ``[norm, head, hc_head_*]`
   (``ffn.gate``: weight and its fp32 correction bias, frozen for RL), the mHC parameters
   (``hc_attn_*``, ``hc_ffn_*``) and the attention sinks (``attn.attn_sink``);
 - one compute-dtype group per decoder layer for everything else (attention, compressors,
-  indexer, experts, Engram's wkv/q/k);
+  indexer, the routed experts' two stacks ``ffn.experts.w13``/``w2``, Engram's wkv/q/k);
 - ``[norm, head, hc_head_*]`` in fp32 when lm_head_fp32 (RL needs an fp32 head), else the
   compute dtype; the root (the embedding) last.
 Master weights are fp32 everywhere (a group needs one original dtype); the policy casts to the
@@ -16,6 +16,8 @@ unsharded fp32 tensors back to the owner under their own names. They are never i
 ``ignored_params`` (that would skip their gradient reduction). Frozen tables (Engram's
 ``engram.embed.*`` and ``ffn.gate.tid2eid``) are buffers: never sharded, never in the
 optimizer, never sent (weight_sync) and never checkpointed (checkpoint.py).
+The sharded model's state dict keeps the expert stacks under their own names (DCP checkpoints
+hold them stacked); weight_sync shows them per expert (names.per_expert_state) once gathered.
 """
 
 from __future__ import annotations
@@ -206,6 +208,8 @@ def parallelize_policy(model: DSV4ForCausalLM, mesh: DeviceMesh, *,
             if holder is not None:
                 fully_shard(holder, mp_policy=fp32, **held)
         fully_shard(layer.ffn.gate, mp_policy=router, **kw)
+        # Sharded over experts, a stack's local shard cannot be cut into per-expert views.
+        layer.ffn.experts.per_expert_state_dict = False
         if mesh.size() > 1:  # one rank: no collective to keep in step
             layer.register_forward_hook(_touch_every_parameter)
         checkpoint_layer(layer, activation_checkpointing)

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from sglang_dsv41.loader.serving import cast_for_serving_
 from sglang_dsv41.loader.weight_sync_group import parse_dtype, plan_buckets
 from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM
+from sglang_dsv41.model.dsv4.names import per_expert_state
 from sglang_dsv41.router import SessionRouter
 from sglang_dsv41.server_process import free_port
 
@@ -46,9 +47,10 @@ def served_dtypes(model: DSV4ForCausalLM, served_dtype: torch.dtype) -> dict[str
 
 
 def pushed_tensors(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-    """The trainer's full state dict -> (SGLang name, tensor) to send: no frozen table."""
-    named = ((server_param_name(n), t) for n, t in state.items())
-    return [(n, t) for n, t in named if not is_frozen_table(n)]
+    """The trainer's full state dict -> (SGLang name, tensor) to send: no frozen table, the
+    routed experts per expert."""
+    named = per_expert_state({server_param_name(n): t for n, t in state.items()})
+    return [(n, t) for n, t in named.items() if not is_frozen_table(n)]
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -197,4 +199,6 @@ def _buckets(named, dtypes: dict[str, torch.dtype], bucket_bytes: int):
     plan = plan_buckets([dtypes[name] for name, _ in named], [list(t.shape) for _, t in named],
                         bucket_bytes)
     for indices in plan:
-        yield [(named[i][0], named[i][1].to(dtypes[named[i][0]]).contiguous()) for i in indices]
+        # Copies: the routed experts are views of their stacks (safetensors refuses tensors
+        # that share storage).
+        yield [(named[i][0], named[i][1].to(dtypes[named[i][0]], copy=True)) for i in indices]

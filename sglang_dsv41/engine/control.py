@@ -17,6 +17,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..model.dsv4.names import per_expert_state
 from .messages import ControlOut, ControlReq
 
 if TYPE_CHECKING:
@@ -85,13 +86,13 @@ def _get_model_info(runner: "ModelRunner") -> dict[str, Any]:
 
 
 def _validate_name(runner: "ModelRunner", name: str, truncate_size: int = 100) -> None:
-    if name not in dict(runner.model.named_parameters()):
+    if name not in per_expert_state(dict(runner.model.named_parameters())):
         raise ValueError(f"no parameter named {name!r}")
 
 
 def _get_weights_by_name(runner: "ModelRunner", name: str, truncate_size: int = 100
                          ) -> dict[str, Any]:
-    p = dict(runner.model.named_parameters())[name].detach().float().cpu()
+    p = per_expert_state(dict(runner.model.named_parameters()))[name].detach().float().cpu()
     return {"name": name, "shape": list(p.shape), "values": p.flatten()[:truncate_size].tolist(),
             "sha256": hashlib.sha256(p.numpy().tobytes()).hexdigest()}
 

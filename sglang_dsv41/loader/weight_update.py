@@ -13,6 +13,7 @@ from typing import Iterable
 
 import torch
 
+from ..model.dsv4.names import per_expert_state
 from .dummy import is_engram_table
 from .engram_codec import tensor_checksum
 
@@ -29,7 +30,8 @@ class WeightUpdateError(ValueError):
 
 
 def _targets(model) -> dict[str, torch.Tensor]:
-    out = dict(model.named_parameters(remove_duplicate=False))
+    """SGLang name -> the model's tensor; routed experts as views of their stacks."""
+    out = per_expert_state(dict(model.named_parameters(remove_duplicate=False)))
     out.update(dict(model.named_buffers(remove_duplicate=False)))
     return out
 

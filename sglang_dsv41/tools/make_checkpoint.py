@@ -46,7 +46,10 @@ def random_text_tensors(cfg: DSV4Config, seed: int = 0) -> dict[str, torch.Tenso
     with default_dtype(torch.bfloat16):  # half the memory; fp32 where the model insists
         model = DSV4ForCausalLM(cfg)
     init_weights(model, seed)
-    return {n: t.to(checkpoint_dtype(n, t.dtype)) for n, t in model.state_dict().items()}
+    # Copies: the state dict's routed experts are views of their stacks (safetensors refuses
+    # tensors that share storage).
+    return {n: t.to(checkpoint_dtype(n, t.dtype), copy=True)
+            for n, t in model.state_dict().items()}
 
 
 def release_tensors(cfg: DSV4Config, text: dict[str, torch.Tensor], block: list[int],
@@ -81,6 +84,8 @@ def release_config(cfg: DSV4Config, block: list[int], expert_dtype: str) -> dict
     quant = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
              "scale_fmt": "ue8m0", "weight_block_size": block, "expert_dtype": expert_dtype}
     text = cfg.to_dict()
+    # DeepSeek's releases name the window sliding_window; SGLang 0.5.23's ModelConfig reads it.
+    text["sliding_window"] = cfg.window_size
     text["compress_ratios"] = cfg.compress_ratios + [0]  # plus the draft layer's ratio
     text.pop("architectures", None)
     if not cfg.is_v41:

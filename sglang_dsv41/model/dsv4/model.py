@@ -18,6 +18,7 @@ from .context import DSV4Context
 from .engram import Engram, EngramHasher
 from .mhc import hc_collapse, hc_expand, hc_head, hc_mix, hc_params, hc_weights
 from .moe import MoE
+from .names import per_expert_state
 from .norm import RMSNorm
 from .v41 import hc_input_from_prev, mhc_combine
 
@@ -116,7 +117,8 @@ def init_weights(model: DSV4ForCausalLM, seed: int = 0, std: float | None = None
     cfg = model.cfg
     std = cfg.initializer_range if std is None else std
     gen = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
+    # Per expert, in checkpoint order: the same draws as when each expert had its own tensors.
+    for name, p in per_expert_state(dict(model.named_parameters())).items():
         leaf = name.rsplit(".", 1)[-1]
         if leaf.endswith("_scale") or leaf in ("q_weight", "k_weight") or (
                 leaf == "weight" and p.dim() == 1):

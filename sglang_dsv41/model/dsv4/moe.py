@@ -2,7 +2,8 @@
 (``tid2eid``), SwiGLU experts with a clamp, one shared expert; R3 record/replay.
 
 Names are SGLang's flat ones: ``ffn.gate.{weight,bias,tid2eid}``, ``ffn.experts.E.w{1,2,3}``,
-``ffn.shared_experts.w{1,2,3}`` (w1 gate, w3 up, w2 down). The bias picks the experts only; the
+``ffn.shared_experts.w{1,2,3}`` (w1 gate, w3 up, w2 down). The routed experts are held stacked
+(``ffn.experts.w13``, ``ffn.experts.w2``: RoutedExperts) and shown per expert in the state dict. The bias picks the experts only; the
 weights come from the unbiased scores, renormalised and scaled by routed_scaling_factor
 (transformers' DeepseekV4TopKRouter / DeepseekV4HashRouter).
 """
@@ -15,6 +16,7 @@ from torch import nn
 
 from .config import DSV4Config
 from .context import DSV4Context
+from .names import expert_names, join_experts, split_experts
 from .v41 import renormalize_topk_weights, sqrtsoftplus_log1p
 
 
@@ -61,8 +63,13 @@ class Gate(nn.Module):
         return ids, weights * self.scaling
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """DeepSeek V4's clamped SwiGLU: gate <= limit, |up| <= limit."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
 class Expert(nn.Module):
-    """SwiGLU with DeepSeek V4's clamp: gate <= limit, |up| <= limit."""
+    """One SwiGLU MLP of nn.Linear layers (the shared expert)."""
 
     def __init__(self, hidden: int, inter: int, limit: float):
         super().__init__()
@@ -72,9 +79,56 @@ class Expert(nn.Module):
         self.w3 = nn.Linear(hidden, inter, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.w1(x).clamp(max=self.limit)
-        up = self.w3(x).clamp(min=-self.limit, max=self.limit)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
+
+
+class RoutedExperts(nn.Module):
+    """Every routed expert's SwiGLU weights as two parameters: ``w13`` [E, 2I, H] (expert e's
+    w1 gate rows, then its w3 up rows) and ``w2`` [E, H, I]: nn.Linear's [out, in] per expert,
+    transformers' gate_up_proj/down_proj layout. FSDP2 then casts and gathers 2 tensors per layer
+    instead of 3E, the forward stacks nothing, and the grouped GEMMs read them transposed (a
+    view). The state dict shows SGLang's per-expert names ``E.w{1,2,3}.weight`` (views of the
+    stacks) and load_state_dict accepts them, so checkpoints and weight updates keep their
+    names; ``per_expert_state_dict`` off (an FSDP-sharded model, whose stacks are DTensors
+    sharded over experts) keeps the stacked names for DCP."""
+
+    def __init__(self, n_experts: int, hidden: int, inter: int):
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(n_experts, 2 * inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(n_experts, hidden, inter))
+        self.per_expert_state_dict = True
+        self.register_state_dict_post_hook(_show_per_expert)
+        self.register_load_state_dict_pre_hook(_stack_per_expert)
+
+    def __len__(self) -> int:
+        return self.w13.shape[0]
+
+    def forward_one(self, e: int, x: torch.Tensor, limit: float) -> torch.Tensor:
+        """Expert ``e`` alone (the per-expert reference path)."""
+        gate, up = F.linear(x, self.w13[e]).chunk(2, dim=-1)
+        return F.linear(swiglu(gate, up, limit), self.w2[e])
+
+
+def _show_per_expert(module: RoutedExperts, state_dict, prefix: str, local_metadata) -> None:
+    if not module.per_expert_state_dict:
+        return
+    w13, w2 = state_dict.pop(prefix + "w13"), state_dict.pop(prefix + "w2")
+    state_dict.update(split_experts(prefix, w13, w2))
+
+
+def _stack_per_expert(module: RoutedExperts, state_dict, prefix: str, local_metadata, strict,
+                      missing_keys, unexpected_keys, error_msgs) -> None:
+    if not any(name in state_dict for name in expert_names(prefix, len(module))):
+        return  # stacked names (a DCP state) or nothing for this module (dummy loading)
+    hidden, inter = module.w2.shape[1:]
+    try:
+        w13, w2 = join_experts(prefix, state_dict, len(module), hidden, inter)
+    except ValueError as e:
+        error_msgs.append(str(e))
+        return
+    for name in expert_names(prefix, len(module)):
+        del state_dict[name]
+    state_dict[prefix + "w13"], state_dict[prefix + "w2"] = w13, w2
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -98,9 +152,8 @@ class MoE(nn.Module):
         self.layer_id, self.grouped = layer_id, grouped
         self.limit = cfg.swiglu_limit
         self.gate = Gate(cfg, layer_id)
-        self.experts = nn.ModuleList(
-            Expert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit)
-            for _ in range(cfg.n_routed_experts))
+        self.experts = RoutedExperts(cfg.n_routed_experts, cfg.hidden_size,
+                                     cfg.moe_intermediate_size)
         self.shared_experts = Expert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
                                      cfg.swiglu_limit)
 
@@ -121,7 +174,8 @@ class MoE(nn.Module):
         for e in experts:
             token, slot = torch.where(ids == e)
             if token.numel():
-                y = self.experts[e](x[token]) * weights[token, slot, None].to(x.dtype)
+                y = (self.experts.forward_one(e, x[token], self.limit)
+                     * weights[token, slot, None].to(x.dtype))
                 out.index_add_(0, token, y.to(out.dtype))
         return out
 
@@ -143,13 +197,10 @@ class MoE(nn.Module):
         rows = x[:, None, :].expand(n_tok, k, x.shape[-1]).reshape(n_tok * k, x.shape[-1])
         slot_order = order if slots is None else slots[order]
         rows = rows[slot_order]
-        mods = [self.experts[e] for e in experts]
-        w13 = torch.cat([torch.stack([m.w1.weight for m in mods]),
-                         torch.stack([m.w3.weight for m in mods])], dim=1)  # [E, 2I, H]
-        w2 = torch.stack([m.w2.weight for m in mods])                     # [E, H, I]
+        w13 = self.experts.w13[experts.start:experts.stop]  # [E, 2I, H], a view
+        w2 = self.experts.w2[experts.start:experts.stop]    # [E, H, I]
         gate, up = grouped_mm(rows, w13.transpose(1, 2), offs).chunk(2, dim=-1)
-        act = F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
-        y = grouped_mm(act, w2.transpose(1, 2), offs)
+        y = grouped_mm(swiglu(gate, up, self.limit), w2.transpose(1, 2), offs)
         if slots is None:
             y_slot = torch.empty_like(y)
         else:  # slots of other ranks' experts contribute zero

@@ -3,7 +3,8 @@
 The flat names are what the release checkpoint, SGLang 0.5.23's loader and our model use. The
 transformers side is what ``DeepseekV4ForCausalLM.state_dict()`` holds; the rename rules are the
 inverse of transformers' own ``deepseek_v4`` checkpoint conversion (conversion_mapping.py), with
-per-expert ``w1/w3`` stacked into ``gate_up_proj [E, 2I, H]`` and ``w2`` into ``down_proj``.
+per-expert ``w1/w3`` stacked into ``gate_up_proj [E, 2I, H]`` and ``w2`` into ``down_proj``: the
+layout our model holds them in (moe.RoutedExperts ``w13``, ``w2``), split and joined here only.
 Engram tensors and V4.1's ratio-1/2 modules have no transformers counterpart (V4 only there):
 ``to_transformers`` refuses them.
 """
@@ -39,6 +40,9 @@ _RULES = [
     (r"^layers\.(\d+)\.ffn\.gate\.tid2eid$", r"model.layers.\1.mlp.gate.tid2eid"),
     (r"^layers\.(\d+)\.ffn\.shared_experts\.(w[123])\.weight$",
      r"model.layers.\1.mlp.shared_experts.{\2}.weight"),
+    # Our stacks (named_parameters(); the state dict shows them per expert) are transformers'.
+    (r"^layers\.(\d+)\.ffn\.experts\.w13$", r"model.layers.\1.mlp.experts.gate_up_proj"),
+    (r"^layers\.(\d+)\.ffn\.experts\.w2$", r"model.layers.\1.mlp.experts.down_proj"),
 ]
 _LEAF = {"wq_a": "q_a_proj", "q_norm": "q_a_norm", "wq_b": "q_b_proj", "wkv": "kv_proj",
          "kv_norm": "kv_norm", "wo_a": "o_a_proj", "wo_b": "o_b_proj", "wgate": "gate_proj",
@@ -57,6 +61,58 @@ def is_frozen_table(name: str) -> bool:
 
 
 _EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
+# A routed-expert stack (moe.RoutedExperts) under any prefix: "layers.3.ffn.experts.w13".
+_STACKED = re.compile(r"^((?:.*\.)?experts\.)(w13|w2)$")
+
+
+def expert_names(prefix: str, n_experts: int) -> list[str]:
+    """SGLang's per-expert names in checkpoint order (expert by expert: w1, w2, w3)."""
+    return [f"{prefix}{e}.{w}.weight" for e in range(n_experts) for w in ("w1", "w2", "w3")]
+
+
+def split_experts(prefix: str, w13: torch.Tensor, w2: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Stacks ``w13`` [E, 2I, H] (w1 rows, then w3 rows) and ``w2`` [E, H, I] -> SGLang's
+    per-expert names under ``prefix``, as views (writing one writes the stack)."""
+    inter = w2.shape[-1]
+    out: dict[str, torch.Tensor] = {}
+    for e in range(w13.shape[0]):  # expert_names' order
+        out[f"{prefix}{e}.w1.weight"] = w13[e, :inter]
+        out[f"{prefix}{e}.w2.weight"] = w2[e]
+        out[f"{prefix}{e}.w3.weight"] = w13[e, inter:]
+    return out
+
+
+def join_experts(prefix: str, tensors: dict[str, torch.Tensor], n_experts: int, hidden: int,
+                 inter: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang's per-expert tensors under ``prefix`` in ``tensors`` -> the stacks
+    (``w13`` [E, 2I, H], ``w2`` [E, H, I]); ValueError naming a missing or misshapen one."""
+    want = {"w1": (inter, hidden), "w2": (hidden, inter), "w3": (inter, hidden)}
+    names = expert_names(prefix, n_experts)
+    for name in names:
+        if name not in tensors:
+            raise ValueError(f"{name}: missing (the routed experts of {prefix!r} are loaded "
+                             f"together: every one of 0..{n_experts - 1} needs w1, w2, w3)")
+        shape = want[name.rsplit(".", 2)[-2]]
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(f"{name}: shape {list(tensors[name].shape)} does not match the "
+                             f"model's {list(shape)}")
+    got = [tensors[name] for name in names]
+    w1, w2, w3 = got[0::3], got[1::3], got[2::3]
+    return (torch.stack([torch.cat(pair) for pair in zip(w1, w3)]), torch.stack(w2))
+
+
+def per_expert_state(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Names -> tensors with every routed-expert stack (``...experts.w13``/``w2``, e.g. from
+    named_parameters() or a sharded model's gathered state dict) shown under SGLang's
+    per-expert names, in checkpoint order; other entries unchanged."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in named.items():
+        m = _STACKED.match(name)
+        if m is None:
+            out[name] = t
+        elif m.group(2) == "w13":
+            out.update(split_experts(m.group(1), t, named[m.group(1) + "w2"]))
+    return out
 
 
 def flat_to_transformers_name(name: str) -> str:
@@ -72,22 +128,21 @@ def flat_to_transformers_name(name: str) -> str:
 def to_transformers(flat: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A flat state dict -> transformers DeepseekV4ForCausalLM's state dict."""
     out: dict[str, torch.Tensor] = {}
-    experts: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
+    experts: dict[int, int] = {}  # layer -> number of experts
     for name, t in flat.items():
         m = _EXPERT.match(name)
         if m:
-            experts.setdefault(int(m.group(1)), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+            layer = int(m.group(1))
+            experts[layer] = max(experts.get(layer, 0), int(m.group(2)) + 1)
             continue
         hf = flat_to_transformers_name(name)
         out[hf] = t.long() if name.endswith("tid2eid") else t
-    for layer, by_id in experts.items():
-        ids = sorted(by_id)
-        if ids != list(range(len(ids))):
-            raise ValueError(f"layer {layer}: experts {ids} are not 0..{len(ids) - 1}")
-        out[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([by_id[e]["w1"], by_id[e]["w3"]], dim=0) for e in ids])
-        out[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.stack(
-            [by_id[e]["w2"] for e in ids])
+    for layer, n_experts in sorted(experts.items()):
+        prefix = f"layers.{layer}.ffn.experts."
+        w1 = flat[f"{prefix}0.w1.weight"]
+        gate_up, down = join_experts(prefix, flat, n_experts, w1.shape[1], w1.shape[0])
+        out[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = gate_up
+        out[f"model.layers.{layer}.mlp.experts.down_proj"] = down
     return out
 
 
@@ -95,17 +150,13 @@ def from_transformers(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """transformers' state dict -> flat names (the inverse of ``to_transformers``)."""
     out: dict[str, torch.Tensor] = {}
     for name, t in hf.items():
-        m = re.match(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$", name)
+        m = re.match(r"^model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj$", name)
         if m:
-            layer = m.group(1)
-            for e in range(t.shape[0]):
-                base = f"layers.{layer}.ffn.experts.{e}"
-                if m.group(2) == "down_proj":
-                    out[f"{base}.w2.weight"] = t[e]
-                else:
-                    w1, w3 = t[e].chunk(2, dim=0)
-                    out[f"{base}.w1.weight"], out[f"{base}.w3.weight"] = w1, w3
+            down = hf[f"model.layers.{m.group(1)}.mlp.experts.down_proj"]
+            out.update(split_experts(f"layers.{m.group(1)}.ffn.experts.", t, down))
             continue
+        if re.match(r"^model\.layers\.\d+\.mlp\.experts\.down_proj$", name):
+            continue  # split with its layer's gate_up_proj
         flat = _flat_name(name)
         out[flat] = t.to(torch.int32) if flat.endswith("tid2eid") else t
     return out
