@@ -63,9 +63,6 @@ def write_tiny_model(model_dir: str) -> str:
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                             unk_token="<unk>").save_pretrained(model_dir)
     config = release_config(get_preset("tiny-v4"), [32, 32], "fp8")
-    # SGLang's ModelConfig reads sliding_window; make_checkpoint's release config names it
-    # window_size only
-    config["sliding_window"] = config["window_size"]
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(config, f)
     return model_dir
