@@ -78,15 +78,17 @@ def reference_greedy(model, prompt: list[int], n: int, serving_numerics: bool = 
 
 
 def reference_logprobs(model, seqs: list[list[int]], record_routing: bool = False,
-                       serving_numerics: bool = True):
-    """[per sequence: logprob of token t+1 at row t] and the context (routing when asked)."""
+                       serving_numerics: bool = True, temperature: float = 1.0):
+    """[per sequence: logprob of token t+1 at row t under log_softmax(logits / temperature)]
+    and the context (routing when asked)."""
     import torch
 
     from sglang_dsv41.model.dsv4.context import DSV4Context
 
     ctx = DSV4Context.packed([len(s) for s in seqs], record_routing=record_routing,
                              serving_numerics=serving_numerics)
-    logp = torch.log_softmax(model(torch.tensor([t for s in seqs for t in s]), ctx).float(), -1)
+    logits = model(torch.tensor([t for s in seqs for t in s]), ctx).float()
+    logp = torch.log_softmax(logits / temperature, -1)
     out, at = [], 0
     for s in seqs:
         rows = logp[at:at + len(s) - 1]

@@ -39,9 +39,10 @@ def ref(tmp_path_factory):
     torch.set_num_threads(threads)
 
 
-def check_logprobs(model, prompts, outs, atol=1e-5):
+def check_logprobs(model, prompts, outs, atol=1e-5, temperature=1.0):
     with torch.no_grad():
-        refs, _ = reference_logprobs(model, [p + o.token_ids for p, o in zip(prompts, outs)])
+        refs, _ = reference_logprobs(model, [p + o.token_ids for p, o in zip(prompts, outs)],
+                                     temperature=temperature)
     for p, o, r in zip(prompts, outs, refs):
         assert len(o.logprobs) == len(o.token_ids)
         torch.testing.assert_close(torch.tensor(o.logprobs), r[len(p) - 1:], rtol=0, atol=atol)
@@ -132,7 +133,8 @@ def test_tp1_chunked_sampling_stops_abort(ref):
         hot = SamplingParams(max_new_tokens=12, temperature=1.5, top_p=0.9, top_k=50, seed=3)
         a, b = c.generate([prompt, prompt], sampling=hot, return_logprob=True, timeout=120)
         assert a.token_ids == b.token_ids
-        check_logprobs(ref, [prompt, prompt], [a, b])   # temperature-1 logprobs
+        # SGLang's default: output logprobs of the sampling distribution, logits / temperature
+        check_logprobs(ref, [prompt, prompt], [a, b], temperature=1.5)
         d = c.generate([prompt], sampling=SamplingParams(**{**hot.__dict__, "seed": 4}))[0]
         assert d.token_ids != a.token_ids
         stop_id = a.token_ids[3]

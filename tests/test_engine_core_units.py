@@ -9,7 +9,8 @@ from sglang_dsv41.engine.batch import Req, build_plan
 from sglang_dsv41.engine.kv_cache import DUMMY_SLOT, OutOfPages, PageAllocator, slots_of
 from sglang_dsv41.engine.messages import SamplingParams
 from sglang_dsv41.engine.prefix_cache import NaivePrefixCache, RadixPrefixCache
-from sglang_dsv41.engine.sampling import (StopChecker, make_generator, sample_token,
+from sglang_dsv41.engine.sampling import (RETURN_ORIGINAL_LOGPROB_ENV, StopChecker,
+                                          make_generator, output_logprob_logits, sample_token,
                                           validate_sampling)
 
 
@@ -155,6 +156,30 @@ def test_sampling_rules():
         validate_sampling(SamplingParams(top_p=0.0), 10)
     with pytest.raises(ValueError, match="max_new_tokens"):
         validate_sampling(SamplingParams(max_new_tokens=0), 10)
+
+
+def test_output_logprobs_are_sglangs_sampling_distribution(monkeypatch):
+    """SGLang 0.5.23 (layers/sampler.py): log_softmax of the logits after penalties and
+    logit_bias, divided by the temperature; greedy requests and SGLANG_RETURN_ORIGINAL_LOGPROB
+    leave the temperature out; top-k/top-p do not change the values."""
+    logits = torch.tensor([0.0, 3.0, 2.9, -1.0])
+    hot = SamplingParams(temperature=2.0, top_k=2, top_p=0.5, frequency_penalty=0.5,
+                         logit_bias={3: 1.0})
+    adjusted = logits - 0.5 * torch.tensor([0.0, 2.0, 0.0, 0.0]) + torch.tensor([0, 0, 0, 1.0])
+    got = output_logprob_logits(logits, hot, [1, 1])
+    torch.testing.assert_close(got, adjusted / 2.0)
+    torch.testing.assert_close(output_logprob_logits(logits, hot, [1, 1], original=True), adjusted)
+    greedy = SamplingParams(temperature=0.0)
+    torch.testing.assert_close(output_logprob_logits(logits, greedy, []), logits)
+    tok, lp = sample_token(logits, SamplingParams(temperature=2.0, top_k=1), None)
+    assert tok == 1 and lp == pytest.approx(float(torch.log_softmax(logits, -1)[1]))
+    # a temperature whose division overflows: its limit, the greedy token certain
+    tiny = output_logprob_logits(logits * 1e30, SamplingParams(temperature=1e-30), [])
+    assert tiny[1] == 0 and torch.isinf(tiny[[0, 2, 3]]).all()
+    monkeypatch.setenv(RETURN_ORIGINAL_LOGPROB_ENV, "true")
+    _, lp = sample_token(logits, SamplingParams(temperature=2.0, seed=1),
+                         torch.Generator().manual_seed(0))
+    assert lp in set(torch.log_softmax(logits, -1).tolist())
 
 
 def test_stop_rules():

@@ -183,7 +183,9 @@ def test_a_client_leaving_mid_stream_aborts_the_engine_request(engines, gateway)
     while httpx.get(engine.url + "/server_info").json()["in_flight"] != [0]:
         assert time.monotonic() - t0 < full_time / 2, "the engine kept generating"
         time.sleep(0.02)
-    assert whole.usage.completion_tokens == 64
+    # The random tiny model may close its message (eos) early; the reference turn only has to
+    # be long enough that an engine left generating would outlast full_time / 2.
+    assert whole.usage.completion_tokens >= 32
     assert httpx.get(f"{url}/sessions/leave/trajectory").json()["turns"] == []
     # The session is free again: its next turn runs.
     assert chat(url, "leave", messages).choices[0].message.role == "assistant"

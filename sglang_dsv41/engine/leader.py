@@ -23,7 +23,7 @@ from .logprobs import check_logprob_request, score_rows
 from .messages import GenerateOut, GenerateReq
 from .prefix_cache import create_prefix_cache
 from .sampling import (StopChecker, choose_token, make_decode_fn, make_generator, model_logprobs,
-                       validate_sampling)
+                       output_logprob_logits, return_original_logprob, validate_sampling)
 
 if TYPE_CHECKING:
     from .model_runner import EngineForwardContext, ModelRunner
@@ -41,6 +41,7 @@ class LeaderScheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.stop_checker = StopChecker(self.cfg.eos_token_id, make_decode_fn(self.cfg))
+        self.original_logprobs = return_original_logprob()  # SGLang's env switch, read once
         self.seeds = random.Random(self.args.random_seed * 1000 + self.dp_rank)
         self.prefix_hit_tokens = self.prompt_tokens = 0
         self.r3 = None
@@ -296,7 +297,10 @@ class LeaderScheduler:
         rows = logits.float().cpu()
         tokens = [choose_token(rows[i], req.sampling, req.generator, req.output_ids)
                   for i, req in enumerate(reqs)]
-        logprobs, extras = score_rows(model_logprobs(rows), tokens,
+        returned = torch.stack([
+            output_logprob_logits(rows[i], req.sampling, req.output_ids, self.original_logprobs)
+            for i, req in enumerate(reqs)])
+        logprobs, extras = score_rows(model_logprobs(returned), tokens,
                                       [req.top_logprobs_num for req in reqs],
                                       [req.token_ids_logprob for req in reqs])
         for i, (req, token) in enumerate(zip(reqs, tokens)):

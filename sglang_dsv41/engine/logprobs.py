@@ -3,8 +3,9 @@
 position), for prompt and output positions, computed on the DP group's leader from the logits
 the step already has (one batched pass over the step's rows, see ``score_rows``).
 
-Every value is of the distribution ``sampling.model_logprobs`` defines (the one the sampled
-tokens' logprobs come from), so a sampled token's logprob equals its entry in the top list.
+A prompt position's values are of the model's distribution, an output position's of the one
+its token was sampled from (``sampling``'s docstring: SGLang's default), and at every position
+the sampled or given token's logprob equals its entry in the top list.
 """
 
 from __future__ import annotations

@@ -1,16 +1,18 @@
 """Sampling and stop conditions (leader only).
 
-Returned logprobs (sampled tokens', top-N, token ids') are of the model's own distribution,
-``model_logprobs``: fp32 log_softmax of the unscaled logits (temperature 1, before penalties,
-logit_bias and top-k/top-p/min-p), so a trainer can compare them to its own forward directly.
-SGLang 0.5.23's default differs when a request has penalties or logit_bias (it applies them
-first) or samples at a temperature other than 1 (it divides by it); greedy requests and
-temperature 1 without either agree.
+Returned logprobs follow SGLang 0.5.23's default (``layers/sampler.py``, ``logits_processor``):
+a prompt position's values are of the model's own distribution (``model_logprobs``: fp32
+log_softmax of the logits); an output position's are of the distribution the token was sampled
+from before top-k/top-p/min-p: logits after penalties and logit_bias, divided by the temperature
+(greedy requests: 1), see ``output_logprob_logits``. SGLang's switch
+``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` leaves out the temperature, as there. A trainer that samples
+at temperature T compares them with its own log_softmax(logits / T).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -78,12 +80,38 @@ def model_logprobs(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1).clamp_(min=torch.finfo(torch.float32).min)
 
 
+RETURN_ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+
+
+def return_original_logprob() -> bool:
+    """SGLang's ``get_bool_env_var`` reading of its switch."""
+    return os.environ.get(RETURN_ORIGINAL_LOGPROB_ENV, "false").strip().lower() in ("true", "1")
+
+
+def output_logprob_logits(logits: torch.Tensor, p: SamplingParams, output_ids: Sequence[int],
+                          original: bool = False) -> torch.Tensor:
+    """fp32 logits [V] -> the logits whose log_softmax an output position returns: after
+    penalties and logit_bias, divided by the temperature unless the request is greedy or
+    ``original``. A temperature so small that the division overflows gives its limit: the
+    greedy token certain."""
+    adjusted = apply_penalties(logits, p, output_ids)
+    if original or p.temperature == 0 or p.top_k == 1 or p.temperature == 1:
+        return adjusted
+    scaled = adjusted / p.temperature
+    if torch.isfinite(scaled).all():
+        return scaled
+    limit = torch.full_like(adjusted, float("-inf"))
+    limit[int(torch.argmax(adjusted))] = 0.0
+    return limit
+
+
 def sample_token(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None,
                  output_ids: Sequence[int] = ()) -> tuple[int, float]:
-    """logits [V] -> (token id, its logprob under ``model_logprobs``)."""
+    """logits [V] -> (token id, the logprob an output position returns for it)."""
     logits = logits.float().cpu()
     token = choose_token(logits, p, generator, output_ids)
-    return token, float(model_logprobs(logits)[token])
+    returned = output_logprob_logits(logits, p, output_ids, return_original_logprob())
+    return token, float(model_logprobs(returned)[token])
 
 
 def choose_token(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None,
