@@ -34,9 +34,9 @@ _WITNESSES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)  # exact Miller-Rabin 
 class ByteTokenizerHFView:
     """The slice of a HF tokenizer that SGLang's build_compressed_token_map reads (len, decode of
     one id, id_to_token) over the project's ByteTokenizer, so SGLang's own function can run on
-    it. As in HF, an added token (bos, eos, the chat-template tags) decodes and is named by its
-    text. id_to_token is read only for partial UTF-8 bytes, as a key: SentencePiece's byte
-    names."""
+    it. As in HF, an added token (bos, eos, the chat-template tags) decodes to its text, which
+    is also its name here. id_to_token is read only for partial UTF-8 bytes, as a key:
+    SentencePiece's byte names."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -49,10 +49,7 @@ class ByteTokenizerHFView:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str:
-        if token_id < 256:
-            return f"<0x{token_id:02X}>"
-        added = self.tokenizer.added_tokens.get(token_id)
-        return self.decode([token_id]) if added is None else added.content
+        return f"<0x{token_id:02X}>" if token_id < 256 else self.decode([token_id])
 
 
 def compressed_token_map(tokenizer) -> tuple[list[int], int]:
