@@ -121,9 +121,10 @@ class Policy:
                                  serving_numerics=self.serving_numerics,
                                  shared=ForwardState())
         # Called as a module so every FSDP group unshards; the head is fp32 (lm_head_fp32).
-        logits = self.model(mb.input_ids.to(dev), ctx)
-        rows = logits.index_select(0, mb.hidden_index.to(dev)).float()
-        logp = rows.log_softmax(-1).gather(1, mb.targets.to(dev)[:, None]).squeeze(1)
+        # The model returns the targets' log-probabilities computed in chunks of rows: the
+        # [T, vocab] fp32 logits of a long sequence never exist at once.
+        logp = self.model(mb.input_ids.to(dev), ctx, hidden_index=mb.hidden_index.to(dev),
+                          targets=mb.targets.to(dev))
         return ForwardOut(logp, ctx.routed)
 
     def trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:

@@ -144,7 +144,7 @@ class Indexer(nn.Module):
                 scores = indexer_scores(q[a:b], keys[cu_keys[s]:cu_keys[s] + n], w[a:b],
                                         self.head_dim ** -0.5)
                 future = torch.arange(n, device=x.device)[None, :] >= seen[:, None]
-                scores.masked_fill_(future, float("-inf"))
+                scores = scores.masked_fill(future, float("-inf"))
                 picks = stable_topk(scores, min(self.topk, n))[1]
                 picks = torch.where(picks < seen[:, None], picks + cu_entries[s],
                                     torch.full_like(picks, -1))

@@ -20,6 +20,7 @@ from .mhc import hc_collapse, hc_expand, hc_head, hc_mix, hc_params, hc_weights
 from .moe import MoE
 from .names import per_expert_state
 from .norm import RMSNorm
+from .token_logprobs import token_logprobs
 from .v41 import hc_input_from_prev, mhc_combine
 
 
@@ -61,6 +62,20 @@ class DecoderLayer(nn.Module):
                              lambda x: self.ffn(self.ffn_norm(x), input_ids, ctx))
 
 
+class LMHead(nn.Linear):
+    """``head``: logits, or given ``targets`` only their fp32 log-probabilities, computed a chunk
+    of rows at a time (token_logprobs.py) without the [rows, vocab] block. A module call either
+    way, so a sharded head (FSDP) unshards and reduces its gradient as for the logits."""
+
+    def __init__(self, hidden_size: int, vocab_size: int):
+        super().__init__(hidden_size, vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if targets is None:
+            return super().forward(x)
+        return token_logprobs(x, self.weight, targets)
+
+
 class DSV4ForCausalLM(nn.Module):
     def __init__(self, cfg: DSV4Config):
         super().__init__()
@@ -70,7 +85,7 @@ class DSV4ForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.hc_pre_from_prev_sublayer:  # V4.1 ends with mhc_combine, no hc_head
             hc_params(self, "hc_head", cfg.hc_mult, cfg.hidden_size, cfg.hc_mult)
-        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head = LMHead(cfg.hidden_size, cfg.vocab_size)
         self.engram_hasher = None
         if cfg.engram_layer_ids:
             self.engram_hasher = EngramHasher(cfg)
@@ -91,10 +106,18 @@ class DSV4ForCausalLM(nn.Module):
                     cfg.rms_norm_eps)
         return self.norm(x)
 
-    def forward(self, input_ids: torch.Tensor, ctx: DSV4Context) -> torch.Tensor:
-        """-> logits [T, vocab] in the head's dtype (keep the head fp32 for RL)."""
+    def forward(self, input_ids: torch.Tensor, ctx: DSV4Context,
+                hidden_index: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
+        """-> logits [T, vocab] in the head's dtype (keep the head fp32 for RL); given
+        ``hidden_index`` [N] and ``targets`` [N], the fp32 log-probability [N] of targets[i]
+        after the hidden state of row hidden_index[i] (the trainer's, without [T, vocab])."""
         x = self.hidden(input_ids, ctx)
-        return self.head(x.to(self.head.weight.dtype))
+        if (hidden_index is None) != (targets is None):
+            raise ValueError("pass hidden_index and targets together")
+        if targets is None:
+            return self.head(x.to(self.head.weight.dtype))
+        return self.head(x.index_select(0, hidden_index).to(self.head.weight.dtype), targets)
 
 
 @contextlib.contextmanager

@@ -240,8 +240,9 @@ def _select(cfg: DSV4Config, layer_id: int, indexer: V41Indexer, x: torch.Tensor
             lens_c = lens[c0:c1]
             cols = torch.arange(lc, device=x.device)
             scores = torch.einsum("bhd,nd->bhn", q[c0:c1], keys[start:start + lc])
-            scores = (scores.relu_() * weights[c0:c1].unsqueeze(-1)).sum(dim=1).float()
-            scores.masked_fill_(cols[None, :] >= lens_c[:, None], -torch.inf)
+            # Out of place: selective checkpointing caches the einsum's bmm output.
+            scores = (scores.relu() * weights[c0:c1].unsqueeze(-1)).sum(dim=1).float()
+            scores = scores.masked_fill(cols[None, :] >= lens_c[:, None], -torch.inf)
             k = min(indexer.topk, lc)
             if consumes:
                 idx = topk_among_blocks(scores, lens_c, blocks[c0:c1], k, cfg.candidate_block_size)

@@ -1,0 +1,94 @@
+"""The trainer's log-probabilities of the sampled tokens, computed a chunk of rows at a time
+(token_logprobs.py), against the plain ``log_softmax(head(x).float())`` path: values and the
+gradients of the hidden states and the head, fp32 and bf16 heads, and through the whole model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_dsv41.model.dsv4 import get_preset, token_logprobs as tl
+from sglang_dsv41.model.dsv4.context import DSV4Context
+from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM, init_weights
+
+
+def _plain(hidden, weight, targets):
+    logits = torch.nn.functional.linear(hidden, weight).float()
+    return logits.log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
+
+
+def _value_and_grads(fn, hidden, weight, targets, upstream):
+    h = hidden.detach().clone().requires_grad_(True)
+    w = weight.detach().clone().requires_grad_(True)
+    out = fn(h, w, targets)
+    (out * upstream).sum().backward()
+    return out.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, 64, 1000])
+def test_chunked_equals_plain_in_fp32(monkeypatch, chunk_rows):
+    vocab, dim, rows = 97, 24, 61
+    monkeypatch.setattr(tl, "LOGPROB_CHUNK_ELEMENTS", chunk_rows * vocab)
+    gen = torch.Generator().manual_seed(chunk_rows)
+    hidden = torch.randn(rows, dim, generator=gen)
+    weight = torch.randn(vocab, dim, generator=gen) * 0.5
+    targets = torch.randint(0, vocab, (rows,), generator=gen)
+    targets[3] = targets[4]  # the same token on several rows: the head gradient sums them
+    upstream = torch.randn(rows, generator=gen)  # like the PPO loss: a weight per token
+    got = _value_and_grads(tl.token_logprobs, hidden, weight, targets, upstream)
+    want = _value_and_grads(_plain, hidden, weight, targets, upstream)
+    for g, w, what in zip(got, want, ("logp", "d hidden", "d head")):
+        assert g.dtype == w.dtype, what
+        assert (g - w).abs().max() <= 1e-6 * max(1.0, w.abs().max()), what
+
+
+def test_bf16_head_keeps_its_meaning(monkeypatch):
+    """--no-fp32-lm-head: bf16 logits read in fp32, bf16 gradients, as head(x).float() gives."""
+    monkeypatch.setattr(tl, "LOGPROB_CHUNK_ELEMENTS", 16 * 200)
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(50, 32, generator=gen).bfloat16()
+    weight = (torch.randn(200, 32, generator=gen) * 0.3).bfloat16()
+    targets = torch.randint(0, 200, (50,), generator=gen)
+    upstream = torch.randn(50, generator=gen)
+    got = _value_and_grads(tl.token_logprobs, hidden, weight, targets, upstream)
+    want = _value_and_grads(_plain, hidden, weight, targets, upstream)
+    assert got[0].dtype == torch.float32 and got[1].dtype == got[2].dtype == torch.bfloat16
+    # the same bf16 logits; x - logsumexp vs log_softmax differ in the last fp32 bits only
+    assert (got[0] - want[0]).abs().max() <= 1e-6 * want[0].abs().max()
+    for g, w in zip(got[1:], want[1:]):
+        assert (g.float() - w.float()).abs().max() <= 2e-2 * w.float().abs().max()
+
+
+def test_the_model_returns_the_targets_logprobs_without_the_logits(monkeypatch):
+    monkeypatch.setattr(tl, "LOGPROB_CHUNK_ELEMENTS", 5 * 320)  # tiny's vocab 320, 5 rows
+    torch.manual_seed(0)
+    model = DSV4ForCausalLM(get_preset("tiny"))
+    init_weights(model, seed=1, std=0.08)
+    seqs = [23, 18]
+    ids = torch.randint(0, 256, (sum(seqs),))
+    # as trainer_bridge.batch.pack: row t predicts token t + 1 of its own sequence
+    hidden_index = torch.tensor([*range(0, 22), *range(23, 40)])
+    targets = ids[hidden_index + 1]
+    logp = model(ids, DSV4Context.packed(seqs), hidden_index=hidden_index, targets=targets)
+    logp.sum().backward()
+    got = [logp.detach()] + [p.grad.clone() for p in (model.head.weight, model.embed.weight)]
+    model.zero_grad()
+    logits = model(ids, DSV4Context.packed(seqs))
+    plain = logits.index_select(0, hidden_index).float().log_softmax(-1)
+    plain = plain.gather(1, targets[:, None]).squeeze(1)
+    plain.sum().backward()
+    want = [plain.detach()] + [p.grad for p in (model.head.weight, model.embed.weight)]
+    for g, w in zip(got, want):
+        assert (g - w).abs().max() <= 1e-5 * max(1.0, w.abs().max())
+
+
+def test_bad_inputs_are_refused():
+    model = DSV4ForCausalLM(get_preset("tiny"))
+    ids = torch.randint(0, 256, (8,))
+    with pytest.raises(ValueError, match="together"):
+        model(ids, DSV4Context.packed([8]), hidden_index=torch.arange(7))
+    with pytest.raises(ValueError, match=r"in \[0, 320\)"):
+        model(ids, DSV4Context.packed([8]), hidden_index=torch.arange(7),
+              targets=torch.full((7,), 320))
+    with pytest.raises(ValueError, match="must be"):
+        tl.token_logprobs(torch.zeros(4, 8), torch.zeros(10, 8), torch.zeros(3, dtype=torch.long))
