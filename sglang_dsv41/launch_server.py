@@ -92,13 +92,10 @@ def build_state(engine):
     from .engine.http_server import ServerState
     from .engine.launcher import context_length_for
     from .engine.request_limits import RequestLimits
-    from .tokenizer import ByteTokenizer
+    from .tokenizer import load_model_tokenizer
 
     a, cfg = engine.server_args, engine.config
-    try:
-        tokenizer = ByteTokenizer.from_pretrained(engine.model_dir)
-    except ValueError:  # a checkpoint saved without tokenizer files: the config has the ids
-        tokenizer = ByteTokenizer.from_config(cfg)
+    tokenizer = load_model_tokenizer(engine.model_dir, cfg)
     limits = RequestLimits(vocab_size=cfg.vocab_size,
                            context_length=context_length_for(a, cfg),
                            max_new_tokens_limit=a.max_new_tokens_limit,

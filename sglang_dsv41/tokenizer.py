@@ -175,6 +175,17 @@ class ByteTokenizer:
             raise ValueError(f"{file}: {e}") from e
 
 
+def load_model_tokenizer(model_dir: str | None, cfg: "DSV4Config | dict[str, Any]"
+                         ) -> ByteTokenizer:
+    """The served model's tokenizer: the directory's tokenizer_config.json when it has one (a
+    malformed or foreign one is refused, never replaced), else the config's ids (presets and
+    checkpoints saved without tokenizer files). The engine and the gateway both load this way."""
+    file = os.path.join(model_dir, TOKENIZER_CONFIG_FILE) if model_dir else None
+    if file is not None and os.path.exists(file):
+        return ByteTokenizer.from_pretrained(file)
+    return ByteTokenizer.from_config(cfg)
+
+
 def _parse_table(table: Any) -> dict[int, AddedToken]:
     """HF's ``added_tokens_decoder`` ({"id": {"content": str, "special": bool, ...}}); HF's other
     per-token flags (lstrip, normalized, ...) are not used by a byte tokenizer."""

@@ -12,7 +12,7 @@ import pytest
 from sglang_dsv41.gateway.trajectory import END_OF_ASSISTANT, Trajectory, Turn
 from sglang_dsv41.model.dsv4 import get_preset
 from sglang_dsv41.tokenizer import (BOS_TOKEN, CHAT_TEMPLATE_TOKENS, EOS_TOKEN, AddedToken,
-                                    ByteTokenizer)
+                                    ByteTokenizer, load_model_tokenizer)
 
 TOOLS = [{"type": "function", "function": {
     "name": "lookup", "description": "Look a word up.",
@@ -144,6 +144,22 @@ def test_malformed_table_is_refused(tmp_path, table, error):
     with pytest.raises(ValueError, match=error) as e:
         ByteTokenizer.from_pretrained(str(tmp_path))
     assert "tokenizer_config.json" in str(e.value)
+
+
+def test_the_served_models_tokenizer_is_its_file_or_its_config_never_a_silent_default(tmp_path):
+    """What the engine and the gateway load: no file -> the config's ids; a malformed or
+    foreign file is refused (it used to be replaced by the default without a word)."""
+    cfg = get_preset("tiny")
+    assert load_model_tokenizer(str(tmp_path), cfg).to_dict() == ByteTokenizer.from_config(
+        cfg).to_dict()
+    assert load_model_tokenizer(None, cfg).vocab_size == cfg.vocab_size
+    bad = {**ByteTokenizer().to_dict(), "added_tokens_decoder": {"259": {"content": ""}}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="tokenizer_config.json"):
+        load_model_tokenizer(str(tmp_path), cfg)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "Other"}))
+    with pytest.raises(ValueError, match="tokenizer_class is 'Other'"):
+        load_model_tokenizer(str(tmp_path), cfg)
 
 
 def test_a_vocabulary_without_room_is_refused():

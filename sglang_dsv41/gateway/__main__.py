@@ -16,11 +16,10 @@ import httpx
 def load_tokenizer(model_path: str):
     """The served model's tokenizer (our byte tokenizer for presets and converted checkpoints)."""
     from ..loader.serving import load_serving_config, model_layout
-    from ..tokenizer import ByteTokenizer
+    from ..tokenizer import load_model_tokenizer
 
-    if model_layout(model_path) == "preset":
-        return ByteTokenizer.from_config(load_serving_config(model_path))
-    return ByteTokenizer.from_pretrained(model_path)
+    model_dir = None if model_layout(model_path) == "preset" else model_path
+    return load_model_tokenizer(model_dir, load_serving_config(model_path))
 
 
 def build_gateway(engine_urls: list[str], model_path: str, smg_url: str | None = None,
