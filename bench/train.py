@@ -9,7 +9,10 @@ Rows: ours on the preset (V4.1: ratio-1/2 layers, Engram), ours and transformers
 (same sizes, the layer kinds transformers defines: ratios 1/2 become 4, no Engram). MFU counts
 6 x active parameters x tokens against the device's bf16 peak; attention FLOPs (3 x forward,
 4 H D per query-key pair) are reported separately. A row that runs out of memory says OOM.
-The 64k row prints its memory plan (fp32 master weights, gradients, Adam state, activations).
+The 64k row prints its memory plan (fp32 master weights, gradients, Adam state, activations);
+before it runs, each of ours' models prints its planned memory at the longest length: the
+static state, every layer's retained bytes measured on a forward of the shortest length and
+scaled (all O(T) since the selection and the head run in chunks), the largest temporaries.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sglang_dsv41.model.dsv4 import DSV4Config, get_preset, names  # noqa: E402
+from sglang_dsv41.model.dsv4 import DSV4Config, compressor, get_preset, names  # noqa: E402
+from sglang_dsv41.model.dsv4 import token_logprobs  # noqa: E402
 from sglang_dsv41.model.dsv4.config import V4  # noqa: E402
 from sglang_dsv41.model.dsv4.context import DSV4Context  # noqa: E402
 from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM, init_weights  # noqa: E402
@@ -179,6 +183,69 @@ class Ours:
                 f"peak {(peak - self.static_bytes - 2 * trained) / GiB:.2f}; peak "
                 f"{peak / GiB:.2f} GiB")
 
+    def retained_per_layer(self, seq: int) -> list[int] | None:
+        """Bytes each decoder layer, then the norm and head, leave allocated after one forward
+        of ``seq`` tokens: what they keep for the backward under this checkpointing policy
+        (and a layer's gathered parameters when FSDP keeps them unsharded). CUDA only: the
+        allocator's counter read in a hook after each layer."""
+        if self.device.type != "cuda":
+            return None
+        marks: list[int] = []
+        hooks = [layer.register_forward_hook(
+            lambda *_: marks.append(torch.cuda.memory_allocated(self.device)))
+            for layer in self.policy.model.layers]
+        s = Sample(random_tokens(self.cfg, seq), [0] + [1] * (seq - 1), [0.0] * seq, 1.0, 0)
+        mb = pack([s], self.policy.routed_layers, use_routing=False)
+        free(self.device)
+        try:
+            before = torch.cuda.memory_allocated(self.device)
+            out = self.policy.forward(mb, replay=False)
+            points = [before, *marks, torch.cuda.memory_allocated(self.device)]
+        finally:
+            for h in hooks:
+                h.remove()
+        out.logprobs.sum().backward()  # a whole iteration, so FSDP's backward state completes
+        self.zero_grad()
+        del out
+        free(self.device)
+        return [b - a for a, b in zip(points, points[1:])]
+
+    def planned_memory(self, seq: int, probe_seq: int, checkpointing: str) -> str:
+        """The memory plan at ``seq`` tokens from a forward of ``probe_seq``: every term is
+        O(T) (chunked selection and head), so each layer's retained bytes scale by
+        seq / probe_seq; plus the static state and the largest temporaries."""
+        params = list(self.policy.model.parameters())
+        master = sum(p.numel() * p.element_size() for p in params)
+        trained = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        buffers = sum(b.numel() * b.element_size() for b in self.policy.model.buffers())
+        cfg = self.cfg
+        # one chunk of fp32 logits, its log_softmax/exp and the bf16 gradient (token_logprobs)
+        rows = min(seq, token_logprobs.logprob_chunk_rows(cfg.vocab_size))
+        head_chunk = rows * cfg.vocab_size * (4 + 4 + 2)
+        # one chunk of bf16 [rows, heads, entries] index products, its relu and weighted copy
+        entries = max((seq // r for r in cfg.compress_ratios if r in (1, 2, 4)), default=0)
+        selection_chunk = 3 * 2 * min(compressor.SELECTION_CHUNK_PRODUCTS,
+                                      seq * cfg.index_n_heads * entries)
+        lines = [f"memory plan @ {seq} (ac={checkpointing}): fp32 master weights "
+                 f"{master / GiB:.2f} GiB, buffers {buffers / GiB:.2f}, fp32 gradients "
+                 f"{trained / GiB:.2f}, Adam state {2 * trained / GiB:.2f}; largest "
+                 f"temporaries: head chunk {head_chunk / GiB:.2f} (vocab {cfg.vocab_size}), "
+                 f"selection chunk {selection_chunk / GiB:.2f}"]
+        retained = self.retained_per_layer(probe_seq)
+        if retained is None:
+            lines.append("  activations: measured on CUDA only (the allocator's counter)")
+            return "\n".join(lines)
+        scale = seq / probe_seq
+        kinds = [f"L{i} r{cfg.compress_ratio(i)}" for i in range(cfg.num_hidden_layers)]
+        per_layer = ", ".join(f"{k} {b * scale / GiB:.2f}"
+                              for k, b in zip(kinds + ["norm+head"], retained))
+        total = master + buffers + 3 * trained + sum(retained) * scale
+        lines.append(f"  retained after the forward, GiB (from {probe_seq} tokens x "
+                     f"{scale:.0f}): {per_layer}; sum {sum(retained) * scale / GiB:.2f}")
+        lines.append(f"  planned total {total / GiB:.2f} GiB + the backward's workspace "
+                     f"(one layer's recompute under ac=layer/selective)")
+        return "\n".join(lines)
+
     def zero_grad(self) -> None:
         self.opt.zero_grad(set_to_none=True)
 
@@ -307,6 +374,13 @@ def main(argv=None) -> int:
             while True:
                 if runner is None:
                     runner = Ours(c, info.mesh, device, args, policies[ac])
+                    try:
+                        plan = runner.planned_memory(max(seqs), min(seqs), policies[ac])
+                    except torch.OutOfMemoryError:
+                        plan = f"memory plan: the {min(seqs)}-token probe ran out of memory"
+                        free(device)
+                    print(f"{label}: {plan}", flush=True)
+                    plans.append(f"{label}: {plan}")
                 name = f"{label} ac={policies[ac]}"
                 r = measure(runner, name, seq, profile and seq == args.profile_seq)
                 rows.append((name, c, seq, r))
