@@ -82,6 +82,26 @@ def test_the_model_returns_the_targets_logprobs_without_the_logits(monkeypatch):
         assert (g - w).abs().max() <= 1e-5 * max(1.0, w.abs().max())
 
 
+def test_a_rollout_temperature_gives_the_servers_distribution():
+    """At temperature T the trainer's logprobs are log_softmax(logits / T), what the server
+    returns for tokens it sampled at T (SGLang's default, engine/sampling.py)."""
+    torch.manual_seed(0)
+    model = DSV4ForCausalLM(get_preset("tiny"))
+    init_weights(model, seed=1, std=0.08)
+    ids = torch.randint(0, 256, (12,))
+    hidden_index, targets = torch.arange(11), ids[1:]
+    with torch.no_grad():
+        logits = model(ids, DSV4Context.packed([12])).float()[:11]
+        for t in (0.7, 1.0, 2.5):
+            got = model(ids, DSV4Context.packed([12]), hidden_index=hidden_index,
+                        targets=targets, temperature=t)
+            want = (logits / t).log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="temperature"):
+        model(ids, DSV4Context.packed([12]), hidden_index=hidden_index, targets=targets,
+              temperature=0.0)
+
+
 def test_bad_inputs_are_refused():
     model = DSV4ForCausalLM(get_preset("tiny"))
     ids = torch.randint(0, 256, (8,))

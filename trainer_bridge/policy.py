@@ -41,7 +41,8 @@ def load_policy_model(model_path: str) -> DSV4ForCausalLM:
 
 
 def build_policy(cfg: ModelConfig, mesh: DeviceMesh, device: torch.device, *,
-                 trainable: bool = True, optimizer_offload: str = "none") -> "Policy":
+                 trainable: bool = True, optimizer_offload: str = "none",
+                 temperature: float = 1.0) -> "Policy":
     """Loads the checkpoint the server serves (fp32 master weights) and shards it. The router
     gate is frozen when cfg.freeze_router (its correction bias and the frozen tables are
     buffers, never trained)."""
@@ -57,7 +58,8 @@ def build_policy(cfg: ModelConfig, mesh: DeviceMesh, device: torch.device, *,
                        else "none")
     if not trainable:
         model.eval()
-    return Policy(model, cfg.model_path, device, serving_numerics=cfg.serving_numerics)
+    return Policy(model, cfg.model_path, device, serving_numerics=cfg.serving_numerics,
+                  temperature=temperature)
 
 
 class ForwardState(MutableMapping):
@@ -93,9 +95,13 @@ class ForwardOut:
 
 class Policy:
     def __init__(self, model: DSV4ForCausalLM, model_path: str, device: torch.device, *,
-                 attention_backend: str | None = None, serving_numerics: bool = False):
+                 attention_backend: str | None = None, serving_numerics: bool = False,
+                 temperature: float = 1.0):
         self.model, self.model_path, self.device = model, model_path, device
         self.attention_backend, self.serving_numerics = attention_backend, serving_numerics
+        # The rollouts' sampling temperature: the server returns logprobs of logits / T
+        # (SGLang's default), so the trainer's are of the same distribution; greedy: 1.
+        self.temperature = temperature if temperature > 0 else 1.0
         self.config = model.cfg
 
     @property
@@ -124,7 +130,7 @@ class Policy:
         # The model returns the targets' log-probabilities computed in chunks of rows: the
         # [T, vocab] fp32 logits of a long sequence never exist at once.
         logp = self.model(mb.input_ids.to(dev), ctx, hidden_index=mb.hidden_index.to(dev),
-                          targets=mb.targets.to(dev))
+                          targets=mb.targets.to(dev), temperature=self.temperature)
         return ForwardOut(logp, ctx.routed)
 
     def trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:

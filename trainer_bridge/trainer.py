@@ -44,11 +44,13 @@ class Trainer:
         self.dist = init_distributed(self.device)
         self._seed(cfg.seed + self.dist.rank)
         offload = cfg.optim.optimizer_offload
+        temperature = cfg.rollout.temperature  # logprobs of the distribution rollouts sample
         self.policy = build_policy(cfg.model, self.dist.mesh, self.device,
-                                   optimizer_offload=offload)
+                                   optimizer_offload=offload, temperature=temperature)
         self.ref_policy: Policy | None = None
         if cfg.loss.kl_coef > 0:
-            self.ref_policy = build_policy(cfg.model, self.dist.mesh, self.device, trainable=False)
+            self.ref_policy = build_policy(cfg.model, self.dist.mesh, self.device, trainable=False,
+                                           temperature=temperature)
         self.optimizer, self.scheduler = offload_optimizer(
             *build_optimizer(self.policy, cfg.optim, cfg.steps), offload,
             cfg.optim.offload_chunk_mb)

@@ -8,6 +8,7 @@ each reading a collapsed input and writing back into the streams. Packed variabl
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 from torch import nn
@@ -108,16 +109,23 @@ class DSV4ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, ctx: DSV4Context,
                 hidden_index: torch.Tensor | None = None,
-                targets: torch.Tensor | None = None) -> torch.Tensor:
+                targets: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
         """-> logits [T, vocab] in the head's dtype (keep the head fp32 for RL); given
         ``hidden_index`` [N] and ``targets`` [N], the fp32 log-probability [N] of targets[i]
-        after the hidden state of row hidden_index[i] (the trainer's, without [T, vocab])."""
-        x = self.hidden(input_ids, ctx)
+        after the hidden state of row hidden_index[i] (the trainer's, without [T, vocab]) under
+        log_softmax(logits / temperature), the distribution a server samples from at that
+        temperature (the head has no bias: the rows are divided before it)."""
         if (hidden_index is None) != (targets is None):
             raise ValueError("pass hidden_index and targets together")
+        if not (temperature > 0 and math.isfinite(temperature)):
+            raise ValueError(f"temperature must be a positive finite number, got {temperature}")
+        x = self.hidden(input_ids, ctx)
         if targets is None:
             return self.head(x.to(self.head.weight.dtype))
-        return self.head(x.index_select(0, hidden_index).to(self.head.weight.dtype), targets)
+        rows = x.index_select(0, hidden_index)
+        if temperature != 1.0:
+            rows = rows.float() / temperature
+        return self.head(rows.to(self.head.weight.dtype), targets)
 
 
 @contextlib.contextmanager
