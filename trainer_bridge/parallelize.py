@@ -126,8 +126,33 @@ def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
             else CheckpointPolicy.PREFER_RECOMPUTE)
 
 
+# FSDP2's hooks of the groups nested in a layer (the router's, the fp32 holders') open profiler
+# ranges in the forward and again in the recompute, not always as many times (prefetch may have
+# unsharded a group before the forward reached it). Selective checkpointing numbers every op it
+# sees and refuses a recompute whose sequence differs; the ranges hold no tensors, so the two
+# modes let them through unnumbered.
+_PROFILER_OPS = {torch.ops.profiler._record_function_enter_new.default,
+                 torch.ops.profiler._record_function_exit._RecordFunction}
+_UNNUMBERED_PROFILER_MODES: dict[type, type] = {}
+
+
+def _unnumbered_profiler_ops(mode_cls: type) -> type:
+    if mode_cls not in _UNNUMBERED_PROFILER_MODES:
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in _PROFILER_OPS:
+                return func(*args, **(kwargs or {}))
+            return super(cls, self).__torch_dispatch__(func, types, args, kwargs)
+
+        cls = type(mode_cls.__name__, (mode_cls,), {"__torch_dispatch__": __torch_dispatch__})
+        _UNNUMBERED_PROFILER_MODES[mode_cls] = cls
+    return _UNNUMBERED_PROFILER_MODES[mode_cls]
+
+
 def _selective_context():
-    return create_selective_checkpoint_contexts(_save_matmuls)
+    modes = create_selective_checkpoint_contexts(_save_matmuls)
+    for mode in modes:
+        mode.__class__ = _unnumbered_profiler_ops(type(mode))
+    return modes
 
 
 def checkpoint_layer(layer: nn.Module, policy: str) -> None:
