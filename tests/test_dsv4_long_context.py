@@ -3,11 +3,12 @@ what one whole-sequence block picks (ties included), and its memory grows linear
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import replace
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from sglang_dsv41.model.dsv4 import compressor, get_preset
 from sglang_dsv41.model.dsv4.context import DSV4Context
@@ -63,16 +64,14 @@ def test_query_chunks_cover_each_row_once(monkeypatch):
 
 
 def _peak_bytes(fn) -> int:
-    """Peak of the bytes torch allocated on the CPU while fn ran (the profiler's memory events)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    live = peak = 0
-    for _, n in events:
-        live += n
-        peak = max(peak, live)
-    return peak
+    """bench/long_context_memory.py's measure: the peak of the bytes torch allocated on the CPU
+    while fn ran (the profiler's memory events)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(
+        "bench_long_context_memory", os.path.join(root, "bench", "long_context_memory.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench.peak_bytes(fn)
 
 
 def test_ratio_one_selection_memory_grows_linearly(monkeypatch):
