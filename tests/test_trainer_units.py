@@ -179,3 +179,14 @@ def test_cli_offload_and_fp32_head_flags_reach_the_config():
     assert cfg.optim.optimizer_offload == "chunked" and cfg.model.lm_head_fp32 is False
     with pytest.raises(SystemExit):
         parse_args(["--preset", "tiny", "--optimizer-offload", "disk"])
+
+
+def test_rollout_sampling_seeds_are_fixed_per_session_and_turn():
+    """A step's rollouts are drawn with seeds of (run seed, session, turn), not in the order the
+    server happens to receive them."""
+    from trainer_bridge.rollout import sampling_seed
+
+    seeds = {sampling_seed(s, f"step0-p{p}-g{g}", t)
+             for s in (0, 1) for p in range(4) for g in range(8) for t in range(2)}
+    assert len(seeds) == 2 * 4 * 8 * 2 and all(0 <= x < 2**63 for x in seeds)
+    assert sampling_seed(0, "step0-p0-g0", 0) == sampling_seed(0, "step0-p0-g0", 0)

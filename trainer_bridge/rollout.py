@@ -7,6 +7,7 @@ last turn's routing covers every position of the episode but the last.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
@@ -42,8 +43,16 @@ def decode_routing(meta: dict[str, Any], key: str, dtype) -> np.ndarray | None:
     return decode_array(meta[key], shape, dtype)
 
 
+def sampling_seed(seed: int, session_id: str, turn: int) -> int:
+    """The sampling seed of one turn: fixed by the run's seed, the session and the turn, so a
+    step's rollouts do not depend on which request reached the server first."""
+    digest = hashlib.blake2b(f"{seed}/{session_id}/{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # non-negative int64
+
+
 def run_episode(router: SessionRouter, env: Environment, prompt_index: int, group_id: int,
-                session_id: str, cfg: RolloutConfig, routed_experts: bool) -> Sample:
+                session_id: str, cfg: RolloutConfig, routed_experts: bool,
+                seed: int = 0) -> Sample:
     episode = env.new_episode(prompt_index)
     tokens = list(episode.prompt)
     mask, lps = [0] * len(tokens), [0.0] * len(tokens)
@@ -53,7 +62,8 @@ def run_episode(router: SessionRouter, env: Environment, prompt_index: int, grou
             resp = router.generate(session_id, {
                 "input_ids": tokens,
                 "sampling_params": {"max_new_tokens": cfg.max_new_tokens,
-                                    "temperature": cfg.temperature, "top_p": 1.0, "top_k": -1},
+                                    "temperature": cfg.temperature, "top_p": 1.0, "top_k": -1,
+                                    "sampling_seed": sampling_seed(seed, session_id, turn)},
                 "return_logprob": True, "return_routed_experts": routed_experts,
             }, expected_tokens=len(tokens) + cfg.max_new_tokens)
             meta, out = resp["meta_info"], list(resp["output_ids"])
@@ -88,8 +98,8 @@ class ServerRolloutSource(RolloutSource):
     With ``record_path`` every step's samples are appended there (JSONL) for offline replay."""
 
     def __init__(self, router: SessionRouter, env: Environment, cfg: RolloutConfig,
-                 routed_experts: bool, record_path: str | None = None):
-        self.router, self.env, self.cfg = router, env, cfg
+                 routed_experts: bool, record_path: str | None = None, seed: int = 0):
+        self.router, self.env, self.cfg, self.seed = router, env, cfg, seed
         self.routed_experts, self.record_path = routed_experts, record_path
         self._pool = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="rollout")
         self._lock = threading.Lock()
@@ -103,7 +113,7 @@ class ServerRolloutSource(RolloutSource):
                 sid = f"step{step}-p{prompt_index}-g{g}"
                 futures.append(self._pool.submit(run_episode, self.router, self.env,
                                                  prompt_index, prompt_index, sid, cfg,
-                                                 self.routed_experts))
+                                                 self.routed_experts, self.seed))
         samples = [f.result() for f in futures]
         if self.record_path:
             append_record(self.record_path, step, samples)

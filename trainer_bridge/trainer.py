@@ -79,7 +79,7 @@ class Trainer:
                                    api_key=rc.api_key)
         env = make_env(rc.env, byte_tokenizer(self.policy.config), rc.env_args)
         self.rollouts = ServerRolloutSource(self.router, env, rc, self.cfg.model.r3,
-                                            rc.offline_path)
+                                            rc.offline_path, seed=self.cfg.seed)
         return self.rollouts
 
     @staticmethod
