@@ -11,11 +11,11 @@ import os
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from sglang_dsv41.model.dsv4.context import DSV4Context
 from sglang_dsv41.server_process import free_port
 from trainer_bridge.batch import Sample, pack
+from trainer_bridge.dist import run_spawned
 
 pytestmark = pytest.mark.timeout(180)
 WORLD = 2
@@ -42,7 +42,7 @@ def full(t):
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().numpy().copy()
 
 
-def worker(rank: int, port: int, queue, checkpointing: str) -> None:
+def worker(rank: int, port: int, checkpointing: str, queue) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(WORLD))
     torch.set_num_threads(1)
@@ -93,37 +93,11 @@ def worker(rank: int, port: int, queue, checkpointing: str) -> None:
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def collect(queue, procs, count: int, timeout: float) -> list:
-    """Results from the workers; fails fast when one dies without answering."""
-    import queue as queue_mod
-    import time
-
-    out, deadline = [], time.monotonic() + timeout
-    while len(out) < count:
-        try:
-            out.append(queue.get(timeout=1.0))
-        except queue_mod.Empty:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead or time.monotonic() > deadline:
-                raise AssertionError(f"workers died (exit codes {dead}) or timed out") from None
-    return out
-
-
 @pytest.fixture(scope="module", params=["none", "selective"])
 def results(request):
     port = free_port()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, port, queue, request.param)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        out = sorted(collect(queue, procs, WORLD, timeout=150), key=lambda r: r[0])
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+    out = sorted(run_spawned(worker, [(r, port, request.param) for r in range(WORLD)],
+                             timeout=150), key=lambda r: r[0])
     for r in out:
         assert r[1] != "error", r[2]
     return out
