@@ -241,8 +241,9 @@ def test_plain_sglang_launch_server_gets_the_guards_through_check_server_args(in
     assert facts["workers2"] == "accepted"
     assert facts["workers2_app_path"] == PLUGIN_APP
     # ... and a deployment's own app path with several workers is refused before launch
-    assert facts["workers2_own_app"].startswith("ValueError: --tokenizer-worker-num 2 with "
-                                                "SGLANG_HTTP_SERVER_APP_PATH=my_server:app")
+    assert facts["workers2_own_app"].startswith(
+        "DeploymentRefused: --tokenizer-worker-num 2 with "
+        "SGLANG_HTTP_SERVER_APP_PATH=my_server:app")
 
 
 def test_tokenizer_worker_processes_load_the_plugins():

@@ -57,7 +57,7 @@ def model_o_groups(model_path: str) -> int | None:
 
 def check_layout(server_args) -> None:
     """Attention TP <= o_groups, no pp with R3, several tokenizer workers only with our app;
-    raises naming the cause."""
+    raises DeploymentRefused naming the cause."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
     view = resolving_view(server_args)

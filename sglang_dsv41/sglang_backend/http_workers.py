@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import os
 
+from ..policies.launch_guards import DeploymentRefused
+from .plugins import PLUGINS
+
 APP_PATH_ENV = "SGLANG_HTTP_SERVER_APP_PATH"
 SGLANG_APP = "sglang.srt.entrypoints.http_server:app"
 PLUGIN_APP = "sglang_dsv41.sglang_backend.http_app:app"
-HTTP_SIDE_PLUGINS = ("generate_dp_rank_header", "engram_update_guard", "stall_watchdog")
+HTTP_SIDE_PLUGINS = tuple(p.name for p in PLUGINS if p.http_side)
 
 
 def use_plugin_app(environ=None) -> None:
@@ -31,7 +34,7 @@ def check_http_workers(tokenizer_worker_num: int, installed, environ=None) -> No
     app_path = environ.get(APP_PATH_ENV, SGLANG_APP)
     if (tokenizer_worker_num > 1 and set(installed) & set(HTTP_SIDE_PLUGINS)
             and app_path != PLUGIN_APP):
-        raise ValueError(
+        raise DeploymentRefused(
             f"--tokenizer-worker-num {tokenizer_worker_num} with {APP_PATH_ENV}={app_path}: "
             f"SGLang's tokenizer worker processes import that app without loading plugins, so "
             f"X-Data-Parallel-Rank on /generate, the Engram update guard and the stall health "

@@ -46,6 +46,8 @@ class Plugin:
     fixes: str
     targets: tuple[Target, ...]
     opt_in: str = ""  # the flag that turns the hook's effect on, when it is off by default
+    # Hooks an HTTP process runs: SGLang's tokenizer worker processes need them too (http_workers)
+    http_side: bool = False
 
     @property
     def entry_point(self) -> str:
@@ -84,7 +86,8 @@ PLUGINS = (
            "/generate honours X-Data-Parallel-Rank; conflicting or out-of-range pins get 400",
            (Target(HTTP, "serve_generate_request", ("obj", "request"), "around",
                    "request_hooks:around_serve_generate_request"),
-            Target(HTTP, "generate_request", ("obj", "request"), "check"))),
+            Target(HTTP, "generate_request", ("obj", "request"), "check")),
+           http_side=True),
     Plugin("stall_watchdog",
            "batch run and MLP sync under a stall watchdog; /health and /health_generate answer "
            "503 naming the rank and collective",
@@ -95,7 +98,8 @@ PLUGINS = (
                    "watchdog_hooks:around_mlp_sync_all_gather"),
             Target(HTTP, "set_global_state", ("global_state",), "after",
                    "watchdog_hooks:after_set_global_state"),
-            Target(HTTP, "health_generate", ("request",), "check"))),
+            Target(HTTP, "health_generate", ("request",), "check")),
+           http_side=True),
     Plugin("hash_r3_rows",
            "R3 rows of hash-routed layers filled from tid2eid (0.5.23 returns zeros)",
            (Target("sglang.srt.layers.moe.hash_topk", "HashTopK.forward",
@@ -116,7 +120,8 @@ PLUGINS = (
             Target("sglang.srt.model_executor.model_runner_components.weight_updater",
                    "WeightUpdater.update_weights_from_tensor",
                    ("self", "named_tensors", "load_format"), "around",
-                   "engram_hooks:around_update_weights_from_tensor"))),
+                   "engram_hooks:around_update_weights_from_tensor")),
+           http_side=True),
     Plugin("routing_key_dispatch",
            "session-sticky DP dispatch keyed by routing_key, for users without a router",
            (Target(DP_CONTROLLER, "DataParallelController.maybe_external_dp_rank_routing",
