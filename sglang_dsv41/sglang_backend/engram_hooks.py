@@ -150,10 +150,11 @@ async def around_update_weights_from_distributed(original, self, obj, request=No
     return await original(self, obj, request)
 
 
-def tensor_update_names(named_tensors) -> list[str]:
-    """The names of an update_weights_from_tensor payload: (name, tensor) pairs, or SGLang's
-    flattened bucket ({"flattened_tensor", "metadata": [FlattenedTensorMetadata]})."""
-    if isinstance(named_tensors, dict):  # load_format "flattened_bucket"
+def tensor_update_names(named_tensors, load_format: str | None) -> list[str]:
+    """The names of an update_weights_from_tensor payload, read as WeightUpdater reads it:
+    load_format "flattened_bucket" is SGLang's bucket ({"flattened_tensor", "metadata":
+    [FlattenedTensorMetadata]}), any other format (name, tensor) pairs."""
+    if load_format == "flattened_bucket":
         return [meta.name for meta in named_tensors["metadata"]]
     return [name for name, _ in named_tensors]
 
@@ -162,7 +163,7 @@ def around_update_weights_from_tensor(original, self, named_tensors, load_format
     """Model runner WeightUpdater.update_weights_from_tensor: the names exist only once the
     scheduler has deserialized the tensors, so the refusal is the runner's result
     (success False: the scheduler's reply, HTTP 400), before any tensor is loaded."""
-    refusal = engram_update_refusal(tensor_update_names(named_tensors))
+    refusal = engram_update_refusal(tensor_update_names(named_tensors, load_format))
     if refusal:
         return False, refusal
     return original(self, named_tensors=named_tensors, load_format=load_format)
