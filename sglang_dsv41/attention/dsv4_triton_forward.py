@@ -18,8 +18,7 @@ probabilities are 0 there.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 import triton
@@ -65,7 +64,7 @@ class DSV4Blocks:
 
 # The interpreter runs programs one by one: small tiles, but the dQ pass split in 32 columns (a
 # 48-wide test head still splits in two, with half the programs of 16).
-INTERPRET_BLOCKS = dataclasses.replace(
+INTERPRET_BLOCKS = replace(
     DSV4Blocks(**{f.name: 1 if f.name.endswith(("_warps", "_stages")) else 16
                   for f in fields(DSV4Blocks)}), dq_bd=32)
 
@@ -181,7 +180,7 @@ def selection_or_empty(comp_kv, comp_idx, total, dim, like):
         return like.new_zeros(1, dim), idx, idx.new_zeros(total)
     idx = comp_idx.to(torch.int32).contiguous()
     slot = torch.arange(1, idx.shape[1] + 1, device=idx.device, dtype=torch.int32)
-    return comp_kv.contiguous(), idx, torch.where(idx >= 0, slot, 0).amax(1).to(torch.int32)
+    return comp_kv.contiguous(), idx, torch.where(idx >= 0, slot, 0).amax(1)  # int32
 
 
 def dsv4_forward(q, kv, sinks, first_rows, window, scale, comp_kv, comp_idx, sel_end,
