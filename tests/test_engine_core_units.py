@@ -9,8 +9,8 @@ from sglang_dsv41.engine.batch import Req, build_plan
 from sglang_dsv41.engine.kv_cache import DUMMY_SLOT, OutOfPages, PageAllocator, slots_of
 from sglang_dsv41.engine.messages import SamplingParams
 from sglang_dsv41.engine.prefix_cache import NaivePrefixCache, RadixPrefixCache
-from sglang_dsv41.engine.sampling import (RETURN_ORIGINAL_LOGPROB_ENV, StopChecker,
-                                          make_generator, output_logprob_logits, sample_token,
+from sglang_dsv41.engine.sampling import (StopChecker, make_generator, model_logprobs,
+                                          return_original_logprob, sample_token,
                                           validate_sampling)
 
 
@@ -133,10 +133,15 @@ def test_plan_padding_rows_use_dummy_slot():
     assert dec.engram_history.tolist() == [[6, 7]]   # the tokens before the new one
 
 
+def _sampled_logprob(logits, p, generator, output_ids=(), original=False):
+    token, returned = sample_token(logits, p, generator, output_ids, original=original)
+    return token, float(model_logprobs(returned)[token])
+
+
 def test_sampling_rules():
     logits = torch.tensor([0.0, 3.0, 2.9, -1.0])
     greedy = SamplingParams(temperature=0.0)
-    tok, lp = sample_token(logits, greedy, None)
+    tok, lp = _sampled_logprob(logits, greedy, None)
     assert tok == 1 and lp == pytest.approx(float(torch.log_softmax(logits, -1)[1]))
     for p, allowed in [(SamplingParams(temperature=1.0, top_k=2), {1, 2}),
                        (SamplingParams(temperature=1.0, top_p=0.5), {1}),
@@ -147,11 +152,16 @@ def test_sampling_rules():
     # draws the same tokens, another seed other tokens.
     hot = SamplingParams(temperature=5.0, seed=7)
 
-    def draws(seed: int) -> list[int]:
+    def draws(seed: int, logprob_logits: bool = True) -> list[int]:
         gen = make_generator(seed)
-        return [sample_token(logits, hot, gen)[0] for _ in range(40)]
+        return [sample_token(logits, hot, gen, logprob_logits=logprob_logits)[0]
+                for _ in range(40)]
 
     assert draws(hot.seed) == draws(hot.seed) and draws(hot.seed) != draws(8)
+    # a request that returns no logprobs draws the same tokens and gets no logits
+    assert draws(hot.seed, logprob_logits=False) == draws(hot.seed)
+    assert sample_token(logits, hot, None, logprob_logits=False)[1] is None
+    assert sample_token(logits, greedy, None, logprob_logits=False) == (1, None)
     with pytest.raises(ValueError, match="top_p"):
         validate_sampling(SamplingParams(top_p=0.0), 10)
     with pytest.raises(ValueError, match="max_new_tokens"):
@@ -166,19 +176,26 @@ def test_output_logprobs_are_sglangs_sampling_distribution(monkeypatch):
     hot = SamplingParams(temperature=2.0, top_k=2, top_p=0.5, frequency_penalty=0.5,
                          logit_bias={3: 1.0})
     adjusted = logits - 0.5 * torch.tensor([0.0, 2.0, 0.0, 0.0]) + torch.tensor([0, 0, 0, 1.0])
-    got = output_logprob_logits(logits, hot, [1, 1])
+    tok, got = sample_token(logits, hot, torch.Generator().manual_seed(0), [1, 1])
     torch.testing.assert_close(got, adjusted / 2.0)
-    torch.testing.assert_close(output_logprob_logits(logits, hot, [1, 1], original=True), adjusted)
+    assert tok == int(torch.argmax(adjusted))   # top_p=0.5 keeps only the most likely token
+    _, got = sample_token(logits, hot, torch.Generator().manual_seed(0), [1, 1], original=True)
+    torch.testing.assert_close(got, adjusted)
     greedy = SamplingParams(temperature=0.0)
-    torch.testing.assert_close(output_logprob_logits(logits, greedy, []), logits)
-    tok, lp = sample_token(logits, SamplingParams(temperature=2.0, top_k=1), None)
+    torch.testing.assert_close(sample_token(logits, greedy, None)[1], logits)
+    tok, lp = _sampled_logprob(logits, SamplingParams(temperature=2.0, top_k=1), None)
     assert tok == 1 and lp == pytest.approx(float(torch.log_softmax(logits, -1)[1]))
     # a temperature whose division overflows: its limit, the greedy token certain
-    tiny = output_logprob_logits(logits * 1e30, SamplingParams(temperature=1e-30), [])
-    assert tiny[1] == 0 and torch.isinf(tiny[[0, 2, 3]]).all()
-    monkeypatch.setenv(RETURN_ORIGINAL_LOGPROB_ENV, "true")
-    _, lp = sample_token(logits, SamplingParams(temperature=2.0, seed=1),
-                         torch.Generator().manual_seed(0))
+    tok, tiny = sample_token(logits * 1e30, SamplingParams(temperature=1e-30), None)
+    assert tok == 1 and tiny[1] == 0 and torch.isinf(tiny[[0, 2, 3]]).all()
+    # a masked (-inf) logit is no overflow: the others keep their tempered values
+    masked = torch.tensor([0.0, 3.0, 2.9, float("-inf")])
+    _, got = sample_token(masked, SamplingParams(temperature=2.0), torch.Generator())
+    torch.testing.assert_close(got, masked / 2.0)
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "true")
+    assert return_original_logprob()
+    _, lp = _sampled_logprob(logits, SamplingParams(temperature=2.0, seed=1),
+                             torch.Generator().manual_seed(0), original=return_original_logprob())
     assert lp in set(torch.log_softmax(logits, -1).tolist())
 
 

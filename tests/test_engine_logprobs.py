@@ -43,10 +43,16 @@ def test_chunked_and_retracted_requests_match_the_reference():
             assert c.wait_ready(60)[0].ok
             sampling = SamplingParams(max_new_tokens=12, temperature=1.0, seed=7,
                                       ignore_eos=True)
+            # A request without logprobs in the same batches: the leader scores only the
+            # others' rows, each still its own.
+            c.submit(GenerateReq("plain", [9, 8, 7], SamplingParams(
+                max_new_tokens=16, temperature=0.7, frequency_penalty=1.0, ignore_eos=True)))
             outs = c.generate(PROMPTS, sampling=sampling, return_logprob=True,
                               logprob_start_len=START, top_logprobs_num=TOP,
                               token_ids_logprob=IDS, timeout=150)
+            plain = c.wait_finished(["plain"], timeout=30)["plain"]
             assert c.shutdown() == [0]
+        assert len(plain.token_ids) == 16 and not plain.logprobs
         for prompt, out in zip(PROMPTS, outs):
             rows = reference_rows(model, prompt + out.token_ids)
             scored = prompt[START + 1:]   # SGLang: the start position has no value

@@ -20,7 +20,7 @@ from sglang_dsv41.engine.request_limits import RequestLimits
 from sglang_dsv41.engine.dp_controller import DPController
 from sglang_dsv41.engine.http_server import ServerState, create_app
 from sglang_dsv41.engine.messages import AbortReq, SamplingParams
-from sglang_dsv41.engine.sampling import sample_token
+from sglang_dsv41.engine.sampling import model_logprobs, sample_token
 from sglang_dsv41.loader import weight_sync_group
 from sglang_dsv41.model.dsv4 import get_preset
 from sglang_dsv41.server_args import ServerArgs
@@ -58,8 +58,8 @@ def client(app, **kw):
 def test_sampler_survives_overflowing_temperatures(temperature):
     logits = torch.randn(320) * 30
     p = SamplingParams(temperature=temperature, top_p=0.5, min_p=0.9)
-    token, logprob = sample_token(logits, p, torch.Generator().manual_seed(0))
-    assert token == int(torch.argmax(logits)) and logprob <= 0
+    token, returned = sample_token(logits, p, torch.Generator().manual_seed(0))
+    assert token == int(torch.argmax(logits)) and float(model_logprobs(returned)[token]) <= 0
 
 
 @pytest.mark.asyncio

@@ -22,8 +22,8 @@ from .kv_cache import OutOfPages, PageAllocator, RoutedExpertsBuffer, slots_of
 from .logprobs import check_logprob_request, score_rows
 from .messages import GenerateOut, GenerateReq
 from .prefix_cache import create_prefix_cache
-from .sampling import (StopChecker, choose_token, make_decode_fn, make_generator, model_logprobs,
-                       output_logprob_logits, return_original_logprob, validate_sampling)
+from .sampling import (StopChecker, make_decode_fn, make_generator, model_logprobs,
+                       return_original_logprob, sample_token, validate_sampling)
 
 if TYPE_CHECKING:
     from .model_runner import EngineForwardContext, ModelRunner
@@ -293,22 +293,30 @@ class LeaderScheduler:
             at += n
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> None:
-        """One host copy of the sampled rows, then each request's token and logprobs."""
+        """One host copy of the sampled rows, each request's token, then one log_softmax pass
+        over the rows of the requests that return logprobs."""
         rows = logits.float().cpu()
-        tokens = [choose_token(rows[i], req.sampling, req.generator, req.output_ids)
-                  for i, req in enumerate(reqs)]
-        returned = torch.stack([
-            output_logprob_logits(rows[i], req.sampling, req.output_ids, self.original_logprobs)
-            for i, req in enumerate(reqs)])
-        logprobs, extras = score_rows(model_logprobs(returned), tokens,
-                                      [req.top_logprobs_num for req in reqs],
-                                      [req.token_ids_logprob for req in reqs])
-        for i, (req, token) in enumerate(zip(reqs, tokens)):
+        tokens, returned = [], {}
+        for i, req in enumerate(reqs):
+            token, lp_logits = sample_token(rows[i], req.sampling, req.generator, req.output_ids,
+                                            logprob_logits=req.return_logprob,
+                                            original=self.original_logprobs)
+            tokens.append(token)
+            if lp_logits is not None:
+                returned[i] = lp_logits
+        if returned:
+            scored = [reqs[i] for i in returned]
+            logprobs, extras = score_rows(model_logprobs(torch.stack(list(returned.values()))),
+                                          [tokens[i] for i in returned],
+                                          [req.top_logprobs_num for req in scored],
+                                          [req.token_ids_logprob for req in scored])
+            for at, req in enumerate(scored):
+                req.output_logprobs.append(logprobs[at])
+                if req.wants_extras:
+                    req.output_extras.extend(extras.window(at, at + 1))
+        for req, token in zip(reqs, tokens):
             req.in_prefill = False
             req.output_ids.append(token)
-            req.output_logprobs.append(logprobs[i])
-            if req.wants_extras:
-                req.output_extras.extend(extras.window(i, i + 1))
             limit = min(req.sampling.max_new_tokens,
                         self.runner.context_length - len(req.prompt_ids))
             req.finish_reason = self.stop_checker.check(req.output_ids, req.sampling, limit)

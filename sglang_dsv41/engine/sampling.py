@@ -4,9 +4,9 @@ Returned logprobs follow SGLang 0.5.23's default (``layers/sampler.py``, ``logit
 a prompt position's values are of the model's own distribution (``model_logprobs``: fp32
 log_softmax of the logits); an output position's are of the distribution the token was sampled
 from before top-k/top-p/min-p: logits after penalties and logit_bias, divided by the temperature
-(greedy requests: 1), see ``output_logprob_logits``. SGLang's switch
-``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` leaves out the temperature, as there. A trainer that samples
-at temperature T compares them with its own log_softmax(logits / T).
+(greedy requests: 1); ``sample_token`` computes them once and draws the token from them.
+SGLang's switch ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` leaves out the temperature, as there. A
+trainer that samples at temperature T compares them with its own log_softmax(logits / T).
 """
 
 from __future__ import annotations
@@ -88,50 +88,37 @@ def return_original_logprob() -> bool:
     return os.environ.get(RETURN_ORIGINAL_LOGPROB_ENV, "false").strip().lower() in ("true", "1")
 
 
-def output_logprob_logits(logits: torch.Tensor, p: SamplingParams, output_ids: Sequence[int],
-                          original: bool = False) -> torch.Tensor:
-    """fp32 logits [V] -> the logits whose log_softmax an output position returns: after
-    penalties and logit_bias, divided by the temperature unless the request is greedy or
-    ``original``. A temperature so small that the division overflows gives its limit: the
-    greedy token certain."""
-    adjusted = apply_penalties(logits, p, output_ids)
-    if original or p.temperature == 0 or p.top_k == 1 or p.temperature == 1:
-        return adjusted
-    scaled = adjusted / p.temperature
-    if torch.isfinite(scaled).all():
-        return scaled
-    limit = torch.full_like(adjusted, float("-inf"))
-    limit[int(torch.argmax(adjusted))] = 0.0
-    return limit
-
-
 def sample_token(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None,
-                 output_ids: Sequence[int] = ()) -> tuple[int, float]:
-    """logits [V] -> (token id, the logprob an output position returns for it)."""
-    logits = logits.float().cpu()
-    token = choose_token(logits, p, generator, output_ids)
-    returned = output_logprob_logits(logits, p, output_ids, return_original_logprob())
-    return token, float(model_logprobs(returned)[token])
+                 output_ids: Sequence[int] = (), *, logprob_logits: bool = True,
+                 original: bool = False) -> tuple[int, torch.Tensor | None]:
+    """fp32 CPU logits [V] -> (the sampled token id, the logits whose log_softmax its output
+    position returns, or None without ``logprob_logits``).
 
-
-def choose_token(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None,
-                 output_ids: Sequence[int] = ()) -> int:
-    """fp32 CPU logits [V] -> the sampled token id.
-
-    Never raises on extreme but valid settings: a temperature that overflows the scaled logits
-    or a filter that leaves no finite mass falls back to the greedy token of the adjusted
-    logits (the limit of the requested distribution), instead of killing the rank."""
+    The returned logits are those after penalties and logit_bias, divided by the temperature
+    unless the request is greedy or ``original`` (SGLang's RETURN_ORIGINAL_LOGPROB); top-k,
+    top-p and min-p filter only the draw. Never raises on extreme but valid settings: a
+    temperature that overflows the scaled logits gives its limit (the greedy token, certain),
+    and a filter that leaves no finite mass falls back to the greedy token, instead of
+    killing the rank."""
     adjusted = apply_penalties(logits, p, output_ids)
     greedy = int(torch.argmax(adjusted))
     if p.temperature == 0 or p.top_k == 1:
-        return greedy
+        return greedy, adjusted if logprob_logits else None
     scaled = adjusted / p.temperature
     if not torch.isfinite(scaled.max()):
-        return greedy
-    if p.top_k > 0 and p.top_k < scaled.numel():
-        kth = torch.topk(scaled, p.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
+        if not logprob_logits:
+            return greedy, None
+        if original:
+            return greedy, adjusted
+        limit = torch.full_like(adjusted, float("-inf"))
+        limit[greedy] = 0.0
+        return greedy, limit
+    returned = (adjusted if original else scaled) if logprob_logits else None
+    filtered = scaled
+    if p.top_k > 0 and p.top_k < filtered.numel():
+        kth = torch.topk(filtered, p.top_k).values[-1]
+        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+    probs = torch.softmax(filtered, dim=-1)
     if p.top_p < 1:
         sorted_p, order = torch.sort(probs, descending=True)
         # Keep the smallest set of most likely tokens whose mass reaches top_p.
@@ -141,8 +128,8 @@ def choose_token(logits: torch.Tensor, p: SamplingParams, generator: torch.Gener
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
     total = probs.sum()
     if not (torch.isfinite(total) and total > 0):
-        return greedy
-    return int(torch.multinomial(probs / total, 1, generator=generator))
+        return greedy, returned
+    return int(torch.multinomial(probs / total, 1, generator=generator)), returned
 
 
 class StopChecker:
