@@ -18,11 +18,13 @@ import torch
 from engine_core_harness import (RankCluster, engine_test_model, reference_greedy,
                                  reference_logprobs, tiny_args, write_flat_checkpoint)
 from sglang_dsv41.engine.messages import AbortReq, GenerateReq, SamplingParams
+from sglang_dsv41.tokenizer import AddedToken, ByteTokenizer
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
 _rng = random.Random(1234)
 DET_PROMPTS = [[_rng.randrange(256) for _ in range(n)] for n in (1, 9, 30, 70, 140)]
 GREEDY_RESULTS: dict[str, list[list[int]]] = {}
+RENAMED_TAG = "<reasoning>"
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +34,13 @@ def ref(tmp_path_factory):
     torch.set_num_threads(1)
     cfg, model = engine_test_model()
     model.ckpt = write_flat_checkpoint(str(tmp_path_factory.mktemp("tiny")), cfg, model)
+    # The checkpoint's own tokenizer file, one tag renamed: stop strings must read it.
+    tok = ByteTokenizer.from_config(cfg)
+    table = dict(tok.added_tokens)
+    model.renamed_tag = next(t for t, a in table.items() if a.content == "<think>")
+    table[model.renamed_tag] = AddedToken(RENAMED_TAG, False)
+    ByteTokenizer(tok.vocab_size, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id,
+                  table).save_pretrained(model.ckpt)
     with torch.no_grad():
         model.greedy_ref = [reference_greedy(model, p, GREEDY.max_new_tokens)
                             for p in DET_PROMPTS]
@@ -143,6 +152,11 @@ def test_tp1_chunked_sampling_stops_abort(ref):
         first = a.token_ids.index(stop_id)
         assert s.token_ids == a.token_ids[:first + 1]
         assert s.finish_reason == {"type": "stop", "matched": stop_id}
+        forced = SamplingParams(max_new_tokens=4, temperature=0.0, stop=[RENAMED_TAG],
+                                logit_bias={ref.renamed_tag: 100.0})
+        t = c.generate([prompt], sampling=forced)[0]
+        assert t.token_ids == [ref.renamed_tag]
+        assert t.finish_reason == {"type": "stop", "matched": RENAMED_TAG}
         # Streaming: one chunk per decode step, together the same tokens.
         c.submit(GenerateReq("st", prompt, hot, stream=True))
         streamed = c.wait_finished(["st"])["st"]

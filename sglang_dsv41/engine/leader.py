@@ -17,13 +17,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..policies.r3_buffer import r3_buffer_bytes
+from ..tokenizer import load_model_tokenizer
 from .batch import ForwardPlan, Req, build_plan
 from .kv_cache import OutOfPages, PageAllocator, RoutedExpertsBuffer, slots_of
 from .logprobs import check_logprob_request, score_rows
 from .messages import GenerateOut, GenerateReq
 from .prefix_cache import create_prefix_cache
-from .sampling import (StopChecker, make_decode_fn, make_generator, model_logprobs,
-                       return_original_logprob, sample_token, validate_sampling)
+from .sampling import (StopChecker, make_generator, model_logprobs, return_original_logprob,
+                       sample_token, validate_sampling)
 
 if TYPE_CHECKING:
     from .model_runner import EngineForwardContext, ModelRunner
@@ -40,7 +41,9 @@ class LeaderScheduler:
         self.cache_epoch = 0   # bumped by a flush: older requests' K/V must not be cached
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
-        self.stop_checker = StopChecker(self.cfg.eos_token_id, make_decode_fn(self.cfg))
+        # Stop strings match the text the HTTP side decodes: the same tokenizer, loaded the same way.
+        tokenizer = load_model_tokenizer(runner.model_dir, self.cfg)
+        self.stop_checker = StopChecker(self.cfg.eos_token_id, tokenizer.decode)
         self.original_logprobs = return_original_logprob()  # SGLang's env switch, read once
         self.seeds = random.Random(self.args.random_seed * 1000 + self.dp_rank)
         self.prefix_hit_tokens = self.prompt_tokens = 0

@@ -177,14 +177,3 @@ class StopChecker:
             if m is not None and re.search(pattern, before) is None:
                 return m.group(0)
         return None
-
-
-def make_decode_fn(cfg):
-    """Token ids -> text with the project's ByteTokenizer (raw bytes if it is not available)."""
-    try:
-        from ..tokenizer import ByteTokenizer
-
-        tok = ByteTokenizer.from_config(cfg)
-        return lambda ids: tok.decode(ids)
-    except (ImportError, ValueError):
-        return lambda ids: bytes(t for t in ids if 0 <= t < 256).decode("utf-8", errors="replace")
