@@ -243,9 +243,9 @@ async def test_abort_metrics_and_dead_rank():
         task = asyncio.create_task(gen(http, input_ids=[1]))
         while len(drainer.parked) < 2:
             await asyncio.sleep(0.01)
-        controller.mark_failed("scheduler rank 2 (dp_rank 1) died with exit code -6 (SIGABRT)")
+        controller.fail_engine("scheduler rank 2 died with exit code -6 (SIGABRT)", 1)
         r = await task
-        assert r.status_code == 503 and "rank 2" in r.text
+        assert r.status_code == 503 and "dp_rank 1: scheduler rank 2" in r.text
         for path in ("/health", "/health_generate"):
             r = await http.get(path)
             assert r.status_code == 503 and "SIGABRT" in r.json()["error"]["message"]
@@ -263,7 +263,7 @@ async def test_stall_report_marks_unhealthy():
 
         await asyncio.sleep(0.3)
         r = await http.get("/health_generate")
-        assert r.status_code == 503 and "rank 3 stuck" in r.text and "step 9" in r.text
+        assert r.status_code == 503 and "dp_rank 1: rank 3 stuck" in r.text and "step 9" in r.text
         controller.shutdown()
 
 

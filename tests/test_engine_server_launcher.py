@@ -84,7 +84,7 @@ def test_monitor_reports_a_dead_rank_once_with_its_last_words(tmp_path):
         time.sleep(0.5)
         assert len(controller.failures) == 1
         reason = controller.failures[0]
-        assert reason.startswith("scheduler rank 1 (dp_rank 0, attn_tp_rank 1) died with exit "
+        assert reason.startswith("dp_rank 0: scheduler rank 1 (attn_tp_rank 1) died with exit "
                                  "code -6 (SIGABRT)") and "Check failed" in reason
     finally:
         engine._stop.set()

@@ -220,13 +220,13 @@ def test_a_dead_dp_rank_moves_only_its_sessions(dp2_engine):
             "dp_rank"] for sid in first}
         assert sorted(rank_of.values()) == [0, 1], rank_of
         dead_sid = next(s for s, r in rank_of.items() if r == 1)
-        state.controller.mark_failed("dp_rank 1 lost its GPU", dp_rank=1)
+        state.controller.fail_rank(1, "lost its GPU")
         health = {q: httpx.get(f"{engine_url}/health{q}").status_code
                   for q in ("", "?dp_rank=0", "?dp_rank=1", "?dp_rank=2")}
         assert health == {"": 200, "?dp_rank=0": 200, "?dp_rank=1": 503, "?dp_rank=2": 400}
         info = httpx.get(f"{engine_url}/server_info").json()["rank_health"]
         assert info["0"]["healthy"] and info["1"] == {"healthy": False,
-                                                      "reason": "dp_rank 1 lost its GPU"}
+                                                      "reason": "lost its GPU"}
         for sid, out in first.items():
             history = messages + [{"role": "assistant", "content": out.choices[0].message.content},
                                   {"role": "user", "content": "next"}]

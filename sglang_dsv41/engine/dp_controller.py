@@ -6,12 +6,15 @@ leader, and runs a reader thread that drains the shared out_queue: GenerateOut c
 per-request asyncio queue of the waiting HTTP handler, ControlOut replies complete their call
 once every rank has answered, RankStats are kept per DP rank.
 
-Health is kept per DP rank. A failure of the whole engine (a dead scheduler process, a stall
-report: the MoE collectives span every rank, so either blocks them all) fails every rank. A
-failure of one DP group (``mark_failed(reason, dp_rank)``) fails only the requests on that rank;
-requests pinned to it are refused, unpinned ones go to the live ranks, and the engine stays
-healthy while one rank serves. ``rank_health()`` is what /server_info and /health?dp_rank=N
-report, and what the agent gateway moves sessions by.
+Health is kept per DP rank. ``fail_engine`` fails every rank: the embedded engine's failures
+(a dead scheduler process, a stall report) are all of this kind, because DP groups exist only
+with DP attention and the MoE collectives span every rank of every group, so one rank's death
+or stall blocks them all; the message names the rank that caused it. ``fail_rank`` fails one DP
+group only: its requests fail, requests pinned to it are refused, unpinned ones go to the live
+ranks, and the engine stays healthy while one rank serves. Nothing in the embedded engine calls
+it: it keeps the per-rank half of the contract the sticky router and the gateway read, for a
+deployment whose DP groups fail independently. ``rank_health()`` is what /server_info and
+/health?dp_rank=N report, and what the agent gateway moves sessions by.
 """
 
 from __future__ import annotations
@@ -30,6 +33,11 @@ from .messages import (AbortReq, ControlOut, ControlReq, GenerateOut, GenerateRe
                        ShutdownReq)
 
 logger = logging.getLogger(__name__)
+
+
+def rank_failure_text(dp_rank: int, reason: str) -> str:
+    """How every failure message names the DP rank it concerns."""
+    return f"dp_rank {dp_rank}: {reason}"
 
 
 class EngineUnavailable(RuntimeError):
@@ -99,16 +107,30 @@ class DPController:
             return self.rank_failures.get(dp_rank, "")
         if len(self.rank_failures) < self.dp_size:
             return ""
-        return "; ".join(f"dp_rank {d}: {r}" for d, r in sorted(self.rank_failures.items()))
+        return self._rank_failures_text()
+
+    def _rank_failures_text(self) -> str:
+        return "; ".join(rank_failure_text(d, r) for d, r in sorted(self.rank_failures.items()))
 
     def rank_health(self) -> dict[int, str]:
         """dp_rank -> "" (serving) or the reason it cannot."""
         return {d: self.failure_reason(d) for d in range(self.dp_size)}
 
-    def mark_failed(self, reason: str, dp_rank: int | None = None) -> None:
-        """The whole engine failed (``dp_rank`` None: the launcher's process monitor, a stall
-        report) or one DP group did: its waiting requests and control calls fail with the
-        reason (a control call needs every rank)."""
+    def fail_engine(self, reason: str, dp_rank: int | None = None) -> str:
+        """The whole engine failed, caused by ``dp_rank`` when known (the launcher's process
+        monitor, a stall report): every waiting request and control call fails. Returns the
+        message, which names the rank."""
+        if dp_rank is not None:
+            reason = rank_failure_text(dp_rank, reason)
+        self._fail(reason, None)
+        return reason
+
+    def fail_rank(self, dp_rank: int, reason: str) -> None:
+        """One DP group failed: its waiting requests fail, and control calls (which need every
+        rank)."""
+        self._fail(reason, dp_rank)
+
+    def _fail(self, reason: str, dp_rank: int | None) -> None:
         with self._lock:
             if reason in self.failures or self.rank_failures.get(dp_rank) == reason:
                 return
@@ -160,8 +182,8 @@ class DPController:
             if not self.healthy:
                 raise EngineUnavailable(self.failure_reason())
             if req.routed_dp_rank in self.rank_failures:
-                raise EngineUnavailable(f"dp_rank {req.routed_dp_rank}: "
-                                        f"{self.rank_failures[req.routed_dp_rank]}")
+                raise EngineUnavailable(rank_failure_text(
+                    req.routed_dp_rank, self.rank_failures[req.routed_dp_rank]))
             if req.rid in self._pending:
                 raise ValueError(f"request id {req.rid!r} is already running")
             dp_rank = req.routed_dp_rank if req.routed_dp_rank is not None else self._pick_dp_rank()
@@ -209,8 +231,7 @@ class DPController:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self.failures or self.rank_failures:  # a control op runs on every rank
-                raise EngineUnavailable(self.failure_reason() or "; ".join(
-                    f"dp_rank {d}: {r}" for d, r in sorted(self.rank_failures.items())))
+                raise EngineUnavailable(self.failure_reason() or self._rank_failures_text())
             self._controls[req_id] = _ControlCall(fut, set(self.control_ranks))
         for q in self.req_queues:
             q.put(ControlReq(req_id, op, dict(args or {})))
@@ -257,7 +278,8 @@ class DPController:
 
     def _on_stats(self, stats: RankStats) -> None:
         if not stats.healthy:
-            self.mark_failed(stats.stall or f"dp_rank {stats.dp_rank} reported unhealthy")
+            # a stalled collective holds every rank (see the module docstring)
+            self.fail_engine(stats.stall or "reported unhealthy", stats.dp_rank)
             return
         self.stats[stats.dp_rank] = stats
 

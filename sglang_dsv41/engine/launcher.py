@@ -179,9 +179,10 @@ class Engine:
                 dp_rank, attn_rank = self.server_args.rank_to_dp(rank)
                 time.sleep(0.2)  # let the dying rank's last words reach its log
                 tail = log_tail(self.log_path(rank))
-                reason = (f"scheduler rank {rank} (dp_rank {dp_rank}, attn_tp_rank {attn_rank}) "
-                          f"died with {describe_exit(p.exitcode)}" + (f": {tail}" if tail else ""))
-                self.controller.mark_failed(reason)
+                # Fatal for every DP group: the MoE collectives span all ranks.
+                reason = self.controller.fail_engine(
+                    f"scheduler rank {rank} (attn_tp_rank {attn_rank}) died with "
+                    f"{describe_exit(p.exitcode)}" + (f": {tail}" if tail else ""), dp_rank)
                 if self.fatal_reason is None:
                     self.fatal_reason = reason
                     if self.on_fatal is not None:
