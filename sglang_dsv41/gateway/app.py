@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from ..router.base import NoEngineAvailable, RouterError, SessionRouter
+from .detokenize import IncrementalDecoder
 from .trajectory import Trajectory, Turn, routed_experts_of
 
 MAX_SESSIONS = 100_000   # the oldest finished sessions are forgotten past this
@@ -187,20 +188,18 @@ class Gateway:
         Errors before the first event raise GatewayError (an HTTP error); after it they become
         an error event. Text ending in an incomplete UTF-8 sequence waits for its next token."""
         dr = self.dr
-        proc, emitted, counted, started = None, "", 0, False
+        proc, counted, started = None, 0, False
+        text_stream = IncrementalDecoder(self.tokenizer.decode)
         try:
             async for conv, out, turn in self.turn(sid, body, stream=True):
                 if proc is None:
                     proc = self._processor(conv, cid)
                     events = proc.push(dr.InferenceChunk.ready(prompt_usage=None))
                 ids = out["output_ids"]
-                text = self.tokenizer.decode(ids)
-                if turn is None:
-                    text = text.rstrip("\ufffd")
-                if len(text) > len(emitted) and text.startswith(emitted):
-                    events += proc.push(dr.InferenceChunk.text(text[len(emitted):],
-                                                               len(ids) - counted))
-                    emitted, counted = text, len(ids)
+                delta = text_stream.step(ids, final=turn is not None)
+                if delta:
+                    events += proc.push(dr.InferenceChunk.text(delta, len(ids) - counted))
+                    counted = len(ids)
                 if turn is not None:
                     events += [*proc.push(self._finish(turn)), *proc.finish()]
                 if events:
