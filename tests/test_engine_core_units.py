@@ -37,8 +37,9 @@ def _page_lcp(a: list[int], b: list[int], page_size: int) -> int:
 
 
 def _run_session(cache_cls, seed: int, page_size: int = 4, num_pages: int = 40):
-    """Random multi-turn traffic; returns the cached-token count of every admission and the
-    oracle's: the longest whole-page prefix shared with any sequence cached so far."""
+    """Random multi-turn traffic; returns the (cached, copy-on-write) token counts of every
+    admission and the oracle's: the longest whole-page prefix shared with any sequence cached so
+    far, then the most tokens of the next page shared with one of those sequences."""
     rng = random.Random(seed)
     alloc = PageAllocator(num_pages, page_size)
     cache = cache_cls(alloc)
@@ -47,8 +48,12 @@ def _run_session(cache_cls, seed: int, page_size: int = 4, num_pages: int = 40):
     for _ in range(60):
         h = histories[rng.randrange(4)]
         ids = h + [rng.randrange(5) for _ in range(rng.randrange(1, 9))]
-        oracle.append(max((_page_lcp(ids[:-1], seq, page_size) for seq in inserted), default=0))
+        whole = max((_page_lcp(ids[:-1], seq, page_size) for seq in inserted), default=0)
         m = cache.match_prefix(ids[:-1])
+        t = m.num_tokens
+        nxt = ids[t:min(t + page_size, len(ids) - 1)]
+        oracle.append((whole, max((_page_lcp(seq[t:t + page_size], nxt, 1)
+                                   for seq in inserted if seq[:t] == ids[:t]), default=0)))
         assert m.num_tokens % page_size == 0 and m.num_tokens <= len(ids) - 1
         assert m.num_tokens == len(m.pages) * page_size
         cache.lock(m.handle)
@@ -62,7 +67,7 @@ def _run_session(cache_cls, seed: int, page_size: int = 4, num_pages: int = 40):
             cache.unlock(old_handle)
             cache.evict(need - alloc.num_free)
         pages = m.pages + alloc.alloc(need)
-        hits.append(m.num_tokens)
+        hits.append((m.num_tokens, m.copy_tokens))
         live.append((ids, pages, m.handle))
         if rng.random() < 0.7:   # finish: cache whole computed pages, drop own references
             ids, pages, handle = live.pop()
@@ -89,11 +94,34 @@ def test_radix_cache_finds_every_cached_prefix(seed):
     """With room for everything (no eviction) the radix cache matches exactly the brute-force
     oracle; under pressure it never claims more than the oracle; the naive twin never hits."""
     radix, oracle = _run_session(RadixPrefixCache, seed, num_pages=400)
-    assert radix == oracle and sum(oracle) > 0
+    assert radix == oracle and sum(t for t, _ in oracle) > 0 and sum(c for _, c in oracle) > 0
     tight, tight_oracle = _run_session(RadixPrefixCache, seed)
-    assert all(h <= o for h, o in zip(tight, tight_oracle))
+    assert all(h[0] <= o[0] for h, o in zip(tight, tight_oracle))
     naive, _ = _run_session(NaivePrefixCache, seed)
-    assert naive == [0] * len(naive)
+    assert naive == [(0, 0)] * len(naive)
+
+
+def test_radix_copy_match_reads_two_children_not_all(monkeypatch):
+    """The part-page (copy-on-write) match under a node with many children compares the run
+    with its two neighbours in sorted key order, which hold the longest shared prefix."""
+    import sglang_dsv41.engine.prefix_cache as prefix_cache
+
+    alloc = PageAllocator(600, 4)
+    cache = RadixPrefixCache(alloc)
+    for a in range(20):
+        for b in range(20):
+            pages = alloc.alloc(1)
+            cache.insert([a, b, 7, 7], pages)
+            alloc.decref(pages)
+    compared = []
+    real = prefix_cache._common_prefix
+    monkeypatch.setattr(prefix_cache, "_common_prefix",
+                        lambda x, y: compared.append(x) or real(x, y))
+    m = cache.match_prefix([11, 5, 7, 9])
+    assert (m.num_tokens, m.copy_tokens) == (0, 3) and len(compared) <= 2
+    assert cache.match_prefix([11, 25]).copy_tokens == 1
+    assert cache.match_prefix([30]).copy_tokens == 0
+    cache.check_integrity()
 
 
 def test_radix_match_split_insert_evict_lru():

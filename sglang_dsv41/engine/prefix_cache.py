@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,13 +94,63 @@ class NaivePrefixCache(BasePrefixCache):
         return 0
 
 
+class _Children:
+    """A node's children by the tokens of their first page (a partial leaf: all its tokens),
+    the keys also kept sorted: the key sharing the longest prefix with a token run is next to
+    the run's place in that order, so a copy-on-write match is a bisect, not a scan."""
+
+    __slots__ = ("_by_key", "_sorted")
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple[int, ...], _Node] = {}
+        self._sorted: list[tuple[int, ...]] = []
+
+    def __contains__(self, key: tuple[int, ...]) -> bool:
+        return key in self._by_key
+
+    def __getitem__(self, key: tuple[int, ...]) -> "_Node":
+        return self._by_key[key]
+
+    def __setitem__(self, key: tuple[int, ...], node: "_Node") -> None:
+        if key not in self._by_key:
+            insort(self._sorted, key)
+        self._by_key[key] = node
+
+    def __delitem__(self, key: tuple[int, ...]) -> None:
+        del self._by_key[key]
+        del self._sorted[bisect_left(self._sorted, key)]
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def get(self, key: tuple[int, ...]) -> "_Node | None":
+        return self._by_key.get(key)
+
+    def values(self):
+        return self._by_key.values()
+
+    def longest_shared(self, run: tuple[int, ...]) -> tuple["_Node | None", int]:
+        """The child whose key shares the most leading tokens with ``run``, and how many."""
+        at = bisect_left(self._sorted, run)
+        best, shared = None, 0
+        for key in self._sorted[max(at - 1, 0):at + 1]:
+            k = _common_prefix(key, run)
+            if k > shared:
+                best, shared = self._by_key[key], k
+        return best, shared
+
+    def check(self) -> None:
+        if self._sorted != sorted(self._by_key):
+            raise AssertionError("a node's sorted child keys differ from its children")
+
+
 @dataclass(eq=False)
 class _Node:
     key: tuple[int, ...]                  # tokens of this edge: whole pages, or part of one page
                                           # (a partial leaf: read only by copy-on-write matches)
     pages: list[int]
     parent: "_Node | None"
-    children: dict[tuple[int, ...], "_Node"] = field(default_factory=dict)
+    children: _Children = field(default_factory=_Children)
     lock_ref: int = 0
     last_access: float = field(default_factory=time.monotonic)
 
@@ -152,12 +203,11 @@ class RadixPrefixCache(BasePrefixCache):
         match = PrefixMatch(pages, i * self.page_size, node)
         # Past the whole pages: the child page (whole or a partial leaf) sharing the most of
         # the next tokens.
-        nxt = tuple(ids[i * self.page_size:(i + 1) * self.page_size])
-        for child in node.children.values():
-            k = _common_prefix(child.key, nxt)
-            if k > match.copy_tokens:
-                match.copy_page, match.copy_tokens = child.pages[0], k
-                child.last_access = time.monotonic()
+        child, shared = node.children.longest_shared(
+            tuple(ids[i * self.page_size:(i + 1) * self.page_size]))
+        if child is not None:
+            match.copy_page, match.copy_tokens = child.pages[0], shared
+            child.last_access = time.monotonic()
         return match
 
     def lock(self, handle: Any) -> None:
@@ -235,6 +285,7 @@ class RadixPrefixCache(BasePrefixCache):
         total = 0
         while stack:
             n = stack.pop()
+            n.children.check()
             if n is not self.root:
                 partial_leaf = not n.children and len(n.pages) == 1 and \
                     0 < len(n.key) < self.page_size

@@ -372,12 +372,12 @@ class StickyRouter(SessionRouter):
         """Live engines whose free KV and rank health are older than ``refresh_interval``
         (claimed here, so concurrent turns do not all refresh the same engine)."""
         now = time.monotonic()
-        with self._cond:
-            stale = [url for url in {r.url for r in self._slots if r not in self._dead}
+        with self._cond:   # an RLock: engine_urls takes it again
+            stale = [url for url in self.engine_urls()
                      if now - self._last_refresh.get(url, 0.0) >= self._refresh_interval]
             for url in stale:
                 self._last_refresh[url] = now
-        return sorted(stale)
+        return stale
 
     def _apply_server_info(self, url: str, info: dict[str, Any]) -> None:
         free = kv_free_by_dp_rank(info)
