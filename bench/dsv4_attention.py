@@ -2,10 +2,11 @@
 our Triton kernels vs transformers' eager DeepseekV4 attention, per layer kind, plus decode.
 
     python bench/dsv4_attention.py                 # the table (4k, 16k, 64k) and decode
-    python bench/dsv4_attention.py --sweep         # only: tile configs at 4k CSA
+    python bench/dsv4_attention.py --sweep [dkv..] # only: tile configs at 4k CSA and HCA
     python bench/dsv4_attention.py --decode-sweep  # only: decode tile configs
     python bench/dsv4_attention.py --lengths 4096  # fewer lengths
     python bench/dsv4_attention.py --profile       # only: kernel split of the core, module ops
+    python bench/dsv4_attention.py --core-only     # table/profile without the module rows
 
 Rows: "core" = the attention the kernel replaces (scores, sinks, softmax, values) on the same
 q/kv/selection; the whole attention module (projections, compressor, indexer, RoPE) at the same
@@ -178,7 +179,7 @@ def fmt(ms, peak, flops=None):
     return f"{ms:9.2f} {tf} {peak:8.2f}"
 
 
-def table(lengths):
+def table(lengths, core_only=False):
     name = register_transformers_attention()
     print(f"H={H} D={D} window={W} bf16; ms | TFLOP/s of the sparse pattern (peak {PEAK}) | "
           f"peak GiB; ratio = eager ms / ours ms")
@@ -198,6 +199,8 @@ def table(lengths):
                 print(f"{total:6d} {kind:>7} {what:>14} | {fmt(*ours, flops)} | "
                       f"{fmt(*eager)} | {ratio}", flush=True)
             del ins
+            if core_only:
+                continue
             eager = measure(module_runner(kind, total, "eager"), reps=5) if total <= 16384 \
                 else (None, "not run")
             torch.cuda.empty_cache()
@@ -236,14 +239,17 @@ def decode(batch=512, seq=8192, page=64, heads=H):
               f"{100 * bw / copy_bw:5.1f}% of copy", flush=True)
 
 
-def profile(total=4096):
-    """Kernel time split of one CSA core forward+backward, then of our attention module."""
+def profile(total=4096, core_only=False):
+    """Kernel time split of one CSA and HCA core forward+backward, then of our attention module."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    for what, run, rows in (("CSA core", ours_core(*core_inputs("CSA", total)), 8),
-                            ("HCA core", ours_core(*core_inputs("HCA", total)), 8),
-                            ("CSA our module", our_module_runner("CSA", total), 25),
-                            ("sliding our module", our_module_runner("sliding", total), 12)):
+    runs = [("CSA core", lambda: ours_core(*core_inputs("CSA", total)), 9),
+            ("HCA core", lambda: ours_core(*core_inputs("HCA", total)), 9)]
+    if not core_only:
+        runs += [("CSA our module", lambda: our_module_runner("CSA", total), 25),
+                 ("sliding our module", lambda: our_module_runner("sliding", total), 12)]
+    for what, make, rows in runs:
+        run = make()
         run()
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             run()
@@ -253,34 +259,48 @@ def profile(total=4096):
               flush=True)
 
 
-def sweep(total=4096):
-    """Tile configs of each kernel at 4k CSA, one kernel's config varied at a time."""
+# Tile configs tried by --sweep, per kernel: (tile, keys, warps, stages); tile = heads for
+# fwd/ds, D columns for dq/dkv/dcomp. The default's own config is always tried first.
+SWEEP_TRIALS = {
+    "fwd": [(64, 32, 8, 3), (32, 64, 4, 2)],
+    "ds": [(32, 64, 8, 2), (64, 32, 8, 2), (32, 64, 4, 2)],
+    "dq": [(256, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 2)],
+    "dkv": [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2)],
+    "dcomp": [(64, 64, 4, 2), (128, 32, 4, 3)],
+}
+
+
+def sweep(kernels, total=4096):
+    """Tile configs of the given kernels at 4k, CSA and HCA, one kernel's config varied at a
+    time from the defaults; per kernel, the config with the least CSA + HCA time is named."""
     import dataclasses
 
-    ins = core_inputs("CSA", total)
-    fwd_flops = 4 * H * D * pairs(total, ins[3])
+    ins = {kind: core_inputs(kind, total) for kind in ("CSA", "HCA")}
+    flops = {kind: 4 * H * D * pairs(total, ins[kind][3]) for kind in ins}
     base = default_blocks(H)
-    # (kernel, (tile, keys, warps, stages)); tile = heads for fwd/ds, D columns for dq/dcomp.
-    trials = [("fwd", c) for c in [(64, 64, 8, 2), (64, 32, 8, 3), (32, 64, 4, 2)]]
-    trials += [("ds", c) for c in [(32, 64, 8, 2), (64, 32, 8, 2), (64, 64, 8, 1),
-                                   (64, 32, 8, 3), (32, 64, 4, 2), (32, 32, 4, 3)]]
-    trials += [("dq", c) for c in [(128, 64, 4, 2), (256, 64, 8, 2), (128, 32, 4, 3),
-                                   (64, 64, 4, 2), (128, 64, 8, 3)]]
-    trials += [("dcomp", c) for c in [(128, 64, 4, 2), (64, 64, 4, 2)]]
-    for kernel, (tile, bn, warps, stages) in trials:
-        names = {"fwd": ("fwd_bh", "fwd_bn", "fwd_warps", "fwd_stages"),
-                 "ds": ("ds_bh", "ds_bn", "ds_warps", "ds_stages"),
-                 "dq": ("dq_bd", "dq_bn", "dq_warps", "dq_stages"),
-                 "dcomp": ("dcomp_bd", "dcomp_bn", "dcomp_warps", "dcomp_stages")}[kernel]
-        b = dataclasses.replace(base, **dict(zip(names, (tile, bn, warps, stages))))
+    for kernel in kernels:
+        names = tuple(f"{kernel}_{f}" for f in ("bh" if kernel in ("fwd", "ds") else "bd",
+                                                  "bn", "warps", "stages"))
+        own = tuple(getattr(base, n) for n in names)
         bwd = kernel != "fwd"
-        try:
-            ms = do_bench(ours_core(*ins, blocks=b, backward=bwd))
-            tf = (3.5 if bwd else 1) * fwd_flops / ms / 1e9
-            print(f"{'fwd+bwd' if bwd else 'fwd'} {kernel}={(tile, bn, warps, stages)}: "
-                  f"{ms:.3f} ms {tf:.0f} TF/s", flush=True)
-        except Exception as e:  # resource limits of a config: report and go on
-            print(f"{kernel}={(tile, bn, warps, stages)}: {type(e).__name__}", flush=True)
+        best = (float("inf"), own)
+        for config in [own] + [c for c in SWEEP_TRIALS[kernel] if c != own]:
+            blocks = dataclasses.replace(base, **dict(zip(names, config)))
+            row, both = [], 0.0
+            for kind in ins:
+                try:
+                    ms = do_bench(ours_core(*ins[kind], blocks=blocks, backward=bwd))
+                    both += ms
+                    row.append(f"{kind} {ms:.3f} ms "
+                               f"{(3.5 if bwd else 1) * flops[kind] / ms / 1e9:.0f} TF/s")
+                except Exception as e:  # resource limits of a config: report and go on
+                    both = float("inf")
+                    row.append(f"{kind} {type(e).__name__}")
+            best = min(best, (both, config))
+            print(f"{'fwd+bwd' if bwd else 'fwd'} {kernel}={config}"
+                  f"{' (default)' if config == own else ''}: {'; '.join(row)}", flush=True)
+        print(f"best {kernel}: " + " ".join(f"{n}={v}" for n, v in zip(names, best[1])),
+              flush=True)
 
 
 def decode_sweep(batch=512, seq=8192, page=64):
@@ -312,26 +332,29 @@ def decode_sweep(batch=512, seq=8192, page=64):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep", nargs="*", choices=sorted(SWEEP_TRIALS), default=None,
+                        help="only: tile sweeps of these kernels (all when none named)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536])
     parser.add_argument("--no-decode", action="store_true")
+    parser.add_argument("--core-only", action="store_true",
+                        help="table and profile: the attention core rows only, no module")
     parser.add_argument("--only-decode", action="store_true")
     parser.add_argument("--decode-sweep", action="store_true")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
-    if args.profile or args.sweep or args.decode_sweep:
-        if args.sweep:
-            sweep()
+    if args.profile or args.sweep is not None or args.decode_sweep:
+        if args.sweep is not None:
+            sweep(args.sweep or sorted(SWEEP_TRIALS))
         if args.profile:
-            profile()
+            profile(core_only=args.core_only)
         if args.decode_sweep:
             decode_sweep()
     elif args.only_decode:
         decode()
         decode(heads=8)
     else:
-        table(args.lengths)
+        table(args.lengths, args.core_only)
         if not args.no_decode:
             decode()
             decode(heads=8)
