@@ -18,6 +18,7 @@ from sglang_dsv41.loader.shards import checkpoint_files
 from sglang_dsv41.model.dsv4 import get_preset
 from sglang_dsv41.model.dsv4.context import DSV4Context
 from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM, init_weights
+from sglang_dsv41.model.dsv4.names import from_transformers, storable_state, to_transformers
 from sglang_dsv41.plan.shapes import text_tensor_specs
 from sglang_dsv41.tools.make_checkpoint import make_checkpoint, random_text_tensors
 
@@ -110,7 +111,10 @@ def test_stacked_routed_experts_round_trip_under_per_expert_names(tmp_path):
     assert torch.equal(state["layers.3.ffn.experts.5.w3.weight"],
                        model.layers[3].ffn.experts.w13[5, inter:])
 
-    save_file({n: t.clone() for n, t in state.items()}, str(tmp_path / "again.safetensors"))
+    # safetensors takes the per-expert views as they are: nothing is copied for it.
+    storable = storable_state(state)
+    assert all(storable[n] is t for n, t in state.items())
+    save_file(storable, str(tmp_path / "again.safetensors"))
     again = load_file(str(tmp_path / "again.safetensors"))
     fresh = DSV4ForCausalLM(cfg)
     fresh.load_state_dict(again, strict=True)
@@ -127,3 +131,24 @@ def test_stacked_routed_experts_round_trip_under_per_expert_names(tmp_path):
     with pytest.raises(RuntimeError, match=r"experts\.2\.w2\.weight: shape \[%d, %d\]" % (
             inter, hidden)):
         fresh.load_state_dict(misshapen)
+
+
+def test_storable_state_copies_only_casts_overlaps_and_strided_tensors():
+    stack = torch.arange(24.0).reshape(2, 4, 3)
+    named = {"a": stack[0, :2], "b": stack[0, 2:], "c": stack[1], "whole": stack[1, :1],
+             "t": stack[0].t(), "cast": torch.ones(3)}
+    out = storable_state(named, lambda n, t: torch.bfloat16 if n == "cast" else t.dtype)
+    assert [n for n in named if out[n] is named[n]] == ["a", "b", "c"]
+    assert out["whole"].data_ptr() != stack[1].data_ptr() and out["t"].is_contiguous()
+    assert out["cast"].dtype == torch.bfloat16
+    assert all(torch.equal(out[n].float(), named[n].float()) for n in named)
+    save_file(out, "/dev/null")   # what safetensors would refuse is gone
+
+
+def test_unknown_parameter_names_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"parameter 'layers\.0\.engram\.wkv\.weight'"):
+        to_transformers({"layers.0.engram.wkv.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match=r"parameter 'model\.layers\.0\.mlp\.bogus'"):
+        from_transformers({"model.layers.0.mlp.bogus": torch.zeros(1)})
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.down_proj: missing"):
+        from_transformers({"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(2, 4, 2)})

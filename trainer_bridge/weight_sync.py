@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from sglang_dsv41.loader.serving import cast_for_serving_
 from sglang_dsv41.loader.weight_sync_group import parse_dtype, plan_buckets
 from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM
-from sglang_dsv41.model.dsv4.names import per_expert_state
+from sglang_dsv41.model.dsv4.names import per_expert_state, storable_state
 from sglang_dsv41.router import SessionRouter
 from sglang_dsv41.server_process import free_port
 
@@ -98,17 +98,20 @@ class WeightSyncer:
         with self.router.paused():
             before = {u: self._get(u, "/engram_checksum") for u in urls}
             dtypes = self._served_dtypes(model, urls[0])
-            buckets = list(_buckets(named, dtypes, self.bucket_bytes))
+            plan = _bucket_plan(named, dtypes, self.bucket_bytes)
             num_bytes = 0
             if self.transport == "distributed":
-                cast = [item for bucket in buckets for item in bucket]
+                cast = list(storable_state(dict(named), lambda n, _: dtypes[n]).items())
                 for u in urls:
                     num_bytes += self._push_distributed(u, cast, version)
-            for i, bucket in enumerate(buckets if self.transport == "tensor" else []):
-                payload = base64.b64encode(save(dict(bucket))).decode()
+            # One bucket at a time: only a bucket's casts exist at once besides the state.
+            for i, indices in enumerate(plan if self.transport == "tensor" else []):
+                bucket = storable_state({named[j][0]: named[j][1] for j in indices},
+                                        lambda n, _: dtypes[n])
+                payload = base64.b64encode(save(bucket)).decode()
                 num_bytes += len(payload)
                 body = {"serialized_named_tensors": payload, "weight_version": version,
-                        "flush_cache": i == len(buckets) - 1}
+                        "flush_cache": i == len(plan) - 1}
                 for u in urls:
                     self._post(u, "/update_weights_from_tensor", body)
             after = {u: self._get(u, "/engram_checksum") for u in urls}
@@ -116,7 +119,7 @@ class WeightSyncer:
             if _checksums(before[u]) != _checksums(after[u]):
                 raise WeightSyncError(f"{u}: Engram checksum changed by the weight update: "
                                       f"{_checksums(before[u])} -> {_checksums(after[u])}")
-        return {"num_tensors": len(named), "num_buckets": len(buckets), "payload_bytes": num_bytes,
+        return {"num_tensors": len(named), "num_buckets": len(plan), "payload_bytes": num_bytes,
                 "engram_checksum": _checksums(after[urls[0]]), "engines": urls}
 
     def _push_distributed(self, url: str, named: list[tuple[str, torch.Tensor]],
@@ -190,15 +193,11 @@ def _checksums(reply: dict[str, Any]) -> Any:
     return reply.get("result", reply)
 
 
-def _buckets(named, dtypes: dict[str, torch.dtype], bucket_bytes: int):
-    """Tensors cast to the served dtypes, a bucket at a time (plan_buckets' grouping)."""
-    named = list(named)
+def _bucket_plan(named: list[tuple[str, torch.Tensor]], dtypes: dict[str, torch.dtype],
+                 bucket_bytes: int) -> list[list[int]]:
+    """Indices into ``named`` per bucket, sized by the served dtypes (plan_buckets' grouping)."""
     missing = [name for name, _ in named if name not in dtypes]
     if missing:
         raise WeightSyncError(f"trainer tensor {missing[0]} has no counterpart in the served model")
-    plan = plan_buckets([dtypes[name] for name, _ in named], [list(t.shape) for _, t in named],
+    return plan_buckets([dtypes[name] for name, _ in named], [list(t.shape) for _, t in named],
                         bucket_bytes)
-    for indices in plan:
-        # Copies: the routed experts are views of their stacks (safetensors refuses tensors
-        # that share storage).
-        yield [(named[i][0], named[i][1].to(dtypes[named[i][0]], copy=True)) for i in indices]

@@ -28,6 +28,7 @@ from ..loader.release_layout import RELEASE_SCALE_SUFFIX
 from ..loader.shards import INDEX_FILE, StreamingShardWriter, shard_file_name, split_into_shards
 from ..loader.shards import write_index
 from ..model.dsv4.config import DSV4Config
+from ..model.dsv4.names import storable_state
 from ..model.dsv4.presets import get_preset
 from ..plan.shapes import checkpoint_dtype
 
@@ -46,10 +47,7 @@ def random_text_tensors(cfg: DSV4Config, seed: int = 0) -> dict[str, torch.Tenso
     with default_dtype(torch.bfloat16):  # half the memory; fp32 where the model insists
         model = DSV4ForCausalLM(cfg)
     init_weights(model, seed)
-    # Copies: the state dict's routed experts are views of their stacks (safetensors refuses
-    # tensors that share storage).
-    return {n: t.to(checkpoint_dtype(n, t.dtype), copy=True)
-            for n, t in model.state_dict().items()}
+    return storable_state(model.state_dict(), lambda n, t: checkpoint_dtype(n, t.dtype))
 
 
 def release_tensors(cfg: DSV4Config, text: dict[str, torch.Tensor], block: list[int],

@@ -12,6 +12,7 @@ Engram tensors and V4.1's ratio-1/2 modules have no transformers counterpart (V4
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -48,6 +49,8 @@ _LEAF = {"wq_a": "q_a_proj", "q_norm": "q_a_norm", "wq_b": "q_b_proj", "wkv": "k
          "kv_norm": "kv_norm", "wo_a": "o_a_proj", "wo_b": "o_b_proj", "wgate": "gate_proj",
          "ape": "position_bias", "norm": "kv_norm", "w1": "gate_proj", "w2": "down_proj",
          "w3": "up_proj"}
+
+
 def is_engram_table(name: str) -> bool:
     """An Engram hash table or its e8m0 scales (``layers.N.engram.embed.{weight,scale}``): frozen
     fp8 checkpoint data, loaded even under dummy loading, never upcast, never sent in a weight
@@ -115,14 +118,42 @@ def per_expert_state(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def storable_state(named: Mapping[str, torch.Tensor],
+                   dtype_of: Callable[[str, torch.Tensor], torch.dtype] | None = None
+                   ) -> dict[str, torch.Tensor]:
+    """``named`` with each tensor in ``dtype_of(name, tensor)`` (default: its own), as a
+    safetensors file takes it, copying only where needed: a cast (the cast is the copy), a
+    non-contiguous tensor, or one whose memory overlaps another's (safetensors refuses those
+    two). ``per_expert_state``'s views are contiguous and disjoint slices of their stacks, so
+    they pass as they are and no second copy of the model is made."""
+    target = {n: t.dtype if dtype_of is None else dtype_of(n, t) for n, t in named.items()}
+    spans: dict[tuple, list[tuple[int, int, str]]] = {}
+    for n, t in named.items():
+        if target[n] == t.dtype and t.is_contiguous() and t.numel():
+            start = t.data_ptr()
+            spans.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(
+                (start, start + t.numel() * t.element_size(), n))
+    copy = {n for n, t in named.items() if target[n] != t.dtype or not t.is_contiguous()}
+    for group in spans.values():
+        end = None
+        # By start, the widest first: of tensors overlapping one kept, the smaller are copied.
+        for start, stop, n in sorted(group, key=lambda span: (span[0], -span[1])):
+            if end is not None and start < end:
+                copy.add(n)
+            else:
+                end = stop
+    return {n: t.to(target[n], memory_format=torch.contiguous_format, copy=True) if n in copy
+            else t for n, t in named.items()}
+
+
 def flat_to_transformers_name(name: str) -> str:
     for pattern, template in _RULES:
         m = re.match(pattern, name)
         if m:
             out = m.expand(template)
             return re.sub(r"\{(\w+)\}", lambda g: _LEAF[g.group(1)], out)
-    raise KeyError(f"{name!r} has no transformers DeepseekV4 name (Engram and V4.1 ratio-1/2 "
-                   "modules exist only in SGLang's V4.1)")
+    raise ValueError(f"parameter {name!r} has no transformers DeepseekV4 name (Engram and V4.1 "
+                     "ratio-1/2 modules exist only in SGLang's V4.1)")
 
 
 def to_transformers(flat: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -139,6 +170,9 @@ def to_transformers(flat: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out[hf] = t.long() if name.endswith("tid2eid") else t
     for layer, n_experts in sorted(experts.items()):
         prefix = f"layers.{layer}.ffn.experts."
+        if f"{prefix}0.w1.weight" not in flat:
+            raise ValueError(f"parameter {prefix}0.w1.weight: missing (the routed experts of "
+                             f"layer {layer} are joined together)")
         w1 = flat[f"{prefix}0.w1.weight"]
         gate_up, down = join_experts(prefix, flat, n_experts, w1.shape[1], w1.shape[0])
         out[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = gate_up
@@ -152,10 +186,15 @@ def from_transformers(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for name, t in hf.items():
         m = re.match(r"^model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj$", name)
         if m:
-            down = hf[f"model.layers.{m.group(1)}.mlp.experts.down_proj"]
+            down_name = f"model.layers.{m.group(1)}.mlp.experts.down_proj"
+            if down_name not in hf:
+                raise ValueError(f"parameter {down_name}: missing (split together with {name})")
+            down = hf[down_name]
             out.update(split_experts(f"layers.{m.group(1)}.ffn.experts.", t, down))
             continue
-        if re.match(r"^model\.layers\.\d+\.mlp\.experts\.down_proj$", name):
+        if name.endswith(".mlp.experts.down_proj"):
+            if name[:-len("down_proj")] + "gate_up_proj" not in hf:
+                raise ValueError(f"parameter {name}: its layer's gate_up_proj is missing")
             continue  # split with its layer's gate_up_proj
         flat = _flat_name(name)
         out[flat] = t.to(torch.int32) if flat.endswith("tid2eid") else t
@@ -171,9 +210,9 @@ def _flat_name(hf_name: str) -> str:
         try:
             if flat_to_transformers_name(cand) == hf_name:
                 return cand
-        except KeyError:
+        except ValueError:
             continue
-    raise KeyError(f"transformers name {hf_name!r} has no flat counterpart")
+    raise ValueError(f"parameter {hf_name!r} has no counterpart in SGLang's flat names")
 
 
 _TOP_LEVEL = ["embed.weight", "head.weight", "norm.weight", "hc_head_fn", "hc_head_base",
