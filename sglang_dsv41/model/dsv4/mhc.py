@@ -9,8 +9,6 @@ in fp32). Parameters sit on their owners under SGLang's flat names (``hc_attn_fn
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -45,15 +43,15 @@ def hc_mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Te
 def hc_weights(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
                sinkhorn_iters: int, hc_eps: float):
     """mix [T, (2+hc)*hc] -> pre [T, hc], post [T, hc], comb [T, hc, hc] (fp32). On CUDA one
-    torch.compile'd kernel: eagerly, Sinkhorn alone launches 6 x iters tiny kernels per
-    sublayer (and twice that in the backward), which made training steps host-bound."""
-    fn = _compiled_hc_weights() if mix.is_cuda else _hc_weights
-    return fn(mix, base, scale, hc, sinkhorn_iters, hc_eps)
+    Triton kernel forward and one backward (hc_weights_triton.py): eagerly, Sinkhorn alone
+    launches 6 x iters tiny kernels per sublayer (and twice that in the backward), and
+    torch.compile'd still ~140 kernels and ~3 ms of host time, which made steps host-bound."""
+    if mix.is_cuda:
+        from .hc_weights_triton import hc_weights_fused, supports
 
-
-@functools.cache
-def _compiled_hc_weights():
-    return torch.compile(_hc_weights, dynamic=True)
+        if supports(hc, scale):
+            return hc_weights_fused(mix, base, scale, hc, sinkhorn_iters, hc_eps)
+    return _hc_weights(mix, base, scale, hc, sinkhorn_iters, hc_eps)
 
 
 def _hc_weights(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
