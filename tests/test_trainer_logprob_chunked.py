@@ -112,3 +112,23 @@ def test_bad_inputs_are_refused():
               targets=torch.full((7,), 320))
     with pytest.raises(ValueError, match="must be"):
         tl.token_logprobs(torch.zeros(4, 8), torch.zeros(10, 8), torch.zeros(3, dtype=torch.long))
+
+
+def test_the_policy_checks_targets_on_the_host():
+    """CUDA targets are not read back by token_logprobs (a host sync per micro-batch): the
+    trainer's Policy checks the micro-batch's host copy before the forward."""
+    from trainer_bridge.batch import Sample, pack
+    from trainer_bridge.policy import Policy
+
+    model = DSV4ForCausalLM(get_preset("tiny"))
+    policy = Policy(model, "tiny", torch.device("cpu"))
+    mb = pack([Sample([1, 2, 999], [0, 1, 1], [0.0] * 3, 1.0, 0)], policy.routed_layers, False)
+
+    def not_reached(*args, **kwargs):
+        raise AssertionError("the model ran on targets out of the vocabulary")
+    model.forward = not_reached
+    with pytest.raises(ValueError, match=r"in \[0, 320\)"):
+        policy.forward(mb, replay=False)
+    tl.check_targets(torch.tensor([0, 319]), 320)
+    with pytest.raises(ValueError, match=r"in \[0, 320\)"):
+        tl.check_targets(torch.tensor([-1]), 320)

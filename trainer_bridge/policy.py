@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from sglang_dsv41.loader.serving import load_serving_model
 from sglang_dsv41.model.dsv4.context import DSV4Context
 from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM
+from sglang_dsv41.model.dsv4.token_logprobs import check_targets
 
 from .batch import MicroBatch
 from .config import ModelConfig
@@ -126,6 +127,7 @@ class Policy:
                                  attention_backend=self.attention_backend,
                                  serving_numerics=self.serving_numerics,
                                  shared=ForwardState())
+        check_targets(mb.targets, self.config.vocab_size)  # on the host: no GPU read-back
         # Called as a module so every FSDP group unshards; the head is fp32 (lm_head_fp32).
         # The model returns the targets' log-probabilities computed in chunks of rows: the
         # [T, vocab] fp32 logits of a long sequence never exist at once.

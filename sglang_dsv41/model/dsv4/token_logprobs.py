@@ -75,6 +75,14 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         raise ValueError(f"token_logprobs: hidden {tuple(hidden.shape)}, weight "
                          f"{tuple(weight.shape)} and targets {tuple(targets.shape)} must be "
                          "[N, D], [vocab, D] and [N]")
-    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= weight.shape[0]):
-        raise ValueError(f"token_logprobs: targets must lie in [0, {weight.shape[0]})")
+    if not targets.is_cuda:  # on a GPU the bounds are the caller's (check_targets on the host)
+        check_targets(targets, weight.shape[0])
     return _ChunkedTokenLogprobs.apply(hidden, weight, targets.to(torch.int64))
+
+
+def check_targets(targets: torch.Tensor, vocab: int) -> None:
+    """Targets must be token ids of the head's vocabulary. Call it where they are on the host
+    (the trainer's micro-batch): reading a device tensor's bounds back would make the host wait
+    for the GPU once per micro-batch."""
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
+        raise ValueError(f"token_logprobs: targets must lie in [0, {vocab})")
