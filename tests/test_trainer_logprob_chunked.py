@@ -132,3 +132,17 @@ def test_the_policy_checks_targets_on_the_host():
     tl.check_targets(torch.tensor([0, 319]), 320)
     with pytest.raises(ValueError, match=r"in \[0, 320\)"):
         tl.check_targets(torch.tensor([-1]), 320)
+
+
+def test_a_kept_single_chunk_serves_one_backward_then_recomputes():
+    """When every row fits one chunk the forward keeps its log_softmax for the backward; a
+    second backward of the same graph (retain_graph) recomputes it and gets the same grads."""
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(9, 16, generator=gen).requires_grad_(True)
+    weight = torch.randn(50, 16, generator=gen).requires_grad_(True)
+    out = tl.token_logprobs(hidden, weight, torch.randint(0, 50, (9,), generator=gen))
+    out.sum().backward(retain_graph=True)
+    first = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    out.sum().backward()
+    assert torch.equal(hidden.grad, first[0]) and torch.equal(weight.grad, first[1])

@@ -3,7 +3,9 @@
 ``logp[i] = log_softmax(hidden[i] @ W^T)[targets[i]]``. Written plainly, autograd keeps the fp32
 [rows, vocab] logits, their log_softmax and, in the backward, gradients of the same size: at
 65,536 tokens and the ``small`` preset's 32,000-token vocabulary each such block is 7.8 GiB.
-Here the forward keeps nothing of size vocab; the backward recomputes one chunk of logits at a
+Here the forward keeps nothing of size vocab (but when every row fits one chunk: then it keeps
+that chunk's log_softmax, at most the memory the backward's recompute would take, and the
+backward skips the recompute); the backward recomputes one chunk of logits at a
 time and turns it into that chunk's gradients (``d logp / d logits = onehot - softmax``), with
 the same operations autograd runs on the plain path (log_softmax, exp of it), so the two agree
 to the last bits but for the order the head's gradient is summed in.
@@ -33,10 +35,16 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         rows = hidden.shape[0]
         step = logprob_chunk_rows(weight.shape[0])
         logp = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+        ctx.kept = None
         for a in range(0, rows, step):
             b = min(a + step, rows)
             chunk = F.linear(hidden[a:b], weight).float().log_softmax(dim=-1)
             logp[a:b] = chunk.gather(1, targets[a:b, None]).squeeze(1)
+            if b - a == rows:
+                # One chunk holds every row: keep it (one chunk's memory, the budget the
+                # backward's recompute needs anyway) and skip the backward's recompute of the
+                # logits, a [rows, D] x [D, vocab] fp32 GEMM.
+                ctx.kept = chunk
         ctx.save_for_backward(hidden, weight, targets)
         return logp
 
@@ -53,8 +61,12 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         for a in range(0, rows, step):
             b = min(a + step, rows)
             g = grad[a:b, None]
+            if ctx.kept is not None:  # the forward's only chunk, used once
+                log_softmax, ctx.kept = ctx.kept, None
+            else:
+                log_softmax = F.linear(hidden[a:b], weight).float().log_softmax(dim=-1)
             # d logp / d logits = onehot(target) - softmax, times the incoming gradient
-            g_logits = F.linear(hidden[a:b], weight).float().log_softmax(dim=-1).exp_().mul_(-g)
+            g_logits = log_softmax.exp_().mul_(-g)
             g_logits.scatter_add_(1, targets[a:b, None], g)
             g_logits = g_logits.to(weight.dtype)
             if need_hidden:
