@@ -19,6 +19,7 @@ before chunking; the head no longer keeps [T, vocab] for the backward either way
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from dataclasses import replace
@@ -73,6 +74,19 @@ def attend_footprint(self, layer_id, q, kv, sinks, window, scale, comp_kv, comp_
     return KernelFootprint.apply(q, kv, sinks, comp_kv, comp_idx)
 
 
+@contextlib.contextmanager
+def patched(target, **values):
+    """Set attributes of ``target`` for the block; the old values come back on any exit."""
+    saved = {k: getattr(target, k) for k in values}
+    try:
+        for k, v in values.items():
+            setattr(target, k, v)
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(target, k, v)
+
+
 def peak_bytes(fn) -> int:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
@@ -109,7 +123,12 @@ def main(argv=None) -> int:
     p.add_argument("--seqs", default="1024,2048,4096")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    DSV4Context.attend = attend_footprint  # the kernel's memory, not the CPU reference's
+    with patched(DSV4Context, attend=attend_footprint):  # the kernel's memory, not the CPU's
+        run(args)
+    return 0
+
+
+def run(args) -> None:
     cfg = reduced(args.preset, args.hidden)
     torch.manual_seed(0)
     model = DSV4ForCausalLM(cfg)
@@ -119,22 +138,18 @@ def main(argv=None) -> int:
     print(f"{args.preset} at hidden {args.hidden} (vocab {cfg.vocab_size}, "
           f"{cfg.num_hidden_layers} layers, ratios {cfg.compress_ratios}, index heads "
           f"{cfg.index_n_heads}), CPU fp32, peak MiB of one forward + backward")
-    variants = {"chunked (as trained)": {},
-                "whole-sequence blocks": {"SELECTION_CHUNK_PRODUCTS": 1 << 62,
-                                          "LOGPROB_CHUNK_ELEMENTS": 1 << 62}}
+    variants = {"chunked (as trained)": [],
+                "whole-sequence blocks": [(compressor, {"SELECTION_CHUNK_PRODUCTS": 1 << 62}),
+                                          (token_logprobs, {"LOGPROB_CHUNK_ELEMENTS": 1 << 62})]}
     print(f"{'variant':<24}" + "".join(f"{s:>10}" for s in seqs) + "   growth per doubling")
-    for label, patch in variants.items():
-        saved = {k: getattr(compressor if k.startswith("SEL") else token_logprobs, k)
-                 for k in patch}
-        for k, v in patch.items():
-            setattr(compressor if k.startswith("SEL") else token_logprobs, k, v)
-        peaks = [step_peak(policy, s) for s in seqs]
-        for k, v in saved.items():
-            setattr(compressor if k.startswith("SEL") else token_logprobs, k, v)
+    for label, patches in variants.items():
+        with contextlib.ExitStack() as stack:
+            for module, values in patches:
+                stack.enter_context(patched(module, **values))
+            peaks = [step_peak(policy, s) for s in seqs]
         growth = " ".join(f"{b / a:.2f}x" for a, b in zip(peaks, peaks[1:]))
         print(f"{label:<24}" + "".join(f"{b / MiB:10.1f}" for b in peaks) + f"   {growth}",
               flush=True)
-    return 0
 
 
 if __name__ == "__main__":

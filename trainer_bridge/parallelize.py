@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
@@ -66,7 +67,18 @@ class Fp32Params(nn.Module):
 
 
 def _give_params(owner: nn.Module, args) -> None:
-    owner.__dict__.update(getattr(owner, FP32_HOLDER)())
+    """Hand the holder's unsharded parameters to ``owner`` under their own names. Only the
+    first use in an iteration goes through FSDP (it unshards them; reshard_after_forward=False
+    keeps them so until the root's post-backward callback). Later uses, e.g. a checkpointed
+    layer's recompute in the backward, take the unsharded tensors directly: calling FSDP there
+    made the holder the forward root again, and torch 2.11's root pre-forward on CUDA indexes
+    the moved arguments of this no-argument call (IndexError "args_tuple[0]"); under selective
+    checkpointing the extra call is also an op sequence the forward did not have."""
+    holder = getattr(owner, FP32_HOLDER)
+    params = holder._parameters
+    if any(isinstance(p, DTensor) for p in params.values()):  # sharded: unshard through FSDP
+        params = holder()
+    owner.__dict__.update(params)
 
 
 def _take_params(owner: nn.Module, args, output) -> None:
@@ -169,12 +181,9 @@ def checkpoint_layer(layer: nn.Module, policy: str) -> None:
 
     def run(*args, **kwargs):
         # The recompute runs outside the layer's module call: its fp32 holder's pre-hook has
-        # not handed the mHC parameters back. The holder stays unsharded until its
-        # post-backward, so its parameters are the unsharded ones: hand them over directly (not
-        # through another FSDP call, which selective checkpointing would see as a new op).
-        holder = getattr(layer, FP32_HOLDER, None)
-        if holder is not None:
-            layer.__dict__.update(holder._parameters)
+        # not handed the mHC parameters back (the attention's runs, it is a module call).
+        if hasattr(layer, FP32_HOLDER):
+            _give_params(layer, args)
         return inner(*args, **kwargs)
 
     def forward(*args, **kwargs):

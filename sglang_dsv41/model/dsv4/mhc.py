@@ -37,7 +37,37 @@ def hc_params(owner: nn.Module, prefix: str, hc_mult: int, hidden: int, n_out: i
 
 def hc_mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """streams [T, hc, D] -> fn @ rms_norm(flattened streams), fp32 [T, n_out]."""
-    return F.linear(unweighted_rms_norm(streams.flatten(1).float(), norm_eps), fn.float())
+    return _HcMix.apply(streams, fn, norm_eps)
+
+
+class _HcMix(torch.autograd.Function):
+    """hc_mix with a backward that keeps only the streams (in their own dtype, which the
+    sublayer keeps anyway) and one fp32 scale per token. Autograd would keep the fp32 copy of
+    the streams and its normalized copy, two fp32 [T, hc x D] tensors a sublayer (at 64k tokens
+    and D=1024, 2 GiB each). The forward values are those of the plain expression; the
+    backward recomputes the fp32 copy."""
+
+    @staticmethod
+    def forward(ctx, streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+        x = streams.flatten(1).float()
+        rstd = torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps)
+        ctx.save_for_backward(streams, fn, rstd)
+        return F.linear(x * rstd, fn.float())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        streams, fn, rstd = ctx.saved_tensors
+        grad = grad.float()
+        y = streams.flatten(1).float() * rstd  # the normalized streams, fp32 [T, K]
+        grad_fn = (grad.t() @ y).to(fn.dtype) if ctx.needs_input_grad[1] else None
+        grad_streams = None
+        if ctx.needs_input_grad[0]:
+            # y = x * rstd, rstd = (mean(x^2) + eps)^-1/2: dx = rstd * (dy - y * mean(dy * y))
+            dy = grad @ fn.float()
+            mean_dy_y = torch.bmm(dy.unsqueeze(1), y.unsqueeze(2)).squeeze(2) / y.shape[1]
+            dy.addcmul_(y, mean_dy_y, value=-1.0).mul_(rstd)
+            grad_streams = dy.view(streams.shape).to(streams.dtype)
+        return grad_streams, grad_fn, None
 
 
 def hc_weights(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
@@ -63,6 +93,39 @@ def _hc_weights(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: 
     post = 2 * torch.sigmoid(post_w * s_post + post_b)
     comb = torch.softmax(comb_w.unflatten(-1, (hc, hc)) * s_comb + comb_b.view(hc, hc), dim=-1)
     return pre, post, sinkhorn(comb + hc_eps, sinkhorn_iters, hc_eps)
+
+
+def weighted_stream_sum(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """streams [T, hc, D], pre [T, hc] -> sum_k pre[:, k] * streams[:, k] accumulated in fp32
+    in stream order (SGLang's ``mhc_combine`` kernel), cast to the streams' dtype."""
+    return _WeightedStreamSum.apply(streams, pre)
+
+
+class _WeightedStreamSum(torch.autograd.Function):
+    """Autograd would keep each stream's fp32 copy for pre's gradient (one fp32 [T, hc x D]
+    a sublayer); this backward keeps the streams in their own dtype and recomputes them."""
+
+    @staticmethod
+    def forward(ctx, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(streams, pre)
+        pre = pre.float()
+        acc = pre[:, 0:1] * streams[:, 0].float()
+        for k in range(1, streams.shape[1]):
+            acc = acc + pre[:, k:k + 1] * streams[:, k].float()
+        return acc.to(streams.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        streams, pre = ctx.saved_tensors
+        grad = grad.float()
+        grad_streams = grad_pre = None
+        if ctx.needs_input_grad[0]:
+            grad_streams = (pre.float().unsqueeze(-1) * grad.unsqueeze(1)).to(streams.dtype)
+        if ctx.needs_input_grad[1]:
+            # one stream at a time: a single fp32 [T, D] temporary
+            grad_pre = torch.stack([(streams[:, k].float() * grad).sum(-1)
+                                    for k in range(streams.shape[1])], dim=1).to(pre.dtype)
+        return grad_streams, grad_pre
 
 
 def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

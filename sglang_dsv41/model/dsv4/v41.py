@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from .mhc import weighted_stream_sum
+
 FP4_MAX = 6.0
 FP8_MAX = 448.0
 FP4_BLOCK = 32                # indexer q/k: values per ue8m0 scale
@@ -107,11 +109,7 @@ def mhc_combine(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     if streams.dim() != 3 or pre.shape != streams.shape[:2]:
         raise ValueError(f"mhc_combine: streams {tuple(streams.shape)} and pre "
                          f"{tuple(pre.shape)} must be [T, hc, D] and [T, hc]")
-    pre = pre.float()
-    acc = pre[:, 0:1] * streams[:, 0].float()
-    for k in range(1, streams.shape[1]):
-        acc = acc + pre[:, k:k + 1] * streams[:, k].float()
-    return acc.to(streams.dtype)
+    return weighted_stream_sum(streams, pre)
 
 
 def hc_input_from_prev(streams: torch.Tensor, prev_pre: torch.Tensor | None) -> torch.Tensor:
