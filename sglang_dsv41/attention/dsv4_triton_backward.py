@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .dsv4_triton_forward import (DSV4Blocks, _load_keys, default_blocks, dsv4_forward,
-                                  selection_or_empty, sequence_first_rows)
+                                  selection_or_empty, selection_tile, sequence_first_rows)
 from .triton_common import LOG2E, dot_precision, mma, to_dtype
 
 
@@ -229,7 +229,8 @@ def dsv4_backward(q, kv, sinks, first_rows, window, scale, comp_kv, comp_idx, se
         cols = min(blocks.dcomp_bd, bd)
         _dsv4_dcomp_kernel[(total, triton.cdiv(dim, cols))](
             q, dout, p_buf, ds_buf, comp_idx, sel_end, dcomp32, heads, dim, window, num_sel,
-            q.stride(0), q.stride(1), comp_idx.stride(0), BN=blocks.dcomp_bn, BHH=bhh, BD=cols,
+            q.stride(0), q.stride(1), comp_idx.stride(0),
+            BN=selection_tile(num_sel, blocks.dcomp_bn, blocks), BHH=bhh, BD=cols,
             DOT_PREC=prec, num_warps=blocks.dcomp_warps, num_stages=blocks.dcomp_stages)
     return dq, dkv, _dsinks(sinks, lse, delta), dcomp32.to(comp_kv.dtype)
 

@@ -31,7 +31,8 @@ from .triton_common import LOG2E, dot_precision, interpreting, mma, to_dtype
 class DSV4Blocks:
     """Tile sizes of the DSV4 kernels: heads per program (bh), keys per tile (bn), D columns per
     program (bd), warps, stages. fwd: forward; ds: the backward's P/dS pass; dq: dQ = dS @ K;
-    dkv / dcomp: window / selection dKV (all heads at once, split over D)."""
+    dkv / dcomp: window / selection dKV (all heads at once, split over D). narrow_selection: the
+    forward's and the selection dKV's selection tiles narrow when K is small (selection_tile)."""
 
     fwd_bh: int = 64
     fwd_bn: int = 64
@@ -54,6 +55,7 @@ class DSV4Blocks:
     dcomp_bn: int = 64
     dcomp_warps: int = 4
     dcomp_stages: int = 2
+    narrow_selection: bool = True
 
     def __post_init__(self):
         for f in fields(self):
@@ -66,7 +68,7 @@ class DSV4Blocks:
 # 48-wide test head still splits in two, with half the programs of 16).
 INTERPRET_BLOCKS = replace(
     DSV4Blocks(**{f.name: 1 if f.name.endswith(("_warps", "_stages")) else 16
-                  for f in fields(DSV4Blocks)}), dq_bd=32)
+                  for f in fields(DSV4Blocks) if f.type == "int"}), dq_bd=32)
 
 
 def default_blocks(heads: int) -> DSV4Blocks:
@@ -122,7 +124,7 @@ def _dsv4_fwd_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_ptr, first_
                      stride_kv, stride_c, stride_idx, stride_page, stride_ot, stride_oh,
                      HAS_SINK: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
                      STORE_LSE: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
-                     BD: tl.constexpr, DOT_PREC: tl.constexpr):
+                     BNS: tl.constexpr, BD: tl.constexpr, DOT_PREC: tl.constexpr):
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_d = tl.arange(0, BD)
@@ -150,9 +152,10 @@ def _dsv4_fwd_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_ptr, first_
                                  stride_kv, stride_c, stride_idx, stride_page, offs_n, offs_d,
                                  dmask, True, PAGED, PAGE)
         m_i, l_i, acc = _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC)
-    for n in range(0, tl.load(end_ptr + t), BN):
+    offs_s = tl.arange(0, BNS)
+    for n in range(0, tl.load(end_ptr + t), BNS):
         k, valid, _ = _load_keys(kv_ptr, comp_ptr, idx_ptr, page_ptr, t, n, lo, hi, num_sel,
-                                 stride_kv, stride_c, stride_idx, stride_page, offs_n, offs_d,
+                                 stride_kv, stride_c, stride_idx, stride_page, offs_s, offs_d,
                                  dmask, False, PAGED, PAGE)
         m_i, l_i, acc = _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC)
     out = acc / tl.maximum(l_i, 1.0e-30)[:, None]
@@ -161,6 +164,17 @@ def _dsv4_fwd_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_ptr, first_
     if STORE_LSE:
         lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("inf"))
         tl.store(lse_ptr + t * H + offs_h, lse, mask=hmask)
+
+
+def selection_tile(num_sel: int, bn: int, blocks: DSV4Blocks) -> int:
+    """Keys per tile of a selection loop: bn, or the narrowest power of two >= 16 that holds
+    every token's picks when that is less (HCA at 4k tokens: 32 picks, so a 64-key tile spends
+    half its MMA on padding). Used by the forward and the selection dKV only: the P/dS and dQ
+    passes with a second, narrower tile shape in one kernel took more registers (dQ: 222 vs
+    128 per thread) and ran slower (H200, 4k HCA: dQ 0.44 vs 0.32 ms; forward 0.52 vs 0.61 ms)."""
+    if not blocks.narrow_selection or num_sel == 0:
+        return bn
+    return max(16, min(bn, triton.next_power_of_2(num_sel)))
 
 
 def sequence_first_rows(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -202,6 +216,7 @@ def dsv4_forward(q, kv, sinks, first_rows, window, scale, comp_kv, comp_idx, sel
         comp_kv.stride(0), comp_idx.stride(0), page_table.stride(0) if paged else 0,
         out.stride(0), out.stride(1), HAS_SINK=sinks is not None, PAGED=paged, PAGE=page_size,
         STORE_LSE=store_lse, BH=blocks.fwd_bh, BN=blocks.fwd_bn,
+        BNS=selection_tile(comp_idx.shape[1], blocks.fwd_bn, blocks),
         BD=triton.next_power_of_2(dim), DOT_PREC=dot_precision(q.dtype),
         num_warps=blocks.fwd_warps, num_stages=blocks.fwd_stages)
     return out, lse
