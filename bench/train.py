@@ -5,6 +5,9 @@ expert GEMMs, our sink-attention kernel, PPO loss, AdamW) vs transformers' Deeps
 GPU (the real measurement): python bench/train.py --preset small --seqs 4096,16384,65536
 CPU smoke check:            python bench/train.py --preset tiny --seqs 64 --steps 2
 
+A ``--seqs`` item NxLENGTH packs N sequences into ours' one micro-batch (transformers gets them
+as a [N, LENGTH] batch): the host cost of a step is shared by more tokens.
+
 Rows: ours on the preset (V4.1: ratio-1/2 layers, Engram), ours and transformers on its V4 twin
 (same sizes, the layer kinds transformers defines: ratios 1/2 become 4, no Engram). MFU counts
 6 x active parameters x tokens against the device's bf16 peak; attention FLOPs (3 x forward,
@@ -22,7 +25,7 @@ import gc
 import os
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -103,34 +106,134 @@ def free(device: torch.device) -> None:
 
 
 def time_steps(step, args, device, profile_label: str | None) -> tuple[float, int]:
-    """Median seconds of ``args.steps`` steps after ``args.warmup``; peak bytes."""
-    times, prof = [], None
+    """Median seconds of ``args.steps`` steps after ``args.warmup``; peak bytes. With a
+    ``profile_label``, then ``args.steps`` more steps under torch.profiler (not timed) and one
+    under CUDA sync debugging."""
+    times = []
     for i in range(args.warmup + args.steps):
-        if profile_label and i == args.warmup:
-            acts = [torch.profiler.ProfilerActivity.CPU]
-            if device.type == "cuda":
-                acts.append(torch.profiler.ProfilerActivity.CUDA)
-            prof = torch.profiler.profile(activities=acts)
-            prof.__enter__()
         sync(device)
         t0 = time.perf_counter()
         step()
         sync(device)
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
-    if prof is not None:
-        prof.__exit__(None, None, None)
-        table = prof.key_averages()
-        for key in (["self_cuda_time_total"] if device.type == "cuda" else []) + \
-                ["self_cpu_time_total"]:
-            print(f"--- {profile_label}: top ops by {key} over {args.steps} steps ---")
-            print(table.table(sort_by=key, row_limit=14))
-    return sorted(times)[len(times) // 2], memory(device)[1]
+    peak = memory(device)[1]
+    if profile_label:
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(args.steps):
+                step()
+            sync(device)
+        print_profile(prof, profile_label, args.steps, device, args.trace_dir)
+        print(host_syncs(step, device), flush=True)
+    return sorted(times)[len(times) // 2], peak
+
+
+# Runtime calls that start work on the GPU, and those that make the host wait for it.
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def print_profile(prof, label: str, steps: int, device, trace_dir: str | None) -> None:
+    """Per step: self CPU vs self device time, kernel launches, copies and host waits; then
+    the top ops by self device and self CPU time."""
+    table = prof.key_averages()
+    cpu = sum(e.self_cpu_time_total for e in table) / steps / 1e3
+    dev = sum(e.self_device_time_total for e in table) / steps / 1e3
+    count = {e.key: e.count for e in table}
+    launches = sum(count.get(k, 0) for k in LAUNCH_CALLS) / steps
+    waits = sum(count.get(k, 0) for k in SYNC_CALLS) / steps
+    copies = count.get("cudaMemcpyAsync", 0) / steps
+    print(f"--- {label}: per step: self CPU {cpu:.1f} ms, self {device.type} {dev:.1f} ms; "
+          f"{launches:.0f} kernel launches, {copies:.0f} cudaMemcpyAsync, {waits:.0f} host "
+          f"waits ({', '.join(SYNC_CALLS)}) ---")
+    phases = [e for e in table if e.key.startswith("ours.")]
+    if phases:
+        print("phases per step: " + ", ".join(
+            f"{e.key} CPU {e.cpu_time_total / steps / 1e3:.1f} ms" for e in phases))
+    for key in (["self_device_time_total"] if device.type == "cuda" else []) + \
+            ["self_cpu_time_total"]:
+        print(f"--- {label}: top ops by {key} over {steps} steps ---")
+        print(table.table(sort_by=key, row_limit=25, max_name_column_width=60))
+    if trace_dir:
+        os.makedirs(trace_dir, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(trace_dir, label.replace(" ", "_") + ".json"))
+
+
+def host_syncs(step, device) -> str:
+    """One more step under torch's CUDA sync debug mode: where the host waits for the GPU
+    (each place a step reads a device value), counted by source line."""
+    if device.type != "cuda":
+        return "host syncs: CUDA only"
+    import warnings
+    from collections import Counter
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    places = Counter(f"{os.path.relpath(w.filename)}:{w.lineno}" for w in caught
+                     if "synchroniz" in str(w.message))
+    return (f"host syncs in one step: {sum(places.values())}; by place: "
+            + ", ".join(f"{k} x{n}" for k, n in places.most_common()))
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A step's batch: ``n`` sequences of ``length`` tokens (``--seqs`` item ``[Nx]LENGTH``):
+    ours packs them into one micro-batch, transformers takes them as a [n, length] batch."""
+    n: int
+    length: int
+
+    @classmethod
+    def parse(cls, text: str) -> "Shape":
+        n, _, length = text.rpartition("x")
+        try:
+            shape = cls(int(n or 1), int(length))
+        except ValueError:
+            raise SystemExit(f"--seqs item {text!r}: expected LENGTH or NxLENGTH") from None
+        if shape.n < 1 or shape.length < 2:
+            raise SystemExit(f"--seqs item {text!r}: at least 1 sequence of 2 tokens")
+        return shape
+
+    @property
+    def tokens(self) -> int:
+        return self.n * self.length
+
+    def __str__(self) -> str:
+        return str(self.length) if self.n == 1 else f"{self.n}x{self.length}"
 
 
 def random_tokens(cfg: DSV4Config, seq: int, seed: int = 0) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, min(cfg.vocab_size, 256), (seq,), generator=gen).tolist()
+
+
+def bench_batch(cfg: DSV4Config, routed_layers: list[int], shape: Shape):
+    """``shape.n`` random sequences (every token after the first in the loss, advantage 1)
+    packed into one micro-batch."""
+    samples = []
+    for i in range(shape.n):
+        s = Sample(random_tokens(cfg, shape.length, seed=i), [0] + [1] * (shape.length - 1),
+                   [0.0] * shape.length, 1.0, 0)
+        s.advantage = 1.0
+        samples.append(s)
+    return pack(samples, routed_layers, use_routing=False)
+
+
+def static_bytes(model: torch.nn.Module) -> tuple[int, int, int]:
+    """(parameters, trained parameters, buffers) in bytes: fp32 master weights, and each of
+    the fp32 gradients and the two Adam moments, and the frozen tables."""
+    params = list(model.parameters())
+    master = sum(p.numel() * p.element_size() for p in params)
+    trained = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return master, trained, buffers
 
 
 class Ours:
@@ -152,35 +255,36 @@ class Ours:
         self.policy = Policy(model, "bench", device, attention_backend=args.attention)
         self.opt, _ = build_optimizer(self.policy, OptimConfig(lr=1e-5, sink_frozen_frac=0,
                                                                sink_ramp_frac=0), 1)
-        self.static_bytes = memory(device)[0]
+        self.allocated_after_build = memory(device)[0]
         print(f"built ours {checkpointing} in {time.perf_counter() - t0:.1f} s", flush=True)
 
-    def stepper(self, seq: int):
-        s = Sample(random_tokens(self.cfg, seq), [0] + [1] * (seq - 1), [0.0] * seq, 1.0, 0)
-        s.advantage = 1.0
-        mb = pack([s], self.policy.routed_layers, use_routing=False)
+    def stepper(self, shape: Shape):
+        mb = bench_batch(self.cfg, self.policy.routed_layers, shape)
         dev = self.device
-        old, rollout, adv, mask = (t.to(dev) for t in (torch.zeros(seq - 1), mb.rollout_logprobs,
-                                                       mb.advantages, mb.loss_mask))
+        old, rollout, adv, mask = (t.to(dev) for t in (torch.zeros_like(mb.rollout_logprobs),
+                                                       mb.rollout_logprobs, mb.advantages,
+                                                       mb.loss_mask))
         tokens = float(mb.loss_mask.sum())
 
         def step():
-            out = self.policy.forward(mb, replay=False)
-            ppo_loss(out.logprobs, old, rollout, adv, mask, LossConfig(), global_tokens=tokens,
-                     world_size=1).loss.backward()
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
+            # The ranges name the step's phases in a profile (print_profile's table).
+            with torch.profiler.record_function("ours.forward"):
+                out = self.policy.forward(mb, replay=False)
+                loss = ppo_loss(out.logprobs, old, rollout, adv, mask, LossConfig(),
+                                global_tokens=tokens, world_size=1).loss
+            with torch.profiler.record_function("ours.backward"):
+                loss.backward()
+            with torch.profiler.record_function("ours.optimizer"):
+                self.opt.step()
+                self.opt.zero_grad(set_to_none=True)
         return step
 
     def memory_plan(self, peak: int) -> str:
-        params = [p for p in self.policy.model.parameters()]
-        master = sum(p.numel() * p.element_size() for p in params)
-        trained = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-        buffers = sum(b.numel() * b.element_size() for b in self.policy.model.buffers())
+        master, trained, buffers = static_bytes(self.policy.model)
         return (f"memory plan: fp32 master weights {master / GiB:.2f} GiB, buffers (Engram "
                 f"tables, tid2eid) {buffers / GiB:.2f}, fp32 gradients {trained / GiB:.2f}, Adam "
                 f"state {2 * trained / GiB:.2f}; activations, gradients and workspace at the "
-                f"peak {(peak - self.static_bytes - 2 * trained) / GiB:.2f}; peak "
+                f"peak {(peak - self.allocated_after_build - 2 * trained) / GiB:.2f}; peak "
                 f"{peak / GiB:.2f} GiB")
 
     def retained_per_layer(self, seq: int) -> list[int] | None:
@@ -194,8 +298,7 @@ class Ours:
         hooks = [layer.register_forward_hook(
             lambda *_: marks.append(torch.cuda.memory_allocated(self.device)))
             for layer in self.policy.model.layers]
-        s = Sample(random_tokens(self.cfg, seq), [0] + [1] * (seq - 1), [0.0] * seq, 1.0, 0)
-        mb = pack([s], self.policy.routed_layers, use_routing=False)
+        mb = bench_batch(self.cfg, self.policy.routed_layers, Shape(1, seq))
         free(self.device)
         try:
             before = torch.cuda.memory_allocated(self.device)
@@ -214,10 +317,7 @@ class Ours:
         """The memory plan at ``seq`` tokens from a forward of ``probe_seq``: every term is
         O(T) (chunked selection and head), so each layer's retained bytes scale by
         seq / probe_seq; plus the static state and the largest temporaries."""
-        params = list(self.policy.model.parameters())
-        master = sum(p.numel() * p.element_size() for p in params)
-        trained = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-        buffers = sum(b.numel() * b.element_size() for b in self.policy.model.buffers())
+        master, trained, buffers = static_bytes(self.policy.model)
         cfg = self.cfg
         # one chunk of fp32 logits, its log_softmax/exp and the bf16 gradient (token_logprobs)
         rows = min(seq, token_logprobs.logprob_chunk_rows(cfg.vocab_size))
@@ -272,8 +372,9 @@ class Transformers:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
         print(f"built transformers {experts} in {time.perf_counter() - t0:.1f} s", flush=True)
 
-    def stepper(self, seq: int):
-        ids = torch.tensor(random_tokens(self.cfg, seq), device=self.device)[None]
+    def stepper(self, shape: Shape):
+        ids = torch.tensor([random_tokens(self.cfg, shape.length, seed=i)
+                            for i in range(shape.n)], device=self.device)
 
         def step():
             self.model(input_ids=ids, labels=ids).loss.backward()
@@ -315,10 +416,39 @@ def check_grouped_moe(cfg: DSV4Config, device: torch.device) -> str:
         device.type, *(rel(a, b) for a, b in zip(*res))))
 
 
+def check_fused_hc_weights(cfg: DSV4Config, device: torch.device) -> str:
+    """The fused mHC weights kernels vs the torch expression on this device (4096 tokens):
+    values and the gradients of mix, base and scale."""
+    if device.type != "cuda":
+        return "fused vs torch mHC weights: CUDA only (CPU CI runs them interpreted)"
+    from sglang_dsv41.model.dsv4 import mhc
+    from sglang_dsv41.model.dsv4.hc_weights_triton import hc_weights_fused
+
+    hc, gen = cfg.hc_mult, torch.Generator(device=device).manual_seed(2)
+    n = (2 + hc) * hc
+    inputs = [torch.randn(4096, n, generator=gen, device=device),
+              torch.randn(n, generator=gen, device=device) * 0.5,
+              torch.rand(3, generator=gen, device=device) + 0.5]
+    grads = [torch.randn(4096, hc, generator=gen, device=device),
+             torch.randn(4096, hc, generator=gen, device=device),
+             torch.randn(4096, hc, hc, generator=gen, device=device)]
+    res = []
+    for fn in (hc_weights_fused, mhc._hc_weights):
+        leaves = [t.clone().requires_grad_(True) for t in inputs]
+        outs = fn(*leaves, hc, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+        sum((o * g).sum() for o, g in zip(outs, grads)).backward()
+        res.append([torch.cat([o.flatten() for o in outs])] + [t.grad for t in leaves])
+    errs = [float((a - b).norm() / b.norm()) for a, b in zip(*res)]
+    return ("fused vs torch mHC weights on cuda: rel. error out {:.1e}, d mix {:.1e}, d base "
+            "{:.1e}, d scale {:.1e}".format(*errs))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", default="small")
-    p.add_argument("--seqs", default="4096,16384,65536", help="comma list of tokens per step")
+    p.add_argument("--seqs", default="4096,16384,65536",
+                   help="comma list of step shapes: LENGTH (one sequence) or NxLENGTH (N "
+                   "sequences packed in one micro-batch; transformers gets them as a batch)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--attention", default=None, help="triton | reference (default: triton on "
@@ -329,15 +459,21 @@ def main(argv=None) -> int:
     p.add_argument("--transformers", default="eager,grouped_mm",
                    help="comma list of transformers experts implementations, or none")
     p.add_argument("--no-twin", action="store_true", help="skip ours on the V4 twin")
-    p.add_argument("--profile-seq", type=int, default=0,
-                   help="print the top ops (torch.profiler) of ours on the preset at this length")
+    p.add_argument("--profile-seq", default="",
+                   help="print the top ops (torch.profiler) of ours on the preset at this "
+                   "--seqs item")
+    p.add_argument("--trace-dir", default=None,
+                   help="with --profile-seq: also write the profile's Chrome trace here")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="device bf16 peak for MFU (default: known GPUs; none on CPU)")
     args = p.parse_args(argv)
     cfg = get_preset(args.preset)
-    seqs = [int(s) for s in args.seqs.split(",")]
-    if max(seqs) > cfg.max_position_embeddings:
-        raise SystemExit(f"--seqs {max(seqs)} exceeds the preset's context")
+    seqs = [Shape.parse(s) for s in args.seqs.split(",")]
+    longest = max(s.length for s in seqs)
+    if longest > cfg.max_position_embeddings:
+        raise SystemExit(f"--seqs {longest} exceeds the preset's context")
+    profile_shape = Shape.parse(args.profile_seq) if args.profile_seq else None
+    biggest = max(seqs, key=lambda s: s.tokens)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.attention is None:
         args.attention = "triton" if device.type == "cuda" else "reference"
@@ -348,6 +484,7 @@ def main(argv=None) -> int:
     info = init_distributed(device)
     twin = v4_twin(cfg)
     print(check_grouped_moe(cfg, device), flush=True)
+    print(check_fused_hc_weights(cfg, device), flush=True)
     rows: list[tuple] = []
     plans: list[str] = []
 
@@ -359,12 +496,13 @@ def main(argv=None) -> int:
             runner.zero_grad()
             free(device)
             return "OOM"
-        if isinstance(runner, Ours) and seq == max(seqs):
+        if isinstance(runner, Ours) and seq == biggest:
             plans.append(f"{label} @ {seq}: " + runner.memory_plan(peak_b))
         free(device)
         return step_s, peak_b
 
     policies = list(dict.fromkeys([args.checkpointing, "selective", "layer"]))
+    shortest = min(s.length for s in seqs)
 
     def run_ours(label, c, profile):
         # One model per checkpointing policy, kept for the longer lengths; a length that
@@ -375,14 +513,14 @@ def main(argv=None) -> int:
                 if runner is None:
                     runner = Ours(c, info.mesh, device, args, policies[ac])
                     try:
-                        plan = runner.planned_memory(max(seqs), min(seqs), policies[ac])
+                        plan = runner.planned_memory(longest, shortest, policies[ac])
                     except torch.OutOfMemoryError:
-                        plan = f"memory plan: the {min(seqs)}-token probe ran out of memory"
+                        plan = f"memory plan: the {shortest}-token probe ran out of memory"
                         free(device)
                     print(f"{label}: {plan}", flush=True)
                     plans.append(f"{label}: {plan}")
                 name = f"{label} ac={policies[ac]}"
-                r = measure(runner, name, seq, profile and seq == args.profile_seq)
+                r = measure(runner, name, seq, profile and seq == profile_shape)
                 rows.append((name, c, seq, r))
                 print_row(rows[-1], peak, flush=True)
                 if r != "OOM" or ac + 1 == len(policies):
@@ -417,7 +555,7 @@ def main(argv=None) -> int:
           f"({args.preset}-v4: {active_params(twin) / 1e6:.1f}M), {device.type}, median of "
           f"{args.steps} steps after {args.warmup} warm-up; MFU = 6 x active x tokens / step / "
           f"{peak} TFLOP/s; attn TFLOP = attention FLOPs per step (not in MFU)")
-    print(f"{'run':<48} {'seq':>6} {'step ms':>9} {'tokens/s':>9} {'MFU':>6} "
+    print(f"{'run':<48} {'seq':>9} {'step ms':>9} {'tokens/s':>9} {'MFU':>6} "
           f"{'attn TFLOP':>10} {'peak GiB':>8}")
     for row in rows:
         print_row(row, peak)
@@ -437,13 +575,14 @@ def main(argv=None) -> int:
 def print_row(row, peak, flush=False) -> None:
     label, c, seq, r = row
     if r == "OOM":
-        print(f"{label:<48} {seq:>6} {'OOM':>9}", flush=flush)
+        print(f"{label:<48} {str(seq):>9} {'OOM':>9}", flush=flush)
         return
     step_s, peak_b = r
-    mfu = (f"{100 * 6 * active_params(c) * seq / step_s / 1e12 / peak:.1f}%" if peak
+    mfu = (f"{100 * 6 * active_params(c) * seq.tokens / step_s / 1e12 / peak:.1f}%" if peak
            else "n/a")
-    print(f"{label:<48} {seq:>6} {1e3 * step_s:9.1f} {seq / step_s:9.0f} {mfu:>6} "
-          f"{attention_flops(c, seq) / 1e12:10.2f} {peak_b / GiB:8.2f}", flush=flush)
+    print(f"{label:<48} {str(seq):>9} {1e3 * step_s:9.1f} {seq.tokens / step_s:9.0f} {mfu:>6} "
+          f"{seq.n * attention_flops(c, seq.length) / 1e12:10.2f} {peak_b / GiB:8.2f}",
+          flush=flush)
 
 
 if __name__ == "__main__":

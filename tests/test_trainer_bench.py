@@ -23,7 +23,7 @@ def test_bench_train_runs_on_cpu():
     env.pop("TRITON_INTERPRET", None)  # the interpreted kernel takes minutes; GPUs measure it
     code = RUN.format(tests=os.path.join(ROOT, "tests"),
                       bench=os.path.join(ROOT, "bench", "train.py"))
-    out = subprocess.run([sys.executable, "-c", code, "--preset", "tiny", "--seqs", "64",
+    out = subprocess.run([sys.executable, "-c", code, "--preset", "tiny", "--seqs", "64,2x32",
                           "--steps", "1", "--warmup", "1", "--transformers", "eager"],
                          env=env, capture_output=True, text=True, timeout=170)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -32,13 +32,15 @@ def test_bench_train_runs_on_cpu():
     errors = [float(x.rstrip(",")) for x in check.split()[-5::2]]
     assert len(errors) == 3 and max(errors) < 1e-5, check
     table = lines[next(i for i, line in enumerate(lines) if line.startswith("run ")) + 1:]
-    rows = {" ".join(line.split()[:-6]): line.split()[-6:] for line in table
+    rows = {(" ".join(line.split()[:-6]), line.split()[-6]): line.split()[-5:] for line in table
             if line.startswith(("ours", "transformers")) and "memory plan" not in line}
-    assert set(rows) == {"ours tiny ac=none", "transformers tiny-v4 experts=eager",
-                         "ours tiny-v4 ac=none"}, rows
-    for seq, step_ms, tokens_per_s, *_ in rows.values():
-        assert seq == "64" and float(step_ms) > 0 and float(tokens_per_s) > 0
-    assert any(line.startswith("speed-up at 64: ours tiny ac=none") for line in lines)
+    # 2x32: two sequences packed in ours' micro-batch, a batch of two for transformers
+    assert set(rows) == {(label, seq) for seq in ("64", "2x32") for label in (
+        "ours tiny ac=none", "transformers tiny-v4 experts=eager", "ours tiny-v4 ac=none")}, rows
+    for step_ms, tokens_per_s, *_ in rows.values():
+        assert float(step_ms) > 0 and float(tokens_per_s) > 0
+    for seq in ("64", "2x32"):
+        assert any(line.startswith(f"speed-up at {seq}: ours tiny ac=none") for line in lines)
     assert any("memory plan: fp32 master weights" in line for line in lines)
 
 
