@@ -5,6 +5,8 @@ machine they run on the GPU. Inputs are drawn fresh each run (`seed` fixture); t
 the same rounded inputs upcast to float64.
 """
 
+import dataclasses
+import functools
 import os
 
 import pytest
@@ -13,6 +15,8 @@ import torch
 from sglang_dsv41.attention import dsv4_attention, dsv4_decode
 from sglang_dsv41.attention.dsv4 import dsv4_decode_reference
 from sglang_dsv41.attention.dsv4_reference import dsv4_attention_reference
+from sglang_dsv41.attention.dsv4_triton_backward import dsv4_attention_triton
+from sglang_dsv41.attention.dsv4_triton_forward import default_blocks, selection_tile
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
@@ -53,7 +57,8 @@ def csa_selection(lens, ratio, topk, gen):
     return torch.tensor(rows, dtype=torch.int32, device=DEVICE), base
 
 
-def _compare(lens, heads, dim, window, dtype, comp_rows, comp_idx, with_sinks=True, scale=0.2):
+def _compare(lens, heads, dim, window, dtype, comp_rows, comp_idx, with_sinks=True, scale=0.2,
+             blocks=None):
     total = sum(lens)
     q = torch.randn(total, heads, dim, device=DEVICE).to(dtype)
     kv = torch.randn(total, dim, device=DEVICE).to(dtype)
@@ -71,7 +76,9 @@ def _compare(lens, heads, dim, window, dtype, comp_rows, comp_idx, with_sinks=Tr
         grads = torch.autograd.grad(out, leaves, dout.to(out.dtype), allow_unused=True)
         return out, [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
 
-    out, grads = run([x.clone().requires_grad_() for x in ins], dsv4_attention, backend="triton")
+    ours = functools.partial(dsv4_attention, backend="triton") if blocks is None else \
+        functools.partial(dsv4_attention_triton, blocks=blocks)
+    out, grads = run([x.clone().requires_grad_() for x in ins], ours)
     ref, ref_grads = run([x.double().requires_grad_() for x in ins], dsv4_attention_reference)
     names = ["q", "kv", "sinks", "comp_kv"][:len(ins)] if with_sinks else ["q", "kv", "comp_kv"]
     if comp_rows == 0 and comp is not None:
@@ -107,6 +114,16 @@ def test_padding_empty_selection_and_no_sinks(seed):
     _compare(lens, heads=3, dim=32, window=8, dtype=torch.float32, comp_rows=0, comp_idx=empty)
     _compare(lens, heads=3, dim=32, window=8, dtype=torch.float32, comp_rows=0,
              comp_idx=empty[:, :0])
+
+
+def test_selection_tiles_narrower_than_the_window_tiles(seed):
+    # 32-key tiles and 3 picks: the forward and the selection dKV walk the picks in 16-key tiles
+    # (what HCA at 4k tokens does on the GPU with 64-key tiles and 32 picks).
+    lens, gen = [21, 14], torch.Generator().manual_seed(seed)
+    idx, rows = csa_selection(lens, 2, 3, gen)
+    blocks = dataclasses.replace(default_blocks(4), fwd_bn=32, ds_bn=32, dq_bn=32, dcomp_bn=32)
+    assert selection_tile(idx.shape[1], blocks.fwd_bn, blocks) == 16
+    _compare(lens, 4, 32, 20, torch.float32, rows, idx, blocks=blocks)
 
 
 def test_dsink_and_window_dkv_are_bitwise_deterministic(seed):
