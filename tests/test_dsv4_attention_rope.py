@@ -1,10 +1,13 @@
 """The attention module's RoPE (model/dsv4/rope.py) has a hand-written backward; it must give
 autograd's gradient of the plain formula bit for bit, in every dtype, both directions."""
 
+import os
+
 import pytest
 import torch
 
-from sglang_dsv41.model.dsv4.rope import apply_rope, inv_freq
+from sglang_dsv41.attention.rope_triton import rope_triton
+from sglang_dsv41.model.dsv4.rope import _with_rotated_tail, apply_rope, inv_freq
 
 
 def rope_by_autograd(x, positions, freqs, inverse):
@@ -38,3 +41,25 @@ def test_rope_gradient_is_autograds_bit_for_bit(dtype, shape, inverse):
     # The head channels pass through; the rope channels really rotate.
     assert torch.equal(out[..., :-64], x[..., :-64])
     assert not torch.equal(out[..., -64:], x[..., -64:])
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1" and
+                    not torch.cuda.is_available(), reason="Triton needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("negate_sin", [False, True])
+def test_triton_rope_is_the_torch_path_bit_for_bit(dtype, negate_sin):
+    """The CUDA path (one Triton pass) against the CPU path, on a contiguous x, an x strided
+    over tokens and heads (as the grouped output projection's gradient), and 2-D keys."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(1)
+    freqs = inv_freq(32, 10000.0)
+    positions = torch.randint(0, 1 << 20, (9,), generator=gen)
+    angles = positions.float()[:, None] * freqs[None, :]
+    cos, sin = angles.cos()[:, None], angles.sin()[:, None]
+    base = (torch.randn(3, 9, 5, 80, generator=gen) * 3).to(dtype)
+    for x in (base[0], base.transpose(0, 1)[:, 1], base[2, :, 0]):
+        want = _with_rotated_tail(x, cos if x.dim() == 3 else cos[:, 0],
+                                  sin if x.dim() == 3 else sin[:, 0], negate_sin)
+        got = rope_triton(x.to(device), cos.to(device), sin.to(device), negate_sin)
+        assert got.is_contiguous() and got.dtype == dtype
+        assert torch.equal(got.cpu(), want)

@@ -62,10 +62,10 @@ class Attention(nn.Module):
             return low_ratio_entries(self.cfg, self.layer_id, self, x, q_lora, ctx.positions,
                                      ctx.cu_seqlens, ctx.shared, ctx.serving_numerics)
         bounds = ctx.seq_bounds
-        entries, cu = self.compressor(x, bounds, self.freqs)
+        entries, starts = self.compressor(x, bounds, self.freqs)
         if self.indexer is None:
-            return entries, all_visible_index(ctx.positions, bounds, cu, self.ratio)
-        return entries, self.indexer(x, q_lora, ctx.positions, bounds, cu, self.freqs)
+            return entries, all_visible_index(ctx.positions, bounds, starts, self.ratio)
+        return entries, self.indexer(x, q_lora, ctx.positions, bounds, starts, self.freqs)
 
     def forward(self, x: torch.Tensor, ctx: DSV4Context) -> torch.Tensor:
         """x [T, hidden] (after attn_norm) -> [T, hidden] (this rank's partial under attn TP)."""

@@ -5,7 +5,9 @@ of (gate + ape) weights the projected latents, then RMSNorm, then RoPE at the wi
 position. CSA overlaps windows: its projections are 2x wide; entry w pools the first half of
 window w-1 with the second half of window w (2 x ratio slots; window 0's missing half gets weight
 0). A query at position p may see entry w only when the entry's span ended: w < (p + 1) // ratio.
-HCA attends to every such entry; CSA to the indexer's top-k of them.
+HCA attends to every such entry; CSA to the indexer's top-k of them. Stateless: every packed
+sequence is whole, at positions 0..n-1 (entries are RoPE'd at w * ratio), so how many entries a
+block of queries sees follows from host integers and no count is read back from the device.
 
 Mirrors transformers' DeepseekV4HCACompressor / DeepseekV4CSACompressor / DeepseekV4Indexer
 (stateless path). Names are SGLang's flat ones: ``compressor.{wkv,wgate,ape,norm}``,
@@ -34,14 +36,15 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(head_dim, eps)
 
     def forward(self, x: torch.Tensor, bounds: list[tuple[int, int]], freqs: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> entries [C, head_dim] (normed, RoPE'd) and cu_entries [B+1]."""
+                ) -> tuple[torch.Tensor, list[int]]:
+        """x [T, hidden] -> entries [C, head_dim] (normed, RoPE'd) and entry_starts [B+1], a
+        host list: sequence s owns entries entry_starts[s]..entry_starts[s+1]-1."""
         kv_all, gate_all = self.wkv(x), self.wgate(x)
         r, d = self.ratio, self.head_dim
-        entries, counts = [], []
+        entries, starts = [], [0]
         for start, end in bounds:
             n = (end - start) // r
-            counts.append(n)
+            starts.append(starts[-1] + n)
             if n == 0:
                 continue
             kv = kv_all[start:start + n * r].view(n, r, -1)
@@ -54,10 +57,8 @@ class Compressor(nn.Module):
             pooled = (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)
             pos = torch.arange(n, device=x.device) * r
             entries.append(apply_rope(self.norm(pooled), pos, freqs))
-        cu = torch.zeros(len(bounds) + 1, dtype=torch.int32, device=x.device)
-        cu[1:] = torch.cumsum(torch.tensor(counts, device=x.device), 0)
         out = torch.cat(entries) if entries else x.new_zeros(0, d)
-        return out, cu
+        return out, starts
 
 
 def stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,11 +80,15 @@ def stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
 SELECTION_CHUNK_PRODUCTS = 1 << 28
 
 
-def query_chunks(start: int, end: int, entries: int, heads: int) -> list[tuple[int, int]]:
-    """Row ranges [a, b) covering queries start..end-1 whose [rows, heads, entries] score block
-    holds at most SELECTION_CHUNK_PRODUCTS products (one row at least)."""
+def query_chunks(start: int, end: int, entries: int, heads: int, ratio: int
+                 ) -> list[tuple[int, int, int]]:
+    """(a, b, seen) covering the queries start..end-1 of one sequence at positions 0..n-1 in row
+    blocks [a, b) whose [rows, heads, entries] score block holds at most
+    SELECTION_CHUNK_PRODUCTS products (one row at least); seen = how many of the sequence's
+    ``entries`` the block's last (so most seeing) query may see, (b - start) // ratio."""
     rows = max(1, SELECTION_CHUNK_PRODUCTS // max(1, heads * entries))
-    return [(a, min(a + rows, end)) for a in range(start, end, rows)]
+    return [(a, min(a + rows, end), min(entries, (min(a + rows, end) - start) // ratio))
+            for a in range(start, end, rows)]
 
 
 def visible_entries(positions: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -92,18 +97,15 @@ def visible_entries(positions: torch.Tensor, ratio: int) -> torch.Tensor:
 
 
 def all_visible_index(positions: torch.Tensor, bounds: list[tuple[int, int]],
-                      cu_entries: torch.Tensor, ratio: int) -> torch.Tensor:
+                      entry_starts: list[int], ratio: int) -> torch.Tensor:
     """HCA selection: every visible entry of the query's sequence, as rows of the packed
     entries; [T, max entries], -1 past the visible ones."""
-    counts = (cu_entries[1:] - cu_entries[:-1]).tolist()
-    width = max(counts, default=0)
+    width = max((b - a for a, b in zip(entry_starts[:-1], entry_starts[1:])), default=0)
     out = torch.full((positions.shape[0], width), -1, dtype=torch.int32, device=positions.device)
-    cols = torch.arange(width, device=positions.device)
+    cols = torch.arange(width, dtype=torch.int32, device=positions.device)
     for s, (start, end) in enumerate(bounds):
         seen = visible_entries(positions[start:end], ratio)
-        rows = (cu_entries[s] + cols)[None, :].expand(end - start, -1)
-        out[start:end] = torch.where(cols[None, :] < seen[:, None], rows,
-                                     torch.full_like(rows, -1)).to(torch.int32)
+        out[start:end] = torch.where(cols[None, :] < seen[:, None], cols + entry_starts[s], -1)
     return out
 
 
@@ -122,31 +124,27 @@ class Indexer(nn.Module):
     # The picks are integers: no gradient reaches the indexer through them, so no graph is built.
     @torch.no_grad()
     def forward(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor,
-                bounds: list[tuple[int, int]], cu_entries: torch.Tensor, freqs: torch.Tensor
+                bounds: list[tuple[int, int]], entry_starts: list[int], freqs: torch.Tensor
                 ) -> torch.Tensor:
         """-> selected entries [T, min(topk, max entries)] as packed rows, -1 for none."""
-        keys, cu_keys = self.compressor(x, bounds, freqs)
+        keys, key_starts = self.compressor(x, bounds, freqs)
         q = apply_rope(self.wq_b(q_lora).view(-1, self.n_heads, self.head_dim), positions, freqs)
         w = self.weights_proj(x).float() * self.n_heads ** -0.5
-        counts = (cu_entries[1:] - cu_entries[:-1]).tolist()
+        counts = [b - a for a, b in zip(entry_starts[:-1], entry_starts[1:])]
         width = min(self.topk, max(counts, default=0))
         out = torch.full((x.shape[0], width), -1, dtype=torch.int32, device=x.device)
         for s, (start, end) in enumerate(bounds):
-            if counts[s] == 0:
-                continue
-            for a, b in query_chunks(start, end, counts[s], self.n_heads):
-                seen = visible_entries(positions[a:b], self.ratio)
+            for a, b, n in query_chunks(start, end, counts[s], self.n_heads, self.ratio):
                 # Only the entries some query of the chunk sees: a row's picks do not depend on
                 # the masked tail (stable_topk), and -1 pads rows that see fewer than top-k.
-                n = min(counts[s], int(seen.max()))
-                if n <= 0:
+                if n == 0:
                     continue
-                scores = indexer_scores(q[a:b], keys[cu_keys[s]:cu_keys[s] + n], w[a:b],
+                seen = visible_entries(positions[a:b], self.ratio)
+                scores = indexer_scores(q[a:b], keys[key_starts[s]:key_starts[s] + n], w[a:b],
                                         self.head_dim ** -0.5)
                 future = torch.arange(n, device=x.device)[None, :] >= seen[:, None]
                 scores = scores.masked_fill(future, float("-inf"))
                 picks = stable_topk(scores, min(self.topk, n))[1]
-                picks = torch.where(picks < seen[:, None], picks + cu_entries[s],
-                                    torch.full_like(picks, -1))
-                out[a:b, :picks.shape[1]] = picks.to(torch.int32)
+                out[a:b, :picks.shape[1]] = torch.where(picks < seen[:, None],
+                                                        picks + entry_starts[s], -1)
         return out

@@ -9,6 +9,7 @@ variable-length sequences without a cache.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +42,7 @@ class DSV4Context:
                      else torch.zeros(0, dtype=torch.long, device=device))
         return cls(cu_seqlens=cu, positions=positions, **kw)
 
-    @property
+    @functools.cached_property  # read back once per forward, not once per compressed layer
     def seq_bounds(self) -> list[tuple[int, int]]:
         cu = self.cu_seqlens.tolist()
         return list(zip(cu[:-1], cu[1:]))

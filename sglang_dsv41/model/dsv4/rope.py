@@ -66,11 +66,18 @@ class _Rope(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
-        return _with_rotated_tail(grad, cos, -sin), None, None
+        return _with_rotated_tail(grad, cos, sin, negate_sin=True), None, None
 
 
-def _with_rotated_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """A copy of x whose trailing 2*cos.shape[-1] channels are rotated."""
+def _with_rotated_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       negate_sin: bool = False) -> torch.Tensor:
+    """A copy of x whose trailing 2*cos.shape[-1] channels are rotated (by -angle when
+    negate_sin). On CUDA one Triton pass (attention/rope_triton.py, the same bits)."""
+    if x.is_cuda:
+        from ...attention.rope_triton import rope_triton
+
+        return rope_triton(x, cos, sin, negate_sin)
+    sin = -sin if negate_sin else sin
     rope_dim = 2 * cos.shape[-1]
     out = x.clone()
     out[..., -rope_dim:] = _rotate_pairs(x[..., -rope_dim:], cos, sin).to(x.dtype)

@@ -138,13 +138,14 @@ class EntryLayout:
         if bounds and bounds[-1][1] != positions.shape[0]:
             raise ValueError(f"cu_seqlens ends at {bounds[-1][1]}, positions has "
                              f"{positions.shape[0]} tokens")
+        expect = [torch.arange(b - a, device=positions.device) for a, b in bounds]
+        # One comparison for the whole batch: a per-sequence check reads back once per sequence.
+        if expect and not torch.equal(positions.to(torch.int64), torch.cat(expect)):
+            raise ValueError("V4.1 ratio-1/2 layers without a KV cache need every packed "
+                             "sequence at positions 0..n-1")
         rows, starts, total = [], [], 0
         for a, b in bounds:
             n = b - a
-            expect = torch.arange(n, device=positions.device)
-            if not torch.equal(positions[a:b].to(torch.int64), expect):
-                raise ValueError("V4.1 ratio-1/2 layers without a KV cache need every packed "
-                                 "sequence at positions 0..n-1")
             groups = n // ratio
             rows.append(a + torch.arange(groups * ratio, device=positions.device).view(-1, ratio))
             starts.append(total)
@@ -230,11 +231,10 @@ def _select(cfg: DSV4Config, layer_id: int, indexer: V41Indexer, x: torch.Tensor
         table = torch.full((T, width), -1, dtype=torch.int32, device=x.device)
     for s, (a, b) in enumerate(layout.token_bounds):
         start = layout.entry_start[s]
-        for c0, c1 in query_chunks(a, b, (b - a) // ratio, indexer.n_heads):
-            # Positions are 0..n-1 (EntryLayout.build): the chunk's last query sees the most
-            # entries. A row's picks do not depend on the masked tail (stable_topk), so scoring
-            # only the entries the chunk sees picks what the whole sequence's scores pick.
-            lc = (c1 - a) // ratio
+        for c0, c1, lc in query_chunks(a, b, (b - a) // ratio, indexer.n_heads, ratio):
+            # Positions are 0..n-1 (EntryLayout.build). A row's picks do not depend on the
+            # masked tail (stable_topk), so scoring only the lc entries the chunk sees picks
+            # what the whole sequence's scores pick.
             if lc == 0:
                 continue
             lens_c = lens[c0:c1]
