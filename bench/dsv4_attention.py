@@ -30,7 +30,7 @@ from triton.testing import do_bench
 from sglang_dsv41.attention import register_transformers_attention
 from sglang_dsv41.attention.dsv4_triton_decode import dsv4_decode_triton
 from sglang_dsv41.attention.dsv4_triton_backward import dsv4_attention_triton
-from sglang_dsv41.attention.dsv4_triton_forward import DSV4Blocks, default_blocks
+from sglang_dsv41.attention.dsv4_triton_forward import default_blocks
 
 H, D, W, DEV, DT = 64, 512, 128, "cuda", torch.bfloat16
 KINDS = {"sliding": None, "CSA": 4, "HCA": 128}
@@ -213,30 +213,62 @@ def table(lengths, core_only=False):
                 torch.cuda.empty_cache()
 
 
+def decode_inputs(batch, seq, page, heads):
+    """A batch of requests with `seq` cached tokens each on shuffled pages, one query each, and
+    a compressed pool of seq/4 rows per request (CSA and HCA picks are random rows of it)."""
+    pages = batch * seq // page
+    cache = torch.randn(pages, page, D, device=DEV).to(DT)
+    table_ = torch.randperm(pages, device=DEV).int().view(batch, seq // page)
+    lens = torch.full((batch,), seq, device=DEV, dtype=torch.int32)
+    q = torch.randn(batch, heads, D, device=DEV).to(DT)
+    sinks = torch.randn(heads, device=DEV)
+    comp = torch.randn(batch * seq // 4, D, device=DEV).to(DT)
+    picks = {kind: torch.randint(0, comp.shape[0], (batch, k), device=DEV).int() if k else None
+             for kind, k in (("sliding", 0), ("HCA", seq // 128), ("CSA", 512))}
+    return cache, table_, lens, q, sinks, comp, picks
+
+
+def decode_bytes(q, picks):
+    """Bytes a decode step must move: each request's window keys (through its pages) and
+    selected rows, its picks (int32), q and out. The page table (W/page entries a request) and
+    the split kernels' partial outputs are not counted: overhead, not work."""
+    batch, heads, _ = q.shape
+    k = 0 if picks is None else picks.shape[1]
+    return batch * (W + k) * D * 2 + batch * k * 4 + 2 * q.numel() * 2
+
+
+def decode_timer(fn):
+    """GPU time (us) of fn replayed from a CUDA graph, as the engine's decode runs it, so the
+    host's launch cost does not hide the kernels."""
+    from triton.testing import do_bench_cudagraph
+
+    fn()
+    return do_bench_cudagraph(fn, rep=50) * 1e3
+
+
 def decode(batch=512, seq=8192, page=64, heads=H):
-    """Kernel launcher directly (dsv4_decode validates with host syncs, not timed here)."""
+    """Kernel launcher directly (dsv4_decode validates with host syncs, not timed here):
+    GPU time from a CUDA graph, and the eager call (host launch cost included) next to it."""
     big = torch.empty(2**30, dtype=torch.uint8, device=DEV)
     copy_ms = do_bench(lambda: big.clone())
     copy_bw = 2 * big.numel() / copy_ms / 1e6
     del big
-    pages = batch * seq // page
-    cache = torch.randn(pages, page, D, device=DEV).to(DT)
-    table_ = torch.randperm(pages, device=DEV).int().view(batch, seq // page)
-    lens = torch.full((batch,), seq, device=DEV)
-    q = torch.randn(batch, heads, D, device=DEV).to(DT)
-    sinks = torch.randn(heads, device=DEV)
+    cache, table_, lens, q, sinks, comp, picks = decode_inputs(batch, seq, page, heads)
     print(f"decode: {heads} heads, batch {batch}, {seq} cached tokens each, page {page}; copy "
-          f"{copy_bw:.0f} GB/s")
-    for kind, k in (("sliding", 0), ("HCA", seq // 128), ("CSA", 512)):
-        comp = torch.randn(batch * seq // 4, D, device=DEV).to(DT)
-        idx = torch.randint(0, comp.shape[0], (batch, k), device=DEV).int() if k else None
-        lens32 = lens.int()
-        ms = do_bench(lambda: dsv4_decode_triton(q, cache, table_, lens32, sinks, W, D ** -0.5,
-                                                 comp if k else None, idx))
-        moved = batch * (W + k) * D * 2 + 2 * q.numel() * 2
-        bw = moved / ms / 1e6
-        print(f"  {kind:>7} K={k:4d}: {ms * 1e3:8.1f} us  {bw:6.0f} GB/s  "
-              f"{100 * bw / copy_bw:5.1f}% of copy", flush=True)
+          f"{copy_bw:.0f} GB/s (1 GiB clone, read + write); bytes = keys via pages + selected "
+          f"rows + picks + q + out")
+    for kind, idx in picks.items():
+        def run():
+            return dsv4_decode_triton(q, cache, table_, lens, sinks, W, D ** -0.5,
+                                      comp if idx is not None else None, idx)
+        us = decode_timer(run)
+        eager_us = do_bench(run) * 1e3
+        bw = decode_bytes(q, idx) / us / 1e3
+        keys = W + (0 if idx is None else idx.shape[1])
+        tflops = 4 * heads * D * keys * batch / us / 1e6
+        print(f"  {kind:>7} K={keys - W:4d}: {us:8.1f} us  {bw:6.0f} GB/s  "
+              f"{100 * bw / copy_bw:5.1f}% of copy  {tflops:6.1f} TFLOP/s | eager call "
+              f"{eager_us:8.1f} us", flush=True)
 
 
 def profile(total=4096, core_only=False):
@@ -309,31 +341,40 @@ def sweep(kernels, total=4096):
               flush=True)
 
 
+# Decode configs tried by --decode-sweep per head count: DecodeTiles(bh, bn, warps, stages,
+# splits); splits 0 = split_count's choice; the default's own config first.
+DECODE_TRIALS = {
+    64: [(32, 32, 4, 2, 0), (64, 32, 8, 2, 0), (64, 64, 8, 2, 0), (32, 32, 4, 3, 0),
+         (32, 16, 4, 3, 0), (32, 64, 4, 2, 0)],
+    8: [(16, 32, 4, 3, 0), (16, 16, 4, 4, 0), (16, 32, 4, 4, 0), (16, 32, 4, 3, 2)],
+}
+
+
 def decode_sweep(batch=512, seq=8192, page=64):
-    """Decode tile configs (heads per program, keys per tile, warps, stages) per head count."""
-    cache = torch.randn(batch * seq // page, page, D, device=DEV).to(DT)
-    table_ = torch.randperm(cache.shape[0], device=DEV).int().view(batch, seq // page)
-    lens = torch.full((batch,), seq, device=DEV, dtype=torch.int32)
-    comp = torch.randn(batch * seq // 4, D, device=DEV).to(DT)
-    for heads in (64, 8):
-        q = torch.randn(batch, heads, D, device=DEV).to(DT)
-        sinks = torch.randn(heads, device=DEV)
-        for k in (0, 512):
-            idx = torch.randint(0, comp.shape[0], (batch, k), device=DEV).int() if k else None
-            configs = ([(64, 32, 8, 2), (64, 32, 8, 3), (64, 32, 16, 2), (64, 64, 16, 2),
-                        (64, 32, 16, 3)] if heads > 16 else
-                       [(16, 64, 4, 2), (16, 32, 4, 3), (16, 64, 4, 3), (16, 128, 8, 2)])
-            for bh, bn, warps, stages in configs:
-                b = DSV4Blocks(bh, bn, warps, stages)
+    """Decode tile configs per head count and layer kind (GPU time from a CUDA graph); names
+    the config with the least sliding + HCA + CSA time per head count."""
+    from sglang_dsv41.attention.dsv4_triton_decode import DecodeTiles
+
+    for heads, trials in DECODE_TRIALS.items():
+        cache, table_, lens, q, sinks, comp, picks = decode_inputs(batch, seq, page, heads)
+        totals = {}
+        for config in trials:
+            tiles, row, total = DecodeTiles(*config), [], 0.0
+            for kind, idx in picks.items():
                 try:
-                    ms = do_bench(lambda: dsv4_decode_triton(q, cache, table_, lens, sinks, W,
-                                                             D ** -0.5, comp if k else None, idx,
-                                                             blocks=b))
-                    print(f"decode H={heads} K={k} bh={bh} bn={bn} w={warps} s={stages}: "
-                          f"{ms * 1e3:.1f} us {batch * (W + k) * D * 2 / ms / 1e6:.0f} GB/s",
-                          flush=True)
-                except Exception as e:
-                    print(f"decode H={heads} K={k} bh={bh} bn={bn}: {type(e).__name__}")
+                    us = decode_timer(lambda: dsv4_decode_triton(
+                        q, cache, table_, lens, sinks, W, D ** -0.5,
+                        comp if idx is not None else None, idx, tiles=tiles))
+                    total += us
+                    row.append(f"{kind} {us:6.1f} us {decode_bytes(q, idx) / us / 1e3:5.0f} GB/s")
+                except Exception as e:  # resource limits of a config: report and go on
+                    total = float("inf")
+                    row.append(f"{kind} {type(e).__name__}")
+            totals[config] = total
+            print(f"decode H={heads} {config}: " + "; ".join(row), flush=True)
+        print(f"best decode H={heads}: {min(totals, key=totals.get)}", flush=True)
+        del cache, comp
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
