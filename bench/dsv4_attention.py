@@ -344,7 +344,7 @@ def sweep(kernels, total=4096):
 # Decode configs tried by --decode-sweep per head count: DecodeTiles(bh, bn, warps, stages,
 # splits); splits 0 = split_count's choice; the default's own config first.
 DECODE_TRIALS = {
-    64: [(32, 32, 4, 2, 0), (64, 32, 8, 2, 0), (64, 64, 8, 2, 0), (32, 32, 4, 3, 0),
+    64: [(64, 64, 8, 2, 0), (32, 32, 4, 2, 0), (64, 32, 8, 2, 0), (32, 32, 4, 3, 0),
          (32, 16, 4, 3, 0), (32, 64, 4, 2, 0)],
     8: [(16, 32, 4, 3, 0), (16, 16, 4, 4, 0), (16, 32, 4, 4, 0), (16, 32, 4, 3, 2)],
 }

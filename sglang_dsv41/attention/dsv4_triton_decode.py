@@ -56,10 +56,11 @@ def default_tiles(heads: int) -> DecodeTiles:
     page 64; bench/results/dsv4_attention_h200.txt)."""
     if interpreting():
         return INTERPRET_TILES
-    # 64 heads: two 32-head blocks of 4 warps (they share each key through L2) beat one 64-head
-    # block of 8 warps, 91 vs 172 us sliding, 331 vs 384 us CSA.
+    # 64 heads: one block of all heads, 64-key tiles: 82 / 117 / 270 us sliding / HCA / CSA vs
+    # 92 / 128 / 319 us for two 32-head blocks sharing keys through L2. 8 heads: one split; a
+    # second one costs 30-40% (partial outputs and the combine), 16-key tiles 25-45%.
     if heads > 16:
-        return DecodeTiles(bh=32, bn=32, warps=4, stages=2)
+        return DecodeTiles(bh=64, bn=64, warps=8, stages=2)
     return DecodeTiles(bh=16, bn=32, warps=4, stages=3)
 
 
