@@ -314,9 +314,11 @@ class Ours:
         return [b - a for a, b in zip(points, points[1:])]
 
     def planned_memory(self, seq: int, probe_seq: int, checkpointing: str) -> str:
-        """The memory plan at ``seq`` tokens from a forward of ``probe_seq``: every term is
-        O(T) (chunked selection and head), so each layer's retained bytes scale by
-        seq / probe_seq; plus the static state and the largest temporaries."""
+        """The memory plan at ``seq`` tokens from forwards of ``probe_seq`` // 2 and
+        ``probe_seq``: each layer's retained bytes are a fixed part (its gathered parameters
+        when FSDP keeps them for the backward) plus an O(T) part (chunked selection and head),
+        fitted through the two and taken at ``seq``; plus the static state and the largest
+        temporaries."""
         master, trained, buffers = static_bytes(self.policy.model)
         cfg = self.cfg
         # one chunk of fp32 logits, its log_softmax/exp and the bf16 gradient (token_logprobs)
@@ -331,17 +333,20 @@ class Ours:
                  f"{trained / GiB:.2f}, Adam state {2 * trained / GiB:.2f}; largest "
                  f"temporaries: head chunk {head_chunk / GiB:.2f} (vocab {cfg.vocab_size}), "
                  f"selection chunk {selection_chunk / GiB:.2f}"]
-        retained = self.retained_per_layer(probe_seq)
-        if retained is None:
+        half = self.retained_per_layer(probe_seq // 2)
+        if half is None:
             lines.append("  activations: measured on CUDA only (the allocator's counter)")
             return "\n".join(lines)
-        scale = seq / probe_seq
+        probed = self.retained_per_layer(probe_seq)
+        fixed = [2 * a - b for a, b in zip(half, probed)]
+        retained = [f + (b - f) * seq / probe_seq for f, b in zip(fixed, probed)]
         kinds = [f"L{i} r{cfg.compress_ratio(i)}" for i in range(cfg.num_hidden_layers)]
-        per_layer = ", ".join(f"{k} {b * scale / GiB:.2f}"
+        per_layer = ", ".join(f"{k} {b / GiB:.2f}"
                               for k, b in zip(kinds + ["norm+head"], retained))
-        total = master + buffers + 3 * trained + sum(retained) * scale
-        lines.append(f"  retained after the forward, GiB (from {probe_seq} tokens x "
-                     f"{scale:.0f}): {per_layer}; sum {sum(retained) * scale / GiB:.2f}")
+        total = master + buffers + 3 * trained + sum(retained)
+        lines.append(f"  retained after the forward, GiB (fitted from {probe_seq // 2} and "
+                     f"{probe_seq} tokens; of the sum {sum(fixed) / GiB:.2f} does not grow "
+                     f"with T): {per_layer}; sum {sum(retained) / GiB:.2f}")
         lines.append(f"  planned total {total / GiB:.2f} GiB + the backward's workspace "
                      f"(one layer's recompute under ac=layer/selective)")
         return "\n".join(lines)
