@@ -6,6 +6,7 @@ our Triton kernels vs transformers' eager DeepseekV4 attention, per layer kind, 
     python bench/dsv4_attention.py --decode-sweep  # only: decode tile configs
     python bench/dsv4_attention.py --lengths 4096  # fewer lengths
     python bench/dsv4_attention.py --profile       # only: kernel split of the core, module ops
+    python bench/dsv4_attention.py --profile-module --lengths 4096  # only: our module per kind
     python bench/dsv4_attention.py --core-only     # table/profile without the module rows
 
 Rows: "core" = the attention the kernel replaces (scores, sinks, softmax, values) on the same
@@ -271,6 +272,27 @@ def decode(batch=512, seq=8192, page=64, heads=H):
               f"{eager_us:8.1f} us", flush=True)
 
 
+def profile_module(total=4096, rows=30):
+    """Our attention module alone per layer kind: its forward+backward time, then its op split
+    (self CUDA time, ops grouped by input shape; an op row and its kernel rows count the same
+    time twice, the total does not)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    for kind in KINDS:
+        run = our_module_runner(kind, total)
+        ms, peak = measure(run, reps=5)
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                           record_shapes=True) as prof:
+            run()
+            torch.cuda.synchronize()
+        print(f"# {kind} our module f+b, {total} tokens: {ms:.2f} ms, peak {peak:.2f} GiB",
+              flush=True)
+        print(prof.key_averages(group_by_input_shape=True).table(
+            sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=40,
+            max_shapes_column_width=60), flush=True)
+        torch.cuda.empty_cache()
+
+
 def profile(total=4096, core_only=False):
     """Kernel time split of one CSA and HCA core forward+backward, then of our attention module."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -382,6 +404,8 @@ if __name__ == "__main__":
     parser.add_argument("--sweep", nargs="*", choices=sorted(SWEEP_TRIALS), default=None,
                         help="only: tile sweeps of these kernels (all when none named)")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--profile-module", action="store_true",
+                        help="only: our attention module per kind, time and op split at 4k")
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536])
     parser.add_argument("--no-decode", action="store_true")
     parser.add_argument("--core-only", action="store_true",
@@ -390,7 +414,9 @@ if __name__ == "__main__":
     parser.add_argument("--decode-sweep", action="store_true")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
-    if args.profile or args.sweep is not None or args.decode_sweep:
+    if args.profile_module:
+        profile_module(args.lengths[0])
+    elif args.profile or args.sweep is not None or args.decode_sweep:
         if args.sweep is not None:
             sweep(args.sweep or sorted(SWEEP_TRIALS))
         if args.profile:
