@@ -3,9 +3,9 @@
 
 Names are SGLang's flat ones: ``ffn.gate.{weight,bias,tid2eid}``, ``ffn.experts.E.w{1,2,3}``,
 ``ffn.shared_experts.w{1,2,3}`` (w1 gate, w3 up, w2 down). The routed experts are held stacked
-(``ffn.experts.w13``, ``ffn.experts.w2``: RoutedExperts) and shown per expert in the state dict. The bias picks the experts only; the
-weights come from the unbiased scores, renormalised and scaled by routed_scaling_factor
-(transformers' DeepseekV4TopKRouter / DeepseekV4HashRouter).
+(``ffn.experts.w13``, ``ffn.experts.w2``: RoutedExperts) and shown per expert in the state dict.
+The bias picks the experts only; the weights come from the unbiased scores, renormalised and
+scaled by routed_scaling_factor (transformers' DeepseekV4TopKRouter / DeepseekV4HashRouter).
 """
 
 from __future__ import annotations
@@ -154,7 +154,8 @@ class MoE(nn.Module):
         self.gate = Gate(cfg, layer_id)
         self.experts = RoutedExperts(cfg.n_routed_experts, cfg.hidden_size,
                                      cfg.moe_intermediate_size)
-        self.shared_experts = Expert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
+        self.shared_experts = Expert(cfg.hidden_size,
+                                     cfg.moe_intermediate_size * cfg.n_shared_experts,
                                      cfg.swiglu_limit)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, ctx: DSV4Context) -> torch.Tensor:
