@@ -57,13 +57,21 @@ def test_chunked_selection_equals_one_block(monkeypatch, preset, serving_numeric
 
 def test_query_chunks_cover_each_row_once(monkeypatch):
     monkeypatch.setattr(compressor, "SELECTION_CHUNK_PRODUCTS", 100)
-    chunks = compressor.query_chunks(10, 47, entries=9, heads=2, ratio=4)
-    assert chunks[0] == (10, 15, 1) and chunks[-1] == (45, 47, 9)
-    assert [r for a, b, _ in chunks for r in range(a, b)] == list(range(10, 47))
-    # seen: what the block's last query (position b - 1 - start) may see, at most the entries
-    assert [n for _, _, n in chunks] == [min(9, (b - 10) // 4) for _, b, _ in chunks]
-    assert compressor.query_chunks(0, 3, entries=10 ** 9, heads=64, ratio=1) == [
-        (0, 1, 1), (1, 2, 2), (2, 3, 3)]
+    chunks = compressor.query_chunks(10, 47, entries=9, heads=2)
+    assert chunks[0] == (10, 15) and chunks[-1] == (45, 47)
+    assert [r for a, b in chunks for r in range(a, b)] == list(range(10, 47))
+    assert compressor.query_chunks(0, 3, entries=10 ** 9, heads=64) == [(0, 1), (1, 2), (2, 3)]
+
+
+@pytest.mark.parametrize("ratio", [1, 2, 4, 128])
+def test_entries_seen_bound_holds_for_every_length(ratio):
+    """The bound is never below what the query sees, (length - after) // ratio, and at most
+    one above it, whatever the sequence's length (the engine's queries follow a cached prefix)."""
+    for length in range(0, 3 * ratio + 5):
+        for after in range(length):
+            seen = (length - after) // ratio
+            bound = compressor.entries_seen_bound(length // ratio, after, ratio)
+            assert seen <= bound <= seen + 1, (length, after)
 
 
 def _peak_bytes(fn) -> int:

@@ -5,9 +5,10 @@ of (gate + ape) weights the projected latents, then RMSNorm, then RoPE at the wi
 position. CSA overlaps windows: its projections are 2x wide; entry w pools the first half of
 window w-1 with the second half of window w (2 x ratio slots; window 0's missing half gets weight
 0). A query at position p may see entry w only when the entry's span ended: w < (p + 1) // ratio.
-HCA attends to every such entry; CSA to the indexer's top-k of them. Stateless: every packed
-sequence is whole, at positions 0..n-1 (entries are RoPE'd at w * ratio), so how many entries a
-block of queries sees follows from host integers and no count is read back from the device.
+HCA attends to every such entry; CSA to the indexer's top-k of them. The queries of a sequence
+are its last tokens (the whole sequence here; the engine's extend after a cached prefix, its
+compressor fed the whole history through model hooks), so how many entries a block of queries
+may see is bounded by host integers and no count is read back from the device.
 
 Mirrors transformers' DeepseekV4HCACompressor / DeepseekV4CSACompressor / DeepseekV4Indexer
 (stateless path). Names are SGLang's flat ones: ``compressor.{wkv,wgate,ape,norm}``,
@@ -80,15 +81,20 @@ def stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
 SELECTION_CHUNK_PRODUCTS = 1 << 28
 
 
-def query_chunks(start: int, end: int, entries: int, heads: int, ratio: int
-                 ) -> list[tuple[int, int, int]]:
-    """(a, b, seen) covering the queries start..end-1 of one sequence at positions 0..n-1 in row
-    blocks [a, b) whose [rows, heads, entries] score block holds at most
-    SELECTION_CHUNK_PRODUCTS products (one row at least); seen = how many of the sequence's
-    ``entries`` the block's last (so most seeing) query may see, (b - start) // ratio."""
+def query_chunks(start: int, end: int, entries: int, heads: int) -> list[tuple[int, int]]:
+    """Row ranges [a, b) covering queries start..end-1 whose [rows, heads, entries] score block
+    holds at most SELECTION_CHUNK_PRODUCTS products (one row at least)."""
     rows = max(1, SELECTION_CHUNK_PRODUCTS // max(1, heads * entries))
-    return [(a, min(a + rows, end), min(entries, (min(a + rows, end) - start) // ratio))
-            for a in range(start, end, rows)]
+    return [(a, min(a + rows, end)) for a in range(start, end, rows)]
+
+
+def entries_seen_bound(entries: int, after: int, ratio: int) -> int:
+    """At most how many entries a query may see that comes ``after`` tokens before the last
+    token of its sequence, whose ``entries`` (= length // ratio) the last token sees: the
+    length is entries * ratio + m (m < ratio), so (length - after) // ratio <= entries -
+    after // ratio (exact when m >= after % ratio, one too many otherwise: a row's picks do not
+    depend on an entry it may not see, stable_topk)."""
+    return max(0, entries - after // ratio)
 
 
 def visible_entries(positions: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -134,9 +140,11 @@ class Indexer(nn.Module):
         width = min(self.topk, max(counts, default=0))
         out = torch.full((x.shape[0], width), -1, dtype=torch.int32, device=x.device)
         for s, (start, end) in enumerate(bounds):
-            for a, b, n in query_chunks(start, end, counts[s], self.n_heads, self.ratio):
-                # Only the entries some query of the chunk sees: a row's picks do not depend on
-                # the masked tail (stable_topk), and -1 pads rows that see fewer than top-k.
+            for a, b in query_chunks(start, end, counts[s], self.n_heads):
+                # Only the entries some query of the chunk may see (its last query the most): a
+                # row's picks do not depend on the masked tail (stable_topk), and -1 pads rows
+                # that see fewer than top-k.
+                n = entries_seen_bound(counts[s], end - b, self.ratio)
                 if n == 0:
                     continue
                 seen = visible_entries(positions[a:b], self.ratio)

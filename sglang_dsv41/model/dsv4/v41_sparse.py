@@ -231,10 +231,11 @@ def _select(cfg: DSV4Config, layer_id: int, indexer: V41Indexer, x: torch.Tensor
         table = torch.full((T, width), -1, dtype=torch.int32, device=x.device)
     for s, (a, b) in enumerate(layout.token_bounds):
         start = layout.entry_start[s]
-        for c0, c1, lc in query_chunks(a, b, (b - a) // ratio, indexer.n_heads, ratio):
-            # Positions are 0..n-1 (EntryLayout.build). A row's picks do not depend on the
-            # masked tail (stable_topk), so scoring only the lc entries the chunk sees picks
-            # what the whole sequence's scores pick.
+        for c0, c1 in query_chunks(a, b, (b - a) // ratio, indexer.n_heads):
+            # Positions are 0..n-1 (EntryLayout.build): the chunk's last query sees the most
+            # entries. A row's picks do not depend on the masked tail (stable_topk), so scoring
+            # only the entries the chunk sees picks what the whole sequence's scores pick.
+            lc = (c1 - a) // ratio
             if lc == 0:
                 continue
             lens_c = lens[c0:c1]
