@@ -34,6 +34,7 @@ from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM, init_weights  # noqa:
 from trainer_bridge.batch import Sample, pack  # noqa: E402
 from trainer_bridge.config import LossConfig  # noqa: E402
 from trainer_bridge.loss import ppo_loss  # noqa: E402
+from trainer_bridge.parallelize import is_fp32_param  # noqa: E402
 from sglang_dsv41.model.dsv4.context import DSV4Context  # noqa: E402
 from trainer_bridge.policy import Policy  # noqa: E402
 
@@ -99,12 +100,34 @@ def peak_bytes(fn) -> int:
     return peak
 
 
-def step_peak(policy: Policy, seq: int) -> int:
+def step_batch(policy: Policy, seq: int):
     gen = torch.Generator().manual_seed(seq)
     toks = torch.randint(0, 256, (seq,), generator=gen).tolist()
     s = Sample(toks, [0] + [1] * (seq - 1), [0.0] * seq, 1.0, 0)
     s.advantage = 1.0
-    mb = pack([s], policy.routed_layers, use_routing=False)
+    return pack([s], policy.routed_layers, use_routing=False)
+
+
+def saved_bytes(policy: Policy, seq: int) -> int:
+    """Bytes the forward keeps for the backward (saved_tensors_hooks; each storage once,
+    parameters apart): what a step holds at its peak besides the static state."""
+    params = {p.untyped_storage().data_ptr() for p in policy.model.parameters()}
+    storages: dict[int, int] = {}
+
+    def keep(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            storages[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        out = policy.forward(step_batch(policy, seq), replay=False)
+    del out
+    return sum(storages.values())
+
+
+def step_peak(policy: Policy, seq: int) -> int:
+    mb = step_batch(policy, seq)
     old = torch.zeros(seq - 1)
 
     def step():
@@ -121,6 +144,9 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="small")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--seqs", default="1024,2048,4096")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
+                   help="bf16: the compute dtype's weights as FSDP casts them on CUDA (sinks and "
+                   "mHC parameters stay fp32)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     with patched(DSV4Context, attend=attend_footprint):  # the kernel's memory, not the CPU's
@@ -133,11 +159,18 @@ def run(args) -> None:
     torch.manual_seed(0)
     model = DSV4ForCausalLM(cfg)
     init_weights(model, seed=0)
+    if args.dtype == "bf16":
+        for name, p in model.named_parameters():
+            if not is_fp32_param(name):
+                p.data = p.data.to(torch.bfloat16)
     policy = Policy(model, args.preset, torch.device("cpu"), attention_backend="reference")
     seqs = [int(s) for s in args.seqs.split(",")]
     print(f"{args.preset} at hidden {args.hidden} (vocab {cfg.vocab_size}, "
           f"{cfg.num_hidden_layers} layers, ratios {cfg.compress_ratios}, index heads "
-          f"{cfg.index_n_heads}), CPU fp32, peak MiB of one forward + backward")
+          f"{cfg.index_n_heads}), CPU {args.dtype}")
+    print(f"kept for the backward at {seqs[0]} tokens: "
+          f"{saved_bytes(policy, seqs[0]) / seqs[0] / 1024:.1f} KiB/token", flush=True)
+    print("peak MiB of one forward + backward")
     variants = {"chunked (as trained)": [],
                 "whole-sequence blocks": [(compressor, {"SELECTION_CHUNK_PRODUCTS": 1 << 62}),
                                           (token_logprobs, {"LOGPROB_CHUNK_ELEMENTS": 1 << 62})]}
