@@ -33,14 +33,14 @@ class GroupedProjection(torch.autograd.Function):
     over group views of o that read and write the token-major tensors in place. The einsum it
     replaces made o group-major and handed RoPE's backward a group-major gradient that reshape
     copied (two 256 MiB copies per layer at 4k tokens, 64 heads, D 512); same products, same
-    fp32 accumulation."""
+    fp32 accumulation. The forward's bmm is a plain one (no out=): selective checkpointing saves
+    aten.bmm outputs (trainer_bridge/parallelize.py) and would hand an out= call's cache back
+    without filling the out tensor; the [T, G, R] view it returns costs wo_b one 64 MiB copy."""
 
     @staticmethod
     def forward(ctx, o, w):
         ctx.save_for_backward(o, w)
-        out = torch.empty(o.shape[0], w.shape[0], w.shape[1], dtype=o.dtype, device=o.device)
-        torch.bmm(o.transpose(0, 1), w.transpose(1, 2), out=out.transpose(0, 1))
-        return out
+        return torch.bmm(o.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
 
     @staticmethod
     def backward(ctx, grad):
