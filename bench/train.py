@@ -268,12 +268,17 @@ class Ours:
 
         def step():
             # The ranges name the step's phases in a profile (print_profile's table).
-            with torch.profiler.record_function("ours.forward"):
-                out = self.policy.forward(mb, replay=False)
-                loss = ppo_loss(out.logprobs, old, rollout, adv, mask, LossConfig(),
-                                global_tokens=tokens, world_size=1).loss
-            with torch.profiler.record_function("ours.backward"):
-                loss.backward()
+            out = None
+            try:
+                with torch.profiler.record_function("ours.forward"):
+                    out = self.policy.forward(mb, replay=False)
+                    loss = ppo_loss(out.logprobs, old, rollout, adv, mask, LossConfig(),
+                                    global_tokens=tokens, world_size=1).loss
+                with torch.profiler.record_function("ours.backward"):
+                    loss.backward()
+            finally:  # an out-of-memory step must not keep its graph alive for the retry
+                if out is not None:
+                    out.release()
             with torch.profiler.record_function("ours.optimizer"):
                 self.opt.step()
                 self.opt.zero_grad(set_to_none=True)
@@ -307,7 +312,10 @@ class Ours:
         finally:
             for h in hooks:
                 h.remove()
-        out.logprobs.sum().backward()  # a whole iteration, so FSDP's backward state completes
+        try:  # a whole iteration, so FSDP's backward state completes
+            out.logprobs.sum().backward()
+        finally:
+            out.release()
         self.zero_grad()
         del out
         free(self.device)

@@ -135,3 +135,59 @@ def test_bad_activation_checkpointing_is_refused_by_name():
         ModelConfig(model_path="tiny", activation_checkpointing="full")
     with pytest.raises(ValueError, match=r"activation checkpointing 'full': choose from"):
         checkpoint_layer(torch.nn.Linear(2, 2), "full")
+
+
+def graph_freed_after_failed_backward(queue) -> None:
+    """World 1 on gloo, per-layer checkpointing: a backward that fails part-way (as an
+    out-of-memory step does) leaves the forward's graph; after ForwardOut.release() and a
+    collection, none of the forward's shared entries is alive."""
+    import gc
+    import weakref
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()), LOCAL_WORLD_SIZE="1")
+    torch.set_num_threads(1)
+    from trainer_bridge.config import ModelConfig
+    from trainer_bridge.dist import close_distributed, init_distributed
+    from trainer_bridge.policy import build_policy
+
+    try:
+        info = init_distributed(torch.device("cpu"))
+        toks = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+        sample = Sample(toks, [0] * 4 + [1] * 36, [0.0] * 40, 1.0, 0)
+        sample.advantage = 1.0
+        policy = build_policy(ModelConfig(model_path="tiny", activation_checkpointing="layer"),
+                              info.mesh, torch.device("cpu"))
+        mb = pack([sample], policy.routed_layers, use_routing=False)
+        out = policy.forward(mb, replay=False)
+        entries = [weakref.ref(t) for v in out.state.values()
+                   for t in (v if isinstance(v, tuple) else (v,)) if isinstance(t, torch.Tensor)]
+        loss = -(out.logprobs * mb.loss_mask).sum()
+
+        def fail(grad):
+            raise RuntimeError("simulated out of memory")
+
+        loss.register_hook(fail)
+        try:
+            loss.backward()
+        except RuntimeError as err:
+            assert "simulated" in str(err)
+        else:
+            raise AssertionError("the backward did not fail")
+        out.release()
+        del out, loss
+        gc.collect()
+        queue.put((len(entries), sum(r() is not None for r in entries)))
+        close_distributed()
+    except Exception:  # report instead of hanging the parent
+        import traceback
+
+        queue.put(traceback.format_exc())
+
+
+@pytest.mark.timeout(120)
+def test_failed_backward_frees_the_graph_after_release():
+    (out,) = run_spawned(graph_freed_after_failed_backward, [()], timeout=110)
+    assert isinstance(out, tuple), out
+    entries, alive = out
+    assert entries > 0 and alive == 0, out

@@ -92,6 +92,17 @@ class ForwardState(MutableMapping):
 class ForwardOut:
     logprobs: torch.Tensor            # fp32 [N], aligned with MicroBatch.targets
     routed: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (ids, weights) [T, k]
+    # The forward's shared entries (V4.1 source layers'), kept for checkpointed recomputes.
+    state: ForwardState | None = None
+
+    def release(self) -> None:
+        """Drops the forward's shared entries; call it once the backward is done or has failed.
+        Under activation checkpointing those entries and the recompute's saved inputs hold each
+        other through autograd nodes, a cycle Python's collector cannot see: a forward whose
+        backward never completed (an out-of-memory step) would otherwise keep the whole
+        activation graph alive for good."""
+        if self.state is not None:
+            self.state.clear()
 
 
 class Policy:
@@ -122,18 +133,18 @@ class Policy:
         if replay and mb.routing is not None:
             routing = {k: (mb.routing[k][0].to(dev), mb.routing[k][1].to(dev))
                        for k in self.replayed_layers}
+        state = ForwardState()
         ctx = DSV4Context.packed(mb.seq_lens, device=dev, routing_replay=routing,
                                  record_routing=record_routing,
                                  attention_backend=self.attention_backend,
-                                 serving_numerics=self.serving_numerics,
-                                 shared=ForwardState())
+                                 serving_numerics=self.serving_numerics, shared=state)
         check_targets(mb.targets, self.config.vocab_size)  # on the host: no GPU read-back
         # Called as a module so every FSDP group unshards; the head is fp32 (lm_head_fp32).
         # The model returns the targets' log-probabilities computed in chunks of rows: the
         # [T, vocab] fp32 logits of a long sequence never exist at once.
         logp = self.model(mb.input_ids.to(dev), ctx, hidden_index=mb.hidden_index.to(dev),
                           targets=mb.targets.to(dev), temperature=self.temperature)
-        return ForwardOut(logp, ctx.routed)
+        return ForwardOut(logp, ctx.routed, state)
 
     def trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]

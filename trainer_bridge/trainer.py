@@ -158,12 +158,16 @@ class Trainer:
         """Forward and backward of one micro-batch -> float64 [5] on the device: loss, and the
         token sums of pg, kl, clipped and tis (STEP_SUMS)."""
         out = self.policy.forward(mb, replay=self.cfg.model.r3)
-        dev = out.logprobs.device
-        terms = ppo_loss(out.logprobs, mb.old_logprobs.to(dev), mb.rollout_logprobs.to(dev),
-                         mb.advantages.to(dev), mb.loss_mask.to(dev), self.cfg.loss,
-                         global_tokens=global_tokens, world_size=self.dist.world_size,
-                         ref_logp=None if mb.ref_logprobs is None else mb.ref_logprobs.to(dev))
-        terms.loss.backward()
+        try:
+            dev = out.logprobs.device
+            terms = ppo_loss(out.logprobs, mb.old_logprobs.to(dev), mb.rollout_logprobs.to(dev),
+                             mb.advantages.to(dev), mb.loss_mask.to(dev), self.cfg.loss,
+                             global_tokens=global_tokens, world_size=self.dist.world_size,
+                             ref_logp=None if mb.ref_logprobs is None
+                             else mb.ref_logprobs.to(dev))
+            terms.loss.backward()
+        finally:
+            out.release()
         # On the device, read once per step (train_step): no host sync per micro-batch.
         return torch.stack([terms.loss.detach(), terms.pg_sum, terms.kl_sum,
                             terms.clip_frac_sum, terms.tis_sum]).double()
