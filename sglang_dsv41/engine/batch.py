@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..policies.dp_attention import plan_prefill_padding
-from .kv_cache import DUMMY_SLOT, slots_of
+from .kv_cache import DUMMY_PAGE, DUMMY_SLOT, slots_of
 from .logprobs import LogprobExtras
 from .messages import SamplingParams
 
@@ -90,6 +90,10 @@ class ForwardPlan:
     # page continues in a copy of that page's rows (the shared page is never written)
     copy_src: torch.Tensor | None = None
     copy_dst: torch.Tensor | None = None
+    # int32 [B, max_pages], only when every sequence adds exactly one token (a decode forward):
+    # the pages holding positions [0, seq_len) of each, rows padded with the dummy page; the
+    # paged decode reads each query's window through it
+    decode_page_table: torch.Tensor | None = None
 
     @property
     def padded_tokens(self) -> int:
@@ -137,6 +141,11 @@ def build_plan(mode: str, reqs: list[Req], chunk_lens: list[int], page_size: int
     ids += [0] * pad
     pos += [0] * pad
     slots += [DUMMY_SLOT] * pad
+    page_table = None
+    if reqs and all(n == 1 for n in chunk_lens):
+        used = [-(-s // page_size) for s in seq_lens]
+        page_table = torch.tensor([req.pages[:u] + [DUMMY_PAGE] * (max(used) - u)
+                                   for req, u in zip(reqs, used)], dtype=torch.int32)
     return ForwardPlan(mode, torch.tensor(ids, dtype=torch.long),
                        torch.tensor(pos, dtype=torch.long), torch.tensor(slots, dtype=torch.long),
                        num_tokens, seq_lens=seq_lens, extend_lens=list(chunk_lens),
@@ -144,4 +153,4 @@ def build_plan(mode: str, reqs: list[Req], chunk_lens: list[int], page_size: int
                        engram_history=torch.tensor(history, dtype=torch.long).reshape(len(reqs),
                                                                              history_len),
                        logit_rows=logit_rows, record_routing=record_routing,
-                       score_targets=score_targets)
+                       score_targets=score_targets, decode_page_table=page_table)

@@ -11,8 +11,11 @@ Sharding under DP attention (T ranks, D DP groups of A = T/D attention-TP ranks)
   rank keeps its DP group's rows (model_hooks.py hooks the MoE module for the gather/slice).
   A rank without tokens still joins those collectives (idle batch).
 - the attention core reads the cache (TokenRowPool): this forward's K=V latents are written at
-  plan.slots, then every query attends to its window read back from the pool through the
-  reference core; the compressors see their cached per-token rows (model_hooks.py).
+  plan.slots, then a decode forward (one new token per sequence) runs the paged decode
+  (dsv4_decode) over the pool's pages through plan.decode_page_table, and any other forward
+  runs dsv4_attention over each query's window gathered from the pool; both dispatch by device
+  (Triton on CUDA, the torch reference on CPU); the compressors see their cached per-token rows
+  (model_hooks.py).
 Every rank holds the full weights and computes only its shard.
 """
 
@@ -23,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..attention.dsv4_reference import dsv4_attention_reference
+from ..attention.dsv4 import dsv4_attention, dsv4_decode
 from ..model.dsv4.context import DSV4Context
 
 if TYPE_CHECKING:
@@ -69,6 +72,12 @@ class EngineForwardContext(DSV4Context):
                                        enumerate(self._shards)]).to(dev)
         self.dp_offset = sum(self.dp_tokens[:dp_rank])
         self._layout_window()
+        # a decode forward's page table and seq_lens, on the device once for every layer
+        self._decode_tables = None
+        if self.plan.decode_page_table is not None and self.plan.num_tokens:
+            self._decode_tables = (self.plan.decode_page_table.to(dev),
+                                   torch.tensor(self.plan.seq_lens, dtype=torch.int32,
+                                                device=dev))
 
     def _layout_window(self) -> None:
         """The context: every sequence's positions [0, seq_len), packed (context_bounds); this
@@ -158,24 +167,50 @@ class EngineForwardContext(DSV4Context):
     def attend(self, layer_id: int, q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor,
                window: int, scale: float, comp_kv: torch.Tensor | None,
                comp_idx: torch.Tensor | None) -> torch.Tensor:
+        """Rows >= num_tokens (padding, an idle plan's placeholder) get zeros. The bounds are
+        built on the host from the plan and the picks come from the model's own indexer, so the
+        dispatch's value checks (a device sync each on CUDA) are left out."""
         name = f"layers.{layer_id}.kv"
         self.pool.write(name, self.plan.slots.to(kv.device), kv)
-        out = q.new_zeros(q.shape)
         n = self.plan.num_tokens
         if n == 0:
-            return out
+            return q.new_zeros(q.shape)
+        comp_idx = None if comp_idx is None else comp_idx[:n]
+        if self._decode_tables is not None:
+            o = self._attend_paged(name, q[:n], sinks, window, scale, comp_kv, comp_idx)
+        else:
+            o = self._attend_windows(name, q[:n], sinks, window, scale, comp_kv, comp_idx)
+        if n == q.shape[0]:
+            return o
+        out = q.new_zeros(q.shape)
+        out[:n] = o
+        return out
+
+    def _attend_paged(self, name, q, sinks, window, scale, comp_kv, comp_idx) -> torch.Tensor:
+        """One query per sequence, its window read in place through the page table."""
+        cache = self.pool.rows[name]
+        pages = cache.view(-1, self.pool.page_size, cache.shape[1])
+        page_table, seq_lens = self._decode_tables
+        o = dsv4_decode(q.to(cache.dtype), pages, page_table, seq_lens, sinks, window, scale,
+                        None if comp_kv is None else comp_kv.to(cache.dtype), comp_idx,
+                        backend=self.attention_backend, check_values=False)
+        return o.to(q.dtype)
+
+    def _attend_windows(self, name, q, sinks, window, scale, comp_kv, comp_idx) -> torch.Tensor:
+        """Each sequence's window of latents gathered from the pool, its queries placed at the
+        end of it: packed sequences for the prefill attention."""
         self._window_rows(window)
-        keys = self.pool.gather(name, self._window_slots)   # only the windows' latents
+        keys = self.pool.gather(name, self._window_slots).to(q.dtype)
         queries = q.new_zeros(keys.shape[0], *q.shape[1:])
-        queries[self._query_rows] = q[:n]
+        queries[self._query_rows] = q
         selected = None
         if comp_idx is not None:
             selected = comp_idx.new_full((keys.shape[0], comp_idx.shape[1]), -1)
-            selected[self._query_rows] = comp_idx[:n]
-        o = dsv4_attention_reference(queries, keys, sinks, self._window_cu, window, scale,
-                                     comp_kv, selected)
-        out[:n] = o[self._query_rows]
-        return out
+            selected[self._query_rows] = comp_idx
+        o = dsv4_attention(queries, keys, sinks, self._window_cu, window, scale,
+                           None if comp_kv is None else comp_kv.to(q.dtype), selected,
+                           backend=self.attention_backend, check_values=False)
+        return o[self._query_rows]
 
     # ---- R3 ---------------------------------------------------------------------------------
     def replayed_routing(self, layer_id: int):
