@@ -37,7 +37,7 @@ def _backends_on(device: str) -> list:
 
 # ---- attend in decode mode against the window gather -------------------------------------------
 
-def _decode_case(device: str, backend: str, padding_tp: int):
+def _decode_case(device: str, padding_tp: int):
     """Three sequences (shorter than the window, exactly one window, longer) adding one token
     each, on scattered pages, padded to a multiple of padding_tp rows; the pool holds random
     history and a dummy page full of large values that no real query may read."""
@@ -75,7 +75,7 @@ def _attend(plan, pool, args, backend):
 @pytest.mark.parametrize("device,backend", _backends_on("cpu") + _backends_on("cuda"))
 @pytest.mark.parametrize("padding_tp", [1, 4], ids=["unpadded", "padded"])
 def test_decode_attend_equals_the_window_gather(device, backend, padding_tp):
-    plan, pool, args = _decode_case(device, backend, padding_tp)
+    plan, pool, args = _decode_case(device, padding_tp)
     table = plan.decode_page_table
     assert table.dtype == torch.int32 and table.shape == (3, 6)
     assert table[0].tolist() == [9] + [DUMMY_PAGE] * 5 and table[1].tolist()[2:] == [0] * 4
