@@ -450,7 +450,7 @@ def check_fused_hc_weights(cfg: DSV4Config, device: torch.device) -> str:
         leaves = [t.clone().requires_grad_(True) for t in inputs]
         outs = fn(*leaves, hc, cfg.hc_sinkhorn_iters, cfg.hc_eps)
         sum((o * g).sum() for o, g in zip(outs, grads)).backward()
-        res.append([torch.cat([o.flatten() for o in outs])] + [t.grad for t in leaves])
+        res.append([torch.cat([o.detach().flatten() for o in outs])] + [t.grad for t in leaves])
     errs = [float((a - b).norm() / b.norm()) for a, b in zip(*res)]
     return ("fused vs torch mHC weights on cuda: rel. error out {:.1e}, d mix {:.1e}, d base "
             "{:.1e}, d scale {:.1e}".format(*errs))
