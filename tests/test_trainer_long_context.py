@@ -68,16 +68,13 @@ def test_mhc_backward_keeps_no_fp32_stream_copy(dtype):
         torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
 
 
-def holder_calls_and_grads(queue) -> None:
-    """World 1 on gloo: per policy, the calls each fp32 holder gets in one forward + backward
-    (FSDP2 unshards through them) and every gradient."""
+def on_world_of_one(body, queue) -> None:
+    """Runs body(mesh, sample) as rank 0 of a gloo world of one and puts its result (or the
+    traceback, instead of hanging the parent) on the queue."""
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port()), LOCAL_WORLD_SIZE="1")
     torch.set_num_threads(1)
-    from trainer_bridge.config import ModelConfig
     from trainer_bridge.dist import close_distributed, init_distributed
-    from trainer_bridge.parallelize import Fp32Params
-    from trainer_bridge.policy import build_policy
 
     try:
         info = init_distributed(torch.device("cpu"))
@@ -85,34 +82,43 @@ def holder_calls_and_grads(queue) -> None:
         toks = torch.randint(0, 256, (40,), generator=gen).tolist()
         sample = Sample(toks, [0] * 4 + [1] * 36, [0.0] * 40, 1.0, 0)
         sample.advantage = 1.0
-        out = {}
-        for policy_name in POLICIES:
-            policy = build_policy(ModelConfig(model_path="tiny",
-                                              activation_checkpointing=policy_name),
-                                  info.mesh, torch.device("cpu"))
-            calls: dict[str, int] = {}
-            for name, m in policy.model.named_modules():
-                if isinstance(m, Fp32Params):
-                    calls[name] = 0
-                    m.register_forward_pre_hook(
-                        lambda _m, _a, name=name: calls.__setitem__(name, calls[name] + 1))
-            mb = pack([sample], policy.routed_layers, use_routing=False)
-            res = policy.forward(mb, replay=False)
-            (-(res.logprobs * mb.loss_mask).sum()).backward()
-            grads = {n: p.grad.full_tensor().numpy().copy() for n, p in policy.model.named_parameters()
-                     if p.grad is not None}
-            out[policy_name] = (calls, grads)
-        queue.put(out)
+        queue.put(body(info.mesh, sample))
         close_distributed()
-    except Exception:  # report instead of hanging the parent
+    except Exception:
         import traceback
 
         queue.put(traceback.format_exc())
 
 
+def holder_calls_and_grads(mesh, sample):
+    """Per policy, the calls each fp32 holder gets in one forward + backward (FSDP2 unshards
+    through them) and every gradient."""
+    from trainer_bridge.config import ModelConfig
+    from trainer_bridge.parallelize import Fp32Params
+    from trainer_bridge.policy import build_policy
+
+    out = {}
+    for policy_name in POLICIES:
+        policy = build_policy(ModelConfig(model_path="tiny", activation_checkpointing=policy_name),
+                              mesh, torch.device("cpu"))
+        calls: dict[str, int] = {}
+        for name, m in policy.model.named_modules():
+            if isinstance(m, Fp32Params):
+                calls[name] = 0
+                m.register_forward_pre_hook(
+                    lambda _m, _a, name=name: calls.__setitem__(name, calls[name] + 1))
+        mb = pack([sample], policy.routed_layers, use_routing=False)
+        res = policy.forward(mb, replay=False)
+        (-(res.logprobs * mb.loss_mask).sum()).backward()
+        grads = {n: p.grad.full_tensor().numpy().copy()
+                 for n, p in policy.model.named_parameters() if p.grad is not None}
+        out[policy_name] = (calls, grads)
+    return out
+
+
 @pytest.mark.timeout(120)
 def test_checkpointed_layers_reuse_unsharded_fp32_params():
-    (out,) = run_spawned(holder_calls_and_grads, [()], timeout=110)
+    (out,) = run_spawned(on_world_of_one, [(holder_calls_and_grads,)], timeout=110)
     assert isinstance(out, dict), out
     base_calls, base_grads = out["none"]
     assert len(base_calls) > 8 and set(base_calls.values()) == {1}, base_calls
@@ -137,57 +143,40 @@ def test_bad_activation_checkpointing_is_refused_by_name():
         checkpoint_layer(torch.nn.Linear(2, 2), "full")
 
 
-def graph_freed_after_failed_backward(queue) -> None:
-    """World 1 on gloo, per-layer checkpointing: a backward that fails part-way (as an
-    out-of-memory step does) leaves the forward's graph; after ForwardOut.release() and a
-    collection, none of the forward's shared entries is alive."""
+def graph_freed_after_failed_backward(mesh, sample):
+    """Per-layer checkpointing: a backward that fails part-way (as an out-of-memory step does)
+    leaves the forward's graph; after ForwardOut.release() and a collection -> (how many of the
+    forward's shared entries there were, how many are still alive)."""
     import gc
     import weakref
 
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(free_port()), LOCAL_WORLD_SIZE="1")
-    torch.set_num_threads(1)
     from trainer_bridge.config import ModelConfig
-    from trainer_bridge.dist import close_distributed, init_distributed
     from trainer_bridge.policy import build_policy
 
-    try:
-        info = init_distributed(torch.device("cpu"))
-        toks = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(0)).tolist()
-        sample = Sample(toks, [0] * 4 + [1] * 36, [0.0] * 40, 1.0, 0)
-        sample.advantage = 1.0
-        policy = build_policy(ModelConfig(model_path="tiny", activation_checkpointing="layer"),
-                              info.mesh, torch.device("cpu"))
-        mb = pack([sample], policy.routed_layers, use_routing=False)
-        out = policy.forward(mb, replay=False)
-        entries = [weakref.ref(t) for v in out.state.values()
-                   for t in (v if isinstance(v, tuple) else (v,)) if isinstance(t, torch.Tensor)]
-        loss = -(out.logprobs * mb.loss_mask).sum()
+    policy = build_policy(ModelConfig(model_path="tiny", activation_checkpointing="layer"),
+                          mesh, torch.device("cpu"))
+    mb = pack([sample], policy.routed_layers, use_routing=False)
+    out = policy.forward(mb, replay=False)
+    entries = [weakref.ref(t) for v in out.state.values()
+               for t in (v if isinstance(v, tuple) else (v,)) if isinstance(t, torch.Tensor)]
+    loss = -(out.logprobs * mb.loss_mask).sum()
 
-        def fail(grad):
-            raise RuntimeError("simulated out of memory")
+    def fail(grad):
+        raise RuntimeError("simulated out of memory")
 
-        loss.register_hook(fail)
-        try:
-            loss.backward()
-        except RuntimeError as err:
-            assert "simulated" in str(err)
-        else:
-            raise AssertionError("the backward did not fail")
-        out.release()
-        del out, loss
-        gc.collect()
-        queue.put((len(entries), sum(r() is not None for r in entries)))
-        close_distributed()
-    except Exception:  # report instead of hanging the parent
-        import traceback
-
-        queue.put(traceback.format_exc())
+    loss.register_hook(fail)
+    with pytest.raises(RuntimeError, match="simulated"):
+        loss.backward()
+    out.release()
+    del out, loss
+    gc.collect()
+    return len(entries), sum(r() is not None for r in entries)
 
 
 @pytest.mark.timeout(120)
 def test_failed_backward_frees_the_graph_after_release():
-    (out,) = run_spawned(graph_freed_after_failed_backward, [()], timeout=110)
+    (out,) = run_spawned(on_world_of_one, [(graph_freed_after_failed_backward,)],
+                         timeout=110)
     assert isinstance(out, tuple), out
     entries, alive = out
     assert entries > 0 and alive == 0, out

@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .dsv4_triton_forward import selection_or_empty
-from .triton_common import LOG2E, dot_precision, interpreting, mma, to_dtype
+from .dsv4_triton_forward import _online_softmax_step, selection_or_empty
+from .triton_common import LOG2E, dot_precision, interpreting
 
 
 @dataclass(frozen=True)
@@ -85,19 +85,6 @@ def split_count(tiles: DecodeTiles, batch: int, head_blocks: int, key_tiles: int
 
 
 @triton.jit
-def _decode_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC: tl.constexpr):
-    """One key tile of the online softmax (log2 domain); K=V, so the tile is also the values."""
-    s = mma(q, tl.trans(k), DOT_PREC) * qk_scale
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + mma(to_dtype(p, k.dtype, DOT_PREC), k, DOT_PREC)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _dsv4_decode_split_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_ptr, len_ptr,
                               page_ptr, o_ptr, part_ptr, ml_ptr, H, D, window, qk_scale,
                               stride_kv, stride_c, stride_idx, stride_page, tiles_per_split,
@@ -133,7 +120,7 @@ def _dsv4_decode_split_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_pt
         row = page.to(tl.int64) * PAGE + pos % PAGE
         k = tl.load(kv_ptr + row[:, None] * stride_kv + offs_d[None, :],
                     mask=valid[:, None] & dmask[None, :], other=0.0)
-        m_i, l_i, acc = _decode_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC)
+        m_i, l_i, acc = _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC)
     # Selection tiles, numbered after the window's cdiv(window, BN); they stop at the request's
     # last valid pick (sel_end), so -1 padding at the end costs nothing.
     win_tiles = tl.cdiv(window, BN)
@@ -145,7 +132,7 @@ def _dsv4_decode_split_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_pt
         valid = row >= 0
         k = tl.load(comp_ptr + row[:, None].to(tl.int64) * stride_c + offs_d[None, :],
                     mask=valid[:, None] & dmask[None, :], other=0.0)
-        m_i, l_i, acc = _decode_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC)
+        m_i, l_i, acc = _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC)
     if SPLITS == 1:
         if HAS_SINK:
             sink = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0).to(tl.float32)
