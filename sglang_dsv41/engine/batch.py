@@ -144,7 +144,8 @@ def build_plan(mode: str, reqs: list[Req], chunk_lens: list[int], page_size: int
     page_table = None
     if reqs and all(n == 1 for n in chunk_lens):
         used = [-(-s // page_size) for s in seq_lens]
-        page_table = torch.tensor([req.pages[:u] + [DUMMY_PAGE] * (max(used) - u)
+        width = max(used)
+        page_table = torch.tensor([req.pages[:u] + [DUMMY_PAGE] * (width - u)
                                    for req, u in zip(reqs, used)], dtype=torch.int32)
     return ForwardPlan(mode, torch.tensor(ids, dtype=torch.long),
                        torch.tensor(pos, dtype=torch.long), torch.tensor(slots, dtype=torch.long),

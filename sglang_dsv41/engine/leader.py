@@ -299,18 +299,19 @@ class LeaderScheduler:
         """One host copy of the sampled rows, each request's token, then one log_softmax pass
         over the rows of the requests that return logprobs."""
         rows = logits.float().cpu()
-        tokens, returned = [], {}
+        tokens, scored, scored_tokens, scored_logits = [], [], [], []
         for i, req in enumerate(reqs):
             token, lp_logits = sample_token(rows[i], req.sampling, req.generator, req.output_ids,
                                             logprob_logits=req.return_logprob,
                                             original=self.original_logprobs)
             tokens.append(token)
             if lp_logits is not None:
-                returned[i] = lp_logits
-        if returned:
-            scored = [reqs[i] for i in returned]
-            logprobs, extras = score_rows(model_logprobs(torch.stack(list(returned.values()))),
-                                          [tokens[i] for i in returned],
+                scored.append(req)
+                scored_tokens.append(token)
+                scored_logits.append(lp_logits)
+        if scored:
+            logprobs, extras = score_rows(model_logprobs(torch.stack(scored_logits)),
+                                          scored_tokens,
                                           [req.top_logprobs_num for req in scored],
                                           [req.token_ids_logprob for req in scored])
             for at, req in enumerate(scored):
