@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ..tokenizer import IncrementalDecoder
 from ..wire import encode_array
 from .logprobs import LogprobExtras
 from .messages import GenerateOut, GenerateReq
@@ -40,6 +41,7 @@ class OutputAssembler:
         self.input_extras = LogprobExtras()
         self._token_text: dict[int, str] = {}
         self.text = ""
+        self._text_stream = IncrementalDecoder(self._decode)
         self.finished = False
         self.finish_reason: dict[str, Any] | None = None
         self.last: GenerateOut | None = None
@@ -61,7 +63,10 @@ class OutputAssembler:
                 self.output_ids, self.logprobs = [], []
                 self.output_extras.clear()
                 self.finish_reason = {"type": "length", "length": 0}
-        self.text = self._decode(self.output_ids)
+                self.text = ""
+        # Cumulative text built from increments: decoding every id again per chunk would make a
+        # streamed answer quadratic in its length.
+        self.text += self._text_stream.step(self.output_ids, final=self.finished)
         matched = (self.finish_reason or {}).get("matched")
         if self.finished and isinstance(matched, str) and not self.options.no_stop_trim:
             cut = self.text.rfind(matched)

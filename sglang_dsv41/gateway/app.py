@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from ..router.base import NoEngineAvailable, RouterError, SessionRouter
-from .detokenize import IncrementalDecoder
+from ..tokenizer import IncrementalDecoder
 from .trajectory import Trajectory, Turn, routed_experts_of
 
 MAX_SESSIONS = 100_000   # the oldest finished sessions are forgotten past this

@@ -1,7 +1,7 @@
 """The gateway's streamed text: incremental decoding gives the whole answer's text, never a
 character cut inside its UTF-8 bytes, and decodes each id a bounded number of times."""
 
-from sglang_dsv41.gateway.detokenize import IncrementalDecoder
+from sglang_dsv41.tokenizer import IncrementalDecoder
 from sglang_dsv41.model.dsv4 import get_preset
 from sglang_dsv41.tokenizer import ByteTokenizer
 
