@@ -140,3 +140,16 @@ def test_a_bad_config_json_names_the_problem(tmp_path, change, needle):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="config"):
         DSV4Config.from_pretrained(str(tmp_path))
+
+
+def test_packed_context_bounds_are_host_facts_checked_once_per_call():
+    """DSV4Context.packed holds its sequence bounds on the host (no read-back of cu_seqlens), and
+    attend refuses a q whose token count disagrees with them (the kernel call itself skips its
+    value checks: check_values=False)."""
+    ctx = DSV4Context.packed([3, 0, 2])
+    assert ctx.seq_bounds == [(0, 3), (3, 3), (3, 5)]
+    assert ctx.seq_bounds == list(zip(ctx.cu_seqlens.tolist()[:-1], ctx.cu_seqlens.tolist()[1:]))
+    q, kv = torch.randn(5, 2, 16), torch.randn(5, 16)
+    assert ctx.attend(0, q, kv, torch.zeros(2), 4, 0.25, None, None).shape == q.shape
+    with pytest.raises(ValueError, match="cu_seqlens ends at 5, but q has 4 tokens"):
+        ctx.attend(0, q[:4], kv[:4], torch.zeros(2), 4, 0.25, None, None)

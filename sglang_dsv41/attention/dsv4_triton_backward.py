@@ -43,13 +43,12 @@ from .triton_common import LOG2E, dot_precision, mma, to_dtype
 
 @triton.jit
 def _ds_tile(q, do, lse, delta, kv_ptr, comp_ptr, idx_ptr, p_ptr, ds_ptr, prow, slot_base, t, n,
-             lo, hi, num_sel, stride_kv, stride_c, stride_idx, offs_n, offs_d, dmask, hmask,
+             hi, num_sel, stride_kv, stride_c, stride_idx, offs_n, offs_d, dmask, hmask,
              qk_scale, scale, IS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
     """P and scale * dS of key tile n into buffer slots n - slot_base + [0, BN); invalid keys
     are not stored."""
-    k, valid, _ = _load_keys(kv_ptr, comp_ptr, idx_ptr, idx_ptr, t, n, lo, hi, num_sel,
-                             stride_kv, stride_c, stride_idx, 0, offs_n, offs_d, dmask,
-                             IS_WINDOW, False, 1)
+    k, valid, _ = _load_keys(kv_ptr, comp_ptr, idx_ptr, t, n, hi, num_sel, stride_kv, stride_c,
+                             stride_idx, offs_n, offs_d, dmask, IS_WINDOW)
     s = mma(q, tl.trans(k), DOT_PREC) * qk_scale
     p = tl.where(valid[None, :], tl.exp2(s - lse[:, None]), 0.0)
     ds = p * (mma(do, tl.trans(k), DOT_PREC) - delta[:, None])
@@ -85,22 +84,21 @@ def _dsv4_ds_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, first_ptr, do_ptr
     lo = tl.maximum(tl.load(first_ptr + t), t + 1 - window)
     for n in range(lo, hi, BN):
         _ds_tile(q, do, lse, delta, kv_ptr, comp_ptr, idx_ptr, p_ptr, ds_ptr, prow,
-                 t + 1 - window, t, n, lo, hi, num_sel, stride_kv, stride_c, stride_idx,
+                 t + 1 - window, t, n, hi, num_sel, stride_kv, stride_c, stride_idx,
                  offs_n, offs_d, dmask, hmask, qk_scale, scale, True, DOT_PREC)
     for n in range(0, tl.load(end_ptr + t), BN):
         _ds_tile(q, do, lse, delta, kv_ptr, comp_ptr, idx_ptr, p_ptr, ds_ptr, prow, -window,
-                 t, n, lo, hi, num_sel, stride_kv, stride_c, stride_idx, offs_n, offs_d, dmask,
+                 t, n, hi, num_sel, stride_kv, stride_c, stride_idx, offs_n, offs_d, dmask,
                  hmask, qk_scale, scale, False, DOT_PREC)
 
 
 @triton.jit
-def _dq_tile(acc, ds_ptr, kv_ptr, comp_ptr, idx_ptr, prow, slot_base, t, n, lo, hi, num_sel,
+def _dq_tile(acc, ds_ptr, kv_ptr, comp_ptr, idx_ptr, prow, slot_base, t, n, hi, num_sel,
              stride_kv, stride_c, stride_idx, offs_n, offs_d, dmask, hmask,
              IS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
     """-> acc + (scale * dS)[heads, slots n - slot_base + [0, BN)] @ keys[tile n, D columns]."""
-    k, valid, _ = _load_keys(kv_ptr, comp_ptr, idx_ptr, idx_ptr, t, n, lo, hi, num_sel,
-                             stride_kv, stride_c, stride_idx, 0, offs_n, offs_d, dmask,
-                             IS_WINDOW, False, 1)
+    k, valid, _ = _load_keys(kv_ptr, comp_ptr, idx_ptr, t, n, hi, num_sel, stride_kv, stride_c,
+                             stride_idx, offs_n, offs_d, dmask, IS_WINDOW)
     ds = tl.load(ds_ptr + prow[:, None] + (n + offs_n - slot_base)[None, :],
                  mask=hmask[:, None] & valid[None, :], other=0.0)
     return acc + mma(ds, k, DOT_PREC)
@@ -124,10 +122,10 @@ def _dsv4_dq_kernel(ds_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, first_ptr, dq_pt
     lo = tl.maximum(tl.load(first_ptr + t), t + 1 - window)
     for n in range(lo, hi, BN):
         acc = _dq_tile(acc, ds_ptr, kv_ptr, comp_ptr, idx_ptr, prow, t + 1 - window, t, n,
-                       lo, hi, num_sel, stride_kv, stride_c, stride_idx, offs_n, offs_d, dmask,
+                       hi, num_sel, stride_kv, stride_c, stride_idx, offs_n, offs_d, dmask,
                        hmask, True, DOT_PREC)
     for n in range(0, tl.load(end_ptr + t), BN):
-        acc = _dq_tile(acc, ds_ptr, kv_ptr, comp_ptr, idx_ptr, prow, -window, t, n, lo, hi,
+        acc = _dq_tile(acc, ds_ptr, kv_ptr, comp_ptr, idx_ptr, prow, -window, t, n, hi,
                        num_sel, stride_kv, stride_c, stride_idx, offs_n, offs_d, dmask, hmask,
                        False, DOT_PREC)
     tl.store(dq_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],

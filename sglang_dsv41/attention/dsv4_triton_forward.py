@@ -4,7 +4,7 @@ One program per (query token, block of heads). All heads of a token share one K=
 (MQA), so the heads are the M side of every tile: q [BH, D] against gathered keys [BN, D].
 Two key sources per token, walked in order with one online softmax seeded by the sink:
   1. the sliding window, positions (pos - window, pos] of the token's sequence, contiguous rows
-     of `kv` (packed prefill) or rows found through a page table (paged decode, PAGED=True);
+     of the packed `kv` (paged decode has its own kernels: dsv4_triton_decode.py);
   2. the token's compressed selection, rows of `comp_kv` listed in comp_idx[t] (-1 = none).
 The selection loop stops at the token's last valid pick (sel_end[t], one torch reduction before
 the launch; the indexer puts its invalid picks last, so padding costs nothing) and has no branch
@@ -83,18 +83,12 @@ def default_blocks(heads: int) -> DSV4Blocks:
 
 
 @triton.jit
-def _load_keys(kv_ptr, comp_ptr, idx_ptr, page_ptr, t, n, lo, hi, num_sel, stride_kv, stride_c,
-               stride_idx, stride_page, offs_n, offs_d, dmask, IS_WINDOW: tl.constexpr,
-               PAGED: tl.constexpr, PAGE: tl.constexpr):
+def _load_keys(kv_ptr, comp_ptr, idx_ptr, t, n, hi, num_sel, stride_kv, stride_c, stride_idx,
+               offs_n, offs_d, dmask, IS_WINDOW: tl.constexpr):
     """-> (keys [BN, BD], valid [BN], row [BN]) of tile n of a token's window or selection."""
     if IS_WINDOW:
-        pos = n + offs_n
-        valid = pos < hi
-        if PAGED:
-            page = tl.load(page_ptr + t * stride_page + pos // PAGE, mask=valid, other=0)
-            row = page * PAGE + pos % PAGE
-        else:
-            row = pos
+        row = n + offs_n
+        valid = row < hi
         ptrs = kv_ptr + row[:, None].to(tl.int64) * stride_kv + offs_d[None, :]
     else:
         j = n + offs_n
@@ -119,12 +113,11 @@ def _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC: tl.cons
 
 
 @triton.jit
-def _dsv4_fwd_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_ptr, first_ptr, page_ptr,
-                     o_ptr, lse_ptr, H, D, window, num_sel, qk_scale, stride_qt, stride_qh,
-                     stride_kv, stride_c, stride_idx, stride_page, stride_ot, stride_oh,
-                     HAS_SINK: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
-                     STORE_LSE: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
-                     BNS: tl.constexpr, BD: tl.constexpr, DOT_PREC: tl.constexpr):
+def _dsv4_fwd_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_ptr, first_ptr, o_ptr,
+                     lse_ptr, H, D, window, num_sel, qk_scale, stride_qt, stride_qh, stride_kv,
+                     stride_c, stride_idx, stride_ot, stride_oh, HAS_SINK: tl.constexpr,
+                     BH: tl.constexpr, BN: tl.constexpr, BNS: tl.constexpr, BD: tl.constexpr,
+                     DOT_PREC: tl.constexpr):
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_d = tl.arange(0, BD)
@@ -140,30 +133,23 @@ def _dsv4_fwd_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_ptr, first_
         m_i = tl.full([BH], -1.0e30, tl.float32)
         l_i = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, BD], tl.float32)
-    # Window bounds in positions: packed rows [first, t] or cached positions [0, seq_len).
-    if PAGED:
-        hi = tl.load(first_ptr + t)
-        lo = tl.maximum(hi - window, 0)
-    else:
-        hi = t + 1
-        lo = tl.maximum(tl.load(first_ptr + t), t + 1 - window)
+    # The window: packed rows [max(first, t + 1 - window), t].
+    hi = t + 1
+    lo = tl.maximum(tl.load(first_ptr + t), t + 1 - window)
     for n in range(lo, hi, BN):
-        k, valid, _ = _load_keys(kv_ptr, comp_ptr, idx_ptr, page_ptr, t, n, lo, hi, num_sel,
-                                 stride_kv, stride_c, stride_idx, stride_page, offs_n, offs_d,
-                                 dmask, True, PAGED, PAGE)
+        k, valid, _ = _load_keys(kv_ptr, comp_ptr, idx_ptr, t, n, hi, num_sel, stride_kv,
+                                 stride_c, stride_idx, offs_n, offs_d, dmask, True)
         m_i, l_i, acc = _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC)
     offs_s = tl.arange(0, BNS)
     for n in range(0, tl.load(end_ptr + t), BNS):
-        k, valid, _ = _load_keys(kv_ptr, comp_ptr, idx_ptr, page_ptr, t, n, lo, hi, num_sel,
-                                 stride_kv, stride_c, stride_idx, stride_page, offs_s, offs_d,
-                                 dmask, False, PAGED, PAGE)
+        k, valid, _ = _load_keys(kv_ptr, comp_ptr, idx_ptr, t, n, hi, num_sel, stride_kv,
+                                 stride_c, stride_idx, offs_s, offs_d, dmask, False)
         m_i, l_i, acc = _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC)
     out = acc / tl.maximum(l_i, 1.0e-30)[:, None]
     tl.store(o_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
-    if STORE_LSE:
-        lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("inf"))
-        tl.store(lse_ptr + t * H + offs_h, lse, mask=hmask)
+    lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("inf"))
+    tl.store(lse_ptr + t * H + offs_h, lse, mask=hmask)
 
 
 def selection_tile(num_sel: int, bn: int, blocks: DSV4Blocks) -> int:
@@ -198,24 +184,20 @@ def selection_or_empty(comp_kv, comp_idx, total, dim, like):
 
 
 def dsv4_forward(q, kv, sinks, first_rows, window, scale, comp_kv, comp_idx, sel_end,
-                 blocks: DSV4Blocks, store_lse: bool = True, page_table=None, page_size=1):
-    """-> (out [T, H, D], lse [T, H] fp32 log2 units or None). Inputs already validated and
-    contiguous; comp_kv/comp_idx/sel_end from selection_or_empty. With page_table, `kv` is the paged
-    cache [pages * page_size, D], T is the batch and first_rows holds the sequence lengths."""
+                 blocks: DSV4Blocks):
+    """-> (out [T, H, D], lse [T, H] fp32 log2 units). Inputs already validated and contiguous;
+    comp_kv/comp_idx/sel_end from selection_or_empty."""
     total, heads, dim = q.shape
     out = torch.empty_like(q)
-    lse = torch.empty(total, heads, device=q.device, dtype=torch.float32) if store_lse else None
+    lse = torch.empty(total, heads, device=q.device, dtype=torch.float32)
     if total == 0:
         return out, lse
-    paged = page_table is not None
     grid = (total, triton.cdiv(heads, blocks.fwd_bh))
     _dsv4_fwd_kernel[grid](
-        q, kv, comp_kv, comp_idx, sel_end, sinks if sinks is not None else q, first_rows,
-        page_table if paged else first_rows, out, lse if store_lse else out, heads, dim, window,
-        comp_idx.shape[1], scale * LOG2E, q.stride(0), q.stride(1), kv.stride(0),
-        comp_kv.stride(0), comp_idx.stride(0), page_table.stride(0) if paged else 0,
-        out.stride(0), out.stride(1), HAS_SINK=sinks is not None, PAGED=paged, PAGE=page_size,
-        STORE_LSE=store_lse, BH=blocks.fwd_bh, BN=blocks.fwd_bn,
+        q, kv, comp_kv, comp_idx, sel_end, sinks if sinks is not None else q, first_rows, out,
+        lse, heads, dim, window, comp_idx.shape[1], scale * LOG2E, q.stride(0), q.stride(1),
+        kv.stride(0), comp_kv.stride(0), comp_idx.stride(0), out.stride(0), out.stride(1),
+        HAS_SINK=sinks is not None, BH=blocks.fwd_bh, BN=blocks.fwd_bn,
         BNS=selection_tile(comp_idx.shape[1], blocks.fwd_bn, blocks),
         BD=triton.next_power_of_2(dim), DOT_PREC=dot_precision(q.dtype),
         num_warps=blocks.fwd_warps, num_stages=blocks.fwd_stages)

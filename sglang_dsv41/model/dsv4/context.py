@@ -40,7 +40,12 @@ class DSV4Context:
         cu[1:] = torch.cumsum(lens, 0)
         positions = (torch.cat([torch.arange(n, device=device) for n in seq_lens]) if seq_lens
                      else torch.zeros(0, dtype=torch.long, device=device))
-        return cls(cu_seqlens=cu, positions=positions, **kw)
+        ctx = cls(cu_seqlens=cu, positions=positions, **kw)
+        ends = [0]
+        for n in seq_lens:
+            ends.append(ends[-1] + n)
+        ctx.__dict__["seq_bounds"] = list(zip(ends[:-1], ends[1:]))  # no read-back from the device
+        return ctx
 
     @functools.cached_property  # read back once per forward, not once per compressed layer
     def seq_bounds(self) -> list[tuple[int, int]]:

@@ -192,11 +192,11 @@ class MoE(nn.Module):
         if len(experts) != len(self.experts):  # expert parallel: this rank's experts only
             slots = torch.nonzero((local >= 0) & (local < len(experts))).squeeze(1)
             local = local[slots]
-        order = torch.argsort(local, stable=True)
+        sorted_ids, order = torch.sort(local, stable=True)
         # Group ends by binary search in the sorted ids: bincount on CUDA reads the ids' max
         # back to the host (a sync per layer); this stays on the device.
         bounds = torch.arange(1, len(experts) + 1, device=local.device, dtype=local.dtype)
-        offs = torch.searchsorted(local[order], bounds, out_int32=True)
+        offs = torch.searchsorted(sorted_ids, bounds, out_int32=True)
         # [T*k, H] broadcast of each token to its k slots, then gathered in expert order.
         rows = x[:, None, :].expand(n_tok, k, x.shape[-1]).reshape(n_tok * k, x.shape[-1])
         slot_order = order if slots is None else slots[order]
