@@ -173,3 +173,26 @@ def test_bucket_packing_round_trips_mixed_dtypes():
     assert [n for n, _ in got] == ["a", "b", "c", "d"]
     for (_, want), (_, t) in zip(named, got):
         assert t.dtype == want.dtype and torch.equal(t.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_send_weights_casts_a_bucket_at_a_time_to_the_wire_dtypes():
+    """The trainer's fp32 weights go out as the served dtype: send_weights casts inside each
+    bucket (no cast copy of the whole model first), strided views included, and the receiver,
+    planning with the wire dtypes, gets exactly the casts."""
+    from sglang_dsv41.loader.weight_sync_group import receive_weights
+
+    stacked = torch.randn(4, 6, 5)
+    named = [("w", torch.randn(7, 3)), ("experts.1", stacked[1]), ("t", torch.randn(5, 6).t()),
+             ("sink", torch.randn(4))]
+    wire = [torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float32]
+    link = LoopbackGroup()
+    assert send_weights(link, named, bucket_bytes=64, dtypes=wire)
+    assert len(link.sent) > 3  # bucket size, then several buckets of <= 64 bytes each
+    sent = iter(link.sent)
+    receiver = LoopbackGroup()
+    receiver.broadcast_ = lambda t, src=0: t.copy_(next(sent))
+    got = receive_weights(receiver, [n for n, _ in named], wire,
+                          [list(t.shape) for _, t in named], ok=True)
+    for (name, want), dtype, (got_name, t) in zip(named, wire, got):
+        assert got_name == name and t.dtype == dtype
+        assert torch.equal(t, want.to(dtype)), name

@@ -101,9 +101,8 @@ class WeightSyncer:
             plan = _bucket_plan(named, dtypes, self.bucket_bytes)
             num_bytes = 0
             if self.transport == "distributed":
-                cast = list(storable_state(dict(named), lambda n, _: dtypes[n]).items())
                 for u in urls:
-                    num_bytes += self._push_distributed(u, cast, version)
+                    num_bytes += self._push_distributed(u, named, dtypes, version)
             # One bucket at a time: only a bucket's casts exist at once besides the state.
             for i, indices in enumerate(plan if self.transport == "tensor" else []):
                 bucket = storable_state({named[j][0]: named[j][1] for j in indices},
@@ -123,22 +122,23 @@ class WeightSyncer:
                 "engram_checksum": _checksums(after[urls[0]]), "engines": urls}
 
     def _push_distributed(self, url: str, named: list[tuple[str, torch.Tensor]],
-                          version: str) -> int:
+                          dtypes: dict[str, torch.dtype], version: str) -> int:
         from sglang_dsv41.loader.weight_sync_group import send_weights
 
         group, name = self._groups.get(url) or self._init_group(url)
+        wire = [dtypes[n] for n, _ in named]
         body = {"names": [n for n, _ in named],
-                "dtypes": [str(t.dtype).replace("torch.", "") for _, t in named],
+                "dtypes": [str(d).replace("torch.", "") for d in wire],
                 "shapes": [list(t.shape) for _, t in named], "group_name": name,
                 "flush_cache": True, "weight_version": version}
         # The server joins the broadcasts while its HTTP call is in flight.
         with ThreadPoolExecutor(1) as pool:
             reply = pool.submit(self._post, url, "/update_weights_from_distributed", body)
-            sent = send_weights(group, named, self.bucket_bytes)
+            sent = send_weights(group, named, self.bucket_bytes, wire)
             reply.result()
         if not sent:
             raise WeightSyncError(f"{url} refused the distributed update")
-        return sum(t.numel() * t.element_size() for _, t in named)
+        return sum(t.numel() * d.itemsize for (_, t), d in zip(named, wire))
 
     def _init_group(self, url: str):
         from sglang_dsv41.loader.weight_sync_group import init_weight_sync_group

@@ -108,16 +108,20 @@ def plan_buckets(dtypes: list[torch.dtype], shapes: list[list[int]],
 
 
 def send_weights(group: WeightSyncGroup, named: list[tuple[str, torch.Tensor]],
-                 bucket_bytes: int = BUCKET_BYTES) -> bool:
+                 bucket_bytes: int = BUCKET_BYTES,
+                 dtypes: list[torch.dtype] | None = None) -> bool:
     """Trainer side (group rank 0), run while the HTTP update_weights_from_distributed call with
-    the same names/dtypes/shapes is in flight. False when the servers refused the update."""
+    the same names/dtypes/shapes is in flight. dtypes: what each tensor is sent as (default its
+    own); the casts happen a bucket at a time, so no cast copy of the whole model exists. False
+    when the servers refused the update."""
     if not group.all_ok(True):
         return False
     group.broadcast_(torch.tensor([bucket_bytes], dtype=torch.int64, device=group.device), 0)
     tensors = [t.detach() for _, t in named]
-    for bucket in plan_buckets([t.dtype for t in tensors], [list(t.shape) for t in tensors],
-                               bucket_bytes):
-        flat = torch.cat([tensors[i].contiguous().reshape(-1).view(torch.uint8) for i in bucket])
+    wire = dtypes if dtypes is not None else [t.dtype for t in tensors]
+    for bucket in plan_buckets(wire, [list(t.shape) for t in tensors], bucket_bytes):
+        flat = torch.cat([tensors[i].to(wire[i]).contiguous().reshape(-1).view(torch.uint8)
+                          for i in bucket])
         group.broadcast_(flat.to(group.device), 0)
     return group.all_ok(True)
 
