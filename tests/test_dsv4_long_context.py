@@ -101,9 +101,10 @@ def test_ratio_one_selection_memory_grows_linearly(monkeypatch):
     for t in (1024, 2048):
         x = torch.randn(t, cfg.hidden_size, generator=gen)
         q = torch.randn(t, cfg.q_lora_rank, generator=gen)
-        pos, cu = torch.arange(t), torch.tensor([0, t], dtype=torch.int32)
+        pos = torch.arange(t)
         with torch.no_grad():
-            peaks.append(_peak_bytes(lambda: low_ratio_entries(cfg, 0, attn, x, q, pos, cu, {})))
+            peaks.append(_peak_bytes(lambda: low_ratio_entries(cfg, 0, attn, x, q, pos, [(0, t)],
+                                                               {})))
     whole_block = 2048 * cfg.index_n_heads * 2048 * 4  # what one unchunked score block takes
     assert peaks[1] < 2.5 * peaks[0], peaks
     assert peaks[1] < whole_block / 4, (peaks, whole_block)

@@ -56,10 +56,11 @@ def _sg():
 
 
 def _batch():
-    cu = torch.tensor([0] + torch.tensor(SEQS).cumsum(0).tolist(), dtype=torch.int32)
+    ends = torch.tensor(SEQS).cumsum(0).tolist()
+    bounds = list(zip([0] + ends[:-1], ends))
     pos = torch.cat([torch.arange(n) for n in SEQS])
     req = torch.cat([torch.full((n,), r) for r, n in enumerate(SEQS)])
-    return cu, pos, req, (req + 1) * M + pos    # raw KV slots; slot 0 is SGLang's padding
+    return bounds, pos, req, (req + 1) * M + pos    # raw KV slots; slot 0 is SGLang's padding
 
 
 def _models(cfg, seed):
@@ -217,13 +218,13 @@ def _entry_start(ratio):
 
 
 def test_entries_and_selection_match_sglang(seed):
-    cu, pos, req, raw = _batch()
+    bounds, pos, req, raw = _batch()
     ours, theirs = _models(CFG, seed)
     pool, freqs, shared, published = _Pool(CFG), _freqs_cis(CFG), {}, None
     for i, ratio in enumerate(CFG.compress_ratios):
         x = torch.randn(pos.shape[0], CFG.hidden_size).to(BF16)
         q_lora = torch.randn(pos.shape[0], CFG.q_lora_rank).to(BF16)
-        comp_kv, comp_idx = low_ratio_entries(CFG, i, ours[i], x, q_lora, pos, cu, shared,
+        comp_kv, comp_idx = low_ratio_entries(CFG, i, ours[i], x, q_lora, pos, bounds, shared,
                                               serving_numerics=True)
         s_comp, s_idx = theirs[i]
         if s_comp is not None:
@@ -250,13 +251,13 @@ def test_entries_and_selection_match_sglang(seed):
 
 
 def test_consumer_selects_only_inside_published_blocks(seed):
-    cu, pos, _, _ = _batch()
+    bounds, pos, _, _ = _batch()
     ours, _ = _models(CFG, seed)
     shared = {}
     for i in range(CFG.num_hidden_layers):
         x = torch.randn(pos.shape[0], CFG.hidden_size).to(BF16)
         q = torch.randn(pos.shape[0], CFG.q_lora_rank).to(BF16)
-        _, comp_idx = low_ratio_entries(CFG, i, ours[i], x, q, pos, cu, shared)
+        _, comp_idx = low_ratio_entries(CFG, i, ours[i], x, q, pos, bounds, shared)
     blocks = shared[("v41_candidates",)].long()
     start = _entry_start(1)[torch.cat([torch.full((n,), r) for r, n in enumerate(SEQS)])]
     local = comp_idx.long() - start[:, None]
@@ -270,11 +271,11 @@ def test_consumer_selects_only_inside_published_blocks(seed):
 def test_queries_see_only_complete_groups_of_their_sequence(ratio, seed):
     cfg = replace(CFG, compress_ratios=[ratio], num_hidden_layers=1, kv_source_layer_ids=[0],
                   index_source_layer_ids=[0], candidate_source_layer_id=-1, index_topk=64)
-    cu, pos, req, _ = _batch()
+    bounds, pos, req, _ = _batch()
     (ours, _) = _models(cfg, seed)
     x = torch.randn(pos.shape[0], cfg.hidden_size).to(BF16)
     q = torch.randn(pos.shape[0], cfg.q_lora_rank).to(BF16)
-    comp_kv, comp_idx = low_ratio_entries(cfg, 0, ours[0], x, q, pos, cu, {})
+    comp_kv, comp_idx = low_ratio_entries(cfg, 0, ours[0], x, q, pos, bounds, {})
     assert comp_kv.shape[0] == sum(n // ratio for n in SEQS)
     start = _entry_start(ratio)[req]
     visible = (pos + 1) // ratio
@@ -286,7 +287,7 @@ def test_queries_see_only_complete_groups_of_their_sequence(ratio, seed):
     # changing a later token leaves every earlier complete group's entry unchanged
     x2 = x.clone()
     x2[30] += 1
-    comp_kv2, _ = low_ratio_entries(cfg, 0, ours[0], x2, q, pos, cu, {})
+    comp_kv2, _ = low_ratio_entries(cfg, 0, ours[0], x2, q, pos, bounds, {})
     first_touched = 30 // ratio
     assert torch.equal(comp_kv2[:first_touched], comp_kv[:first_touched])
     assert not torch.equal(comp_kv2[first_touched], comp_kv[first_touched])
@@ -295,12 +296,12 @@ def test_queries_see_only_complete_groups_of_their_sequence(ratio, seed):
 def test_serving_numerics_round_kv_and_pass_gradients(seed):
     cfg = replace(CFG, compress_ratios=[2], num_hidden_layers=1, kv_source_layer_ids=[0],
                   index_source_layer_ids=[0], candidate_source_layer_id=-1)
-    cu, pos, _, _ = _batch()
+    bounds, pos, _, _ = _batch()
     (ours, _) = _models(cfg, seed)
     x = torch.randn(pos.shape[0], cfg.hidden_size).to(BF16)
     q = torch.randn(pos.shape[0], cfg.q_lora_rank).to(BF16)
-    plain, _ = low_ratio_entries(cfg, 0, ours[0], x, q, pos, cu, {})
-    served, _ = low_ratio_entries(cfg, 0, ours[0], x, q, pos, cu, {}, serving_numerics=True)
+    plain, _ = low_ratio_entries(cfg, 0, ours[0], x, q, pos, bounds, {})
+    served, _ = low_ratio_entries(cfg, 0, ours[0], x, q, pos, bounds, {}, serving_numerics=True)
     assert not torch.equal(plain, served)
     rel = (plain.float() - served.float()).norm() / plain.float().norm()
     assert 0 < rel < 0.2
@@ -310,14 +311,14 @@ def test_serving_numerics_round_kv_and_pass_gradients(seed):
 
 
 def test_bad_layouts_and_configs_are_refused():
-    cu, pos, _, _ = _batch()
+    bounds, pos, _, _ = _batch()
     ours, _ = _models(CFG, 0)
     x = torch.randn(pos.shape[0], CFG.hidden_size)
     q = torch.randn(pos.shape[0], CFG.q_lora_rank)
     with pytest.raises(ValueError, match="positions 0..n-1"):
-        low_ratio_entries(CFG, 0, ours[0], x, q, pos + 1, cu, {})
+        low_ratio_entries(CFG, 0, ours[0], x, q, pos + 1, bounds, {})
     with pytest.raises(RuntimeError, match="has not run"):
-        low_ratio_entries(CFG, 2, ours[2], x, q, pos, cu, {})
+        low_ratio_entries(CFG, 2, ours[2], x, q, pos, bounds, {})
     with pytest.raises(ValueError, match="not an index source"):
         validate_low_ratio_config(replace(CFG, kv_source_layer_ids=[0, 1, 2]))
     with pytest.raises(ValueError, match="no index source"):

@@ -90,7 +90,6 @@ class EngineForwardContext(DSV4Context):
             self.context_bounds.append((at, at + s))
             new_rows.append(torch.arange(at + s - n, at + s))
             at += s
-        self.context_cu = cu_of(plan.seq_lens, dev)
         self.context_positions = (torch.cat([torch.arange(s) for s in plan.seq_lens]).to(dev)
                                   if plan.seq_lens else torch.zeros(0, dtype=torch.long,
                                                                     device=dev))

@@ -70,7 +70,7 @@ def _context_compressed(attn: nn.Module, hooks: "ModelHooks"):
         if layer_id in cfg.index_source_layer_ids:
             q_lora = ctx.cached_rows(f"layers.{layer_id}.q_lora", q_lora)
         entries, selected = low_ratio_entries(cfg, layer_id, attn, x, q_lora,
-                                              ctx.context_positions, ctx.context_cu,
+                                              ctx.context_positions, ctx.context_bounds,
                                               ctx.context_shared, ctx.serving_numerics)
         mine = selected.new_full((ctx.positions.shape[0], selected.shape[1]), -1)
         mine[:ctx.plan.num_tokens] = selected[ctx.new_context_rows]

@@ -87,7 +87,7 @@ class Attention(nn.Module):
             return None, None
         if self.ratio in (1, 2):
             return low_ratio_entries(self.cfg, self.layer_id, self, x, q_lora, ctx.positions,
-                                     ctx.cu_seqlens, ctx.shared, ctx.serving_numerics)
+                                     ctx.seq_bounds, ctx.shared, ctx.serving_numerics)
         bounds = ctx.seq_bounds
         entries, starts = self.compressor(x, bounds, self.freqs)
         if self.indexer is None:

@@ -133,10 +133,11 @@ class EntryLayout:
     token_bounds: list[tuple[int, int]]
 
     @classmethod
-    def build(cls, ratio: int, positions: torch.Tensor, cu_seqlens: torch.Tensor) -> "EntryLayout":
-        bounds = list(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()))
+    def build(cls, ratio: int, positions: torch.Tensor,
+              bounds: list[tuple[int, int]]) -> "EntryLayout":
+        """bounds: each sequence's packed rows [start, end), on the host."""
         if bounds and bounds[-1][1] != positions.shape[0]:
-            raise ValueError(f"cu_seqlens ends at {bounds[-1][1]}, positions has "
+            raise ValueError(f"the sequences end at {bounds[-1][1]}, positions has "
                              f"{positions.shape[0]} tokens")
         expect = [torch.arange(b - a, device=positions.device) for a, b in bounds]
         # One comparison for the whole batch: a per-sequence check reads back once per sequence.
@@ -156,7 +157,8 @@ class EntryLayout:
 
 
 def low_ratio_entries(cfg: DSV4Config, layer_id: int, attn: nn.Module, x: torch.Tensor,
-                      q_lora: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
+                      q_lora: torch.Tensor, positions: torch.Tensor,
+                      seq_bounds: list[tuple[int, int]],
                       shared: dict, serving_numerics: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """The compressed entries of ratio-1/2 layer ``layer_id``: ``comp_kv [C, head_dim]`` RoPE'd
@@ -170,7 +172,7 @@ def low_ratio_entries(cfg: DSV4Config, layer_id: int, attn: nn.Module, x: torch.
         raise ValueError(f"layer {layer_id} has compress ratio {ratio}, not 1 or 2")
     layout = shared.get(("v41_layout", ratio))
     if layout is None:
-        layout = shared[("v41_layout", ratio)] = EntryLayout.build(ratio, positions, cu_seqlens)
+        layout = shared[("v41_layout", ratio)] = EntryLayout.build(ratio, positions, seq_bounds)
     inv_freq = layer_inv_freq(cfg, compressed=True)
     compressor, indexer = getattr(attn, "compressor", None), getattr(attn, "indexer", None)
     if layer_id in cfg.kv_source_layer_ids:
