@@ -11,7 +11,7 @@ import torch
 
 from sglang_dsv41.attention import dsv4_decode
 from sglang_dsv41.attention.dsv4 import dsv4_decode_reference
-from sglang_dsv41.attention.dsv4_triton_decode import DecodeTiles, dsv4_decode_triton
+from sglang_dsv41.attention.dsv4_triton_decode import DecodeTiles, dsv4_decode_triton, split_count
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
@@ -115,3 +115,13 @@ def test_decode_tiles_refuse_bad_sizes():
         DecodeTiles(bh=24, bn=16, warps=4, stages=2)
     with pytest.raises(ValueError, match="splits"):
         DecodeTiles(bh=16, bn=16, warps=4, stages=2, splits=-1)
+
+
+def test_split_count_never_leaves_a_split_without_key_tiles():
+    for key_tiles in range(1, 20):
+        for wanted in range(1, 24):
+            tiles = DecodeTiles(bh=16, bn=16, warps=1, stages=1, splits=wanted)
+            splits = split_count(tiles, 4, 1, key_tiles, torch.device("cpu"))
+            per_split = -(-key_tiles // splits)
+            assert 1 <= splits <= min(wanted, key_tiles)
+            assert (splits - 1) * per_split < key_tiles, (key_tiles, wanted, splits)

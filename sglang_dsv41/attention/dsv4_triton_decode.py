@@ -73,15 +73,21 @@ def split_count(tiles: DecodeTiles, batch: int, head_blocks: int, key_tiles: int
                 device: torch.device) -> int:
     """Splits per request: tiles.splits, or, only when the batch gives fewer programs than
     multiprocessors, enough for two a multiprocessor (at batch 512 with 8 heads a second split
-    cost 40% more time: the partial outputs and the combine outweigh the extra programs)."""
+    cost 40% more time: the partial outputs and the combine outweigh the extra programs),
+    rounded down to a power of two. SPLITS is a compile-time constant of both kernels: without
+    the rounding every small batch size a server meets would compile them anew. The count is
+    then trimmed so that no split is left without a key tile."""
     if tiles.splits:
-        return min(tiles.splits, key_tiles)
-    if device.type != "cuda":
-        return 1
-    sms = _multiprocessors(device.index if device.index is not None else
-                           torch.cuda.current_device())
-    programs = batch * head_blocks
-    return 1 if programs >= sms else min(key_tiles, triton.cdiv(2 * sms, programs))
+        wanted = tiles.splits
+    elif device.type != "cuda":
+        wanted = 1
+    else:
+        sms = _multiprocessors(device.index if device.index is not None else
+                               torch.cuda.current_device())
+        programs = batch * head_blocks
+        wanted = 1 if programs >= sms else 1 << (triton.cdiv(2 * sms, programs).bit_length() - 1)
+    wanted = max(1, min(wanted, key_tiles))
+    return triton.cdiv(key_tiles, triton.cdiv(key_tiles, wanted))
 
 
 @triton.jit
