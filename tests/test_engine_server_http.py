@@ -283,3 +283,20 @@ async def test_shortest_queue_and_pinned_requests_count_as_load():
     with pytest.raises(ValueError, match="already running"):
         c.submit(GenerateReq("p0", [1], SamplingParams()), loop)
     c.shutdown()
+
+
+async def test_a_failed_rank_names_itself_to_its_waiting_requests():
+    import asyncio
+
+    from sglang_dsv41.engine.dp_controller import EngineFailure
+    from sglang_dsv41.engine.messages import SamplingParams
+
+    c = DPController([queue.Queue(), queue.Queue()], queue.Queue(), [0, 1])
+    loop = asyncio.get_running_loop()
+    _, on_rank1 = c.submit(GenerateReq("a", [1], SamplingParams(), routed_dp_rank=1), loop)
+    _, on_rank0 = c.submit(GenerateReq("b", [1], SamplingParams(), routed_dp_rank=0), loop)
+    c.fail_rank(1, "lost its GPU")
+    failure = await asyncio.wait_for(on_rank1.get(), 5)
+    assert isinstance(failure, EngineFailure) and failure.reason == "dp_rank 1: lost its GPU"
+    assert on_rank0.empty() and c.rank_health() == {0: "", 1: "lost its GPU"}
+    c.shutdown()

@@ -143,13 +143,13 @@ class DPController:
                 for rid in pending:
                     del self._pending[rid]
             controls, self._controls = self._controls, {}
-        logger.error("%s unhealthy: %s", "engine" if dp_rank is None else f"dp_rank {dp_rank}",
-                     reason)
+        message = reason if dp_rank is None else rank_failure_text(dp_rank, reason)
+        logger.error("%s unhealthy: %s", "engine" if dp_rank is None else "DP group", message)
         for p in pending.values():
-            p.loop.call_soon_threadsafe(p.chunks.put_nowait, EngineFailure(reason))
+            p.loop.call_soon_threadsafe(p.chunks.put_nowait, EngineFailure(message))
         for call in controls.values():
             if not call.future.done():
-                call.future.set_exception(EngineUnavailable(reason))
+                call.future.set_exception(EngineUnavailable(message))
 
     # ---- generate ----------------------------------------------------------------------------
     def _in_flight(self) -> list[int]:
