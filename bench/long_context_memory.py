@@ -23,6 +23,7 @@ import contextlib
 import os
 import sys
 from dataclasses import replace
+from unittest import mock
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -31,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sglang_dsv41.model.dsv4 import compressor, get_preset, token_logprobs  # noqa: E402
 from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM, init_weights  # noqa: E402
-from trainer_bridge.batch import Sample, pack  # noqa: E402
+from bench.train import Shape, bench_batch  # noqa: E402
 from trainer_bridge.config import LossConfig  # noqa: E402
 from trainer_bridge.loss import ppo_loss  # noqa: E402
 from trainer_bridge.parallelize import is_fp32_param  # noqa: E402
@@ -75,19 +76,6 @@ def attend_footprint(self, layer_id, q, kv, sinks, window, scale, comp_kv, comp_
     return KernelFootprint.apply(q, kv, sinks, comp_kv, comp_idx)
 
 
-@contextlib.contextmanager
-def patched(target, **values):
-    """Set attributes of ``target`` for the block; the old values come back on any exit."""
-    saved = {k: getattr(target, k) for k in values}
-    try:
-        for k, v in values.items():
-            setattr(target, k, v)
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(target, k, v)
-
-
 def peak_bytes(fn) -> int:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
@@ -101,11 +89,7 @@ def peak_bytes(fn) -> int:
 
 
 def step_batch(policy: Policy, seq: int):
-    gen = torch.Generator().manual_seed(seq)
-    toks = torch.randint(0, 256, (seq,), generator=gen).tolist()
-    s = Sample(toks, [0] + [1] * (seq - 1), [0.0] * seq, 1.0, 0)
-    s.advantage = 1.0
-    return pack([s], policy.routed_layers, use_routing=False)
+    return bench_batch(policy.config, policy.routed_layers, Shape(1, seq))
 
 
 def saved_bytes(policy: Policy, seq: int) -> int:
@@ -128,7 +112,7 @@ def saved_bytes(policy: Policy, seq: int) -> int:
 
 def step_peak(policy: Policy, seq: int) -> int:
     mb = step_batch(policy, seq)
-    old = torch.zeros(seq - 1)
+    old = torch.zeros_like(mb.rollout_logprobs)
 
     def step():
         out = policy.forward(mb, replay=False)
@@ -149,7 +133,8 @@ def main(argv=None) -> int:
                    "mHC parameters stay fp32)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    with patched(DSV4Context, attend=attend_footprint):  # the kernel's memory, not the CPU's
+    # the kernel's memory, not the CPU reference's
+    with mock.patch.multiple(DSV4Context, attend=attend_footprint):
         run(args)
     return 0
 
@@ -164,7 +149,11 @@ def run(args) -> None:
             if not is_fp32_param(name):
                 p.data = p.data.to(torch.bfloat16)
     policy = Policy(model, args.preset, torch.device("cpu"), attention_backend="reference")
-    seqs = [int(s) for s in args.seqs.split(",")]
+    shapes = [Shape.parse(s) for s in args.seqs.split(",")]
+    if any(shape.n != 1 for shape in shapes):
+        raise SystemExit(f"--seqs {args.seqs!r}: one sequence per length here (LENGTH, not "
+                         "NxLENGTH)")
+    seqs = [shape.length for shape in shapes]
     print(f"{args.preset} at hidden {args.hidden} (vocab {cfg.vocab_size}, "
           f"{cfg.num_hidden_layers} layers, ratios {cfg.compress_ratios}, index heads "
           f"{cfg.index_n_heads}), CPU {args.dtype}")
@@ -178,7 +167,7 @@ def run(args) -> None:
     for label, patches in variants.items():
         with contextlib.ExitStack() as stack:
             for module, values in patches:
-                stack.enter_context(patched(module, **values))
+                stack.enter_context(mock.patch.multiple(module, **values))
             peaks = [step_peak(policy, s) for s in seqs]
         growth = " ".join(f"{b / a:.2f}x" for a, b in zip(peaks, peaks[1:]))
         print(f"{label:<24}" + "".join(f"{b / MiB:10.1f}" for b in peaks) + f"   {growth}",

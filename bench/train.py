@@ -486,6 +486,8 @@ def main(argv=None) -> int:
     if longest > cfg.max_position_embeddings:
         raise SystemExit(f"--seqs {longest} exceeds the preset's context")
     profile_shape = Shape.parse(args.profile_seq) if args.profile_seq else None
+    if profile_shape is not None and profile_shape not in seqs:
+        raise SystemExit(f"--profile-seq {args.profile_seq} is not one of --seqs {args.seqs}")
     biggest = max(seqs, key=lambda s: s.tokens)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.attention is None:
@@ -526,7 +528,9 @@ def main(argv=None) -> int:
                 if runner is None:
                     runner = Ours(c, info.mesh, device, args, policies[ac])
                     try:
-                        plan = runner.planned_memory(longest, shortest, policies[ac])
+                        plan = (runner.planned_memory(longest, shortest, policies[ac])
+                                if shortest >= 4 else "memory plan: its two probes (half the "
+                                "shortest length and the shortest) need a length of at least 4")
                     except torch.OutOfMemoryError:
                         plan = f"memory plan: the {shortest}-token probe ran out of memory"
                         free(device)

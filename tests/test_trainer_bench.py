@@ -62,3 +62,17 @@ def test_bench_train_runs_with_activation_checkpointing(policy):
     row = next(line for line in out.stdout.splitlines()
                if line.startswith(f"ours tiny ac={policy} ") and "memory plan" not in line)
     assert float(row.split()[-5]) > 0, row  # tokens/s
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, message", [
+    (["--seqs", "64,2xk"], "--seqs item '2xk': expected LENGTH or NxLENGTH"),
+    (["--seqs", "64", "--profile-seq", "32"], "--profile-seq 32 is not one of --seqs 64"),
+])
+def test_bench_train_refuses_bad_flags_before_building(args, message):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    code = RUN.format(tests=os.path.join(ROOT, "tests"),
+                      bench=os.path.join(ROOT, "bench", "train.py"))
+    out = subprocess.run([sys.executable, "-c", code, "--preset", "tiny", *args], env=env,
+                         capture_output=True, text=True, timeout=50)
+    assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]
