@@ -12,10 +12,15 @@ Rows: ours on the preset (V4.1: ratio-1/2 layers, Engram), ours and transformers
 (same sizes, the layer kinds transformers defines: ratios 1/2 become 4, no Engram). MFU counts
 6 x active parameters x tokens against the device's bf16 peak; attention FLOPs (3 x forward,
 4 H D per query-key pair) are reported separately. A row that runs out of memory says OOM.
-The 64k row prints its memory plan (fp32 master weights, gradients, Adam state, activations);
-before it runs, each of ours' models prints its planned memory at the longest length: the
-static state, every layer's retained bytes measured on a forward of the shortest length and
-scaled (all O(T) since the selection and the head run in chunks), the largest temporaries.
+The longest row prints its memory plan (fp32 master weights, gradients, Adam state,
+activations); before it runs, each of ours' models prints its planned peak at the longest
+length: the static state, every layer's retained bytes and the backward's rise above them,
+each measured on steps of the shortest length and its half and extrapolated linearly (all
+O(T) since the selection and the head run in chunks), and the largest temporaries.
+
+Under torchrun (FSDP over the ranks; ``torchrun --nproc-per-node 2 bench/train.py
+--transformers none --no-twin ...``) each rank steps its own batch of each shape, rows are
+per GPU and rank 0 prints.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from trainer_bridge.config import LossConfig, OptimConfig  # noqa: E402
 from trainer_bridge.dist import close_distributed, init_distributed  # noqa: E402
 from trainer_bridge.loss import ppo_loss  # noqa: E402
 from trainer_bridge.parallelize import parallelize_policy  # noqa: E402
-from trainer_bridge.policy import ForwardState, Policy  # noqa: E402
+from trainer_bridge.policy import ForwardState, Policy, resolve_device  # noqa: E402
 from trainer_bridge.schedule import build_optimizer  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
@@ -214,12 +219,12 @@ def random_tokens(cfg: DSV4Config, seq: int, seed: int = 0) -> list[int]:
     return torch.randint(0, min(cfg.vocab_size, 256), (seq,), generator=gen).tolist()
 
 
-def bench_batch(cfg: DSV4Config, routed_layers: list[int], shape: Shape):
+def bench_batch(cfg: DSV4Config, routed_layers: list[int], shape: Shape, rank: int = 0):
     """``shape.n`` random sequences (every token after the first in the loss, advantage 1)
-    packed into one micro-batch."""
+    packed into one micro-batch; each data-parallel rank draws its own."""
     samples = []
     for i in range(shape.n):
-        s = Sample(random_tokens(cfg, shape.length, seed=i), [0] + [1] * (shape.length - 1),
+        s = Sample(random_tokens(cfg, shape.length, seed=rank * shape.n + i), [0] + [1] * (shape.length - 1),
                    [0.0] * shape.length, 1.0, 0)
         s.advantage = 1.0
         samples.append(s)
@@ -227,11 +232,13 @@ def bench_batch(cfg: DSV4Config, routed_layers: list[int], shape: Shape):
 
 
 def static_bytes(model: torch.nn.Module) -> tuple[int, int, int]:
-    """(parameters, trained parameters, buffers) in bytes: fp32 master weights, and each of
-    the fp32 gradients and the two Adam moments, and the frozen tables."""
-    params = list(model.parameters())
-    master = sum(p.numel() * p.element_size() for p in params)
-    trained = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    """(parameters, trained parameters, buffers) in bytes on this rank: fp32 master weights (an
+    FSDP shard), and each of the fp32 gradients and the two Adam moments, and the frozen
+    tables."""
+    local = [(p.to_local() if hasattr(p, "to_local") else p, p.requires_grad)
+             for p in model.parameters()]
+    master = sum(t.numel() * t.element_size() for t, _ in local)
+    trained = sum(t.numel() * t.element_size() for t, grad in local if grad)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     return master, trained, buffers
 
@@ -239,9 +246,9 @@ def static_bytes(model: torch.nn.Module) -> tuple[int, int, int]:
 class Ours:
     """Our trainer's policy on ``cfg``: built once, stepped at every sequence length."""
 
-    def __init__(self, cfg: DSV4Config, mesh, device, args, checkpointing: str):
+    def __init__(self, cfg: DSV4Config, info, device, args, checkpointing: str):
         t0 = time.perf_counter()
-        self.cfg, self.device = cfg, device
+        self.cfg, self.device, self.info = cfg, device, info
         torch.manual_seed(0)
         model = DSV4ForCausalLM(cfg)
         init_weights(model, seed=0)
@@ -250,7 +257,7 @@ class Ours:
                 p.requires_grad_(False)  # RL keeps the router frozen (model.freeze_router)
         model.to(device)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        parallelize_policy(model, mesh, compute_dtype=dtype, lm_head_fp32=True,
+        parallelize_policy(model, info.mesh, compute_dtype=dtype, lm_head_fp32=True,
                            activation_checkpointing=checkpointing)
         self.policy = Policy(model, "bench", device, attention_backend=args.attention)
         self.opt, _ = build_optimizer(self.policy, OptimConfig(lr=1e-5, sink_frozen_frac=0,
@@ -259,12 +266,12 @@ class Ours:
         print(f"built ours {checkpointing} in {time.perf_counter() - t0:.1f} s", flush=True)
 
     def stepper(self, shape: Shape):
-        mb = bench_batch(self.cfg, self.policy.routed_layers, shape)
+        mb = bench_batch(self.cfg, self.policy.routed_layers, shape, self.info.rank)
         dev = self.device
         old, rollout, adv, mask = (t.to(dev) for t in (torch.zeros_like(mb.rollout_logprobs),
                                                        mb.rollout_logprobs, mb.advantages,
                                                        mb.loss_mask))
-        tokens = float(mb.loss_mask.sum())
+        tokens = float(mb.loss_mask.sum()) * self.info.world_size  # every rank's batch alike
 
         def step():
             # The ranges name the step's phases in a profile (print_profile's table).
@@ -273,7 +280,8 @@ class Ours:
                 with torch.profiler.record_function("ours.forward"):
                     out = self.policy.forward(mb, replay=False)
                     loss = ppo_loss(out.logprobs, old, rollout, adv, mask, LossConfig(),
-                                    global_tokens=tokens, world_size=1).loss
+                                    global_tokens=tokens,
+                                    world_size=self.info.world_size).loss
                 with torch.profiler.record_function("ours.backward"):
                     loss.backward()
             finally:  # an out-of-memory step must not keep its graph alive for the retry
@@ -292,18 +300,20 @@ class Ours:
                 f"peak {(peak - self.allocated_after_build - 2 * trained) / GiB:.2f}; peak "
                 f"{peak / GiB:.2f} GiB")
 
-    def retained_per_layer(self, seq: int) -> list[int] | None:
+    def retained_per_layer(self, seq: int) -> tuple[list[int], int] | None:
         """Bytes each decoder layer, then the norm and head, leave allocated after one forward
         of ``seq`` tokens: what they keep for the backward under this checkpointing policy
-        (and a layer's gathered parameters when FSDP keeps them unsharded). CUDA only: the
-        allocator's counter read in a hook after each layer."""
+        (and a layer's gathered parameters when FSDP keeps them unsharded); and how far the
+        backward then rises above that (the gradients it allocates, a layer's recompute under
+        checkpointing, its temporaries). CUDA only: the allocator's counters, read in a hook
+        after each layer and at the backward's peak."""
         if self.device.type != "cuda":
             return None
         marks: list[int] = []
         hooks = [layer.register_forward_hook(
             lambda *_: marks.append(torch.cuda.memory_allocated(self.device)))
             for layer in self.policy.model.layers]
-        mb = bench_batch(self.cfg, self.policy.routed_layers, Shape(1, seq))
+        mb = bench_batch(self.cfg, self.policy.routed_layers, Shape(1, seq), self.info.rank)
         free(self.device)
         try:
             before = torch.cuda.memory_allocated(self.device)
@@ -312,21 +322,23 @@ class Ours:
         finally:
             for h in hooks:
                 h.remove()
+        torch.cuda.reset_peak_memory_stats(self.device)
         try:  # a whole iteration, so FSDP's backward state completes
             out.logprobs.sum().backward()
+            rise = torch.cuda.max_memory_allocated(self.device) - points[-1]
         finally:
             out.release()
         self.zero_grad()
         del out
         free(self.device)
-        return [b - a for a, b in zip(points, points[1:])]
+        return [b - a for a, b in zip(points, points[1:])], rise
 
     def planned_memory(self, seq: int, probe_seq: int, checkpointing: str) -> str:
-        """The memory plan at ``seq`` tokens from forwards of ``probe_seq`` // 2 and
-        ``probe_seq``: each layer's retained bytes are a fixed part (its gathered parameters
-        when FSDP keeps them for the backward) plus an O(T) part (chunked selection and head),
-        fitted through the two and taken at ``seq``; plus the static state and the largest
-        temporaries."""
+        """The memory plan at ``seq`` tokens from steps of ``probe_seq`` // 2 and
+        ``probe_seq``: each layer's retained bytes, and the backward's rise above them, are a
+        fixed part (gathered parameters, the gradients) plus an O(T) part (activations, the
+        chunked selection and head), fitted through the two and taken at ``seq``; plus the
+        static state (master weights, buffers, Adam state) and the largest temporaries."""
         master, trained, buffers = static_bytes(self.policy.model)
         cfg = self.cfg
         # one chunk of fp32 logits, its log_softmax/exp and the bf16 gradient (token_logprobs)
@@ -346,17 +358,26 @@ class Ours:
             lines.append("  activations: measured on CUDA only (the allocator's counter)")
             return "\n".join(lines)
         probed = self.retained_per_layer(probe_seq)
-        fixed = [2 * a - b for a, b in zip(half, probed)]
-        retained = [f + (b - f) * seq / probe_seq for f, b in zip(fixed, probed)]
+
+        def fit(at_half: int, at_probe: int) -> tuple[float, float]:
+            """(fixed part, value at seq) of a line through the two probes."""
+            fixed = 2 * at_half - at_probe
+            return fixed, fixed + (at_probe - fixed) * seq / probe_seq
+
+        layers = [fit(a, b) for a, b in zip(half[0], probed[0])]
+        rise_fixed, rise = fit(half[1], probed[1])
         kinds = [f"L{i} r{cfg.compress_ratio(i)}" for i in range(cfg.num_hidden_layers)]
         per_layer = ", ".join(f"{k} {b / GiB:.2f}"
-                              for k, b in zip(kinds + ["norm+head"], retained))
-        total = master + buffers + 3 * trained + sum(retained)
+                              for k, (_, b) in zip(kinds + ["norm+head"], layers))
+        retained = sum(b for _, b in layers)
+        total = master + buffers + 2 * trained + retained + rise
         lines.append(f"  retained after the forward, GiB (fitted from {probe_seq // 2} and "
-                     f"{probe_seq} tokens; of the sum {sum(fixed) / GiB:.2f} does not grow "
-                     f"with T): {per_layer}; sum {sum(retained) / GiB:.2f}")
-        lines.append(f"  planned total {total / GiB:.2f} GiB + the backward's workspace "
-                     f"(one layer's recompute under ac=layer/selective)")
+                     f"{probe_seq} tokens; of the sum {sum(f for f, _ in layers) / GiB:.2f} "
+                     f"does not grow with T): {per_layer}; sum {retained / GiB:.2f}")
+        lines.append(f"  the backward's rise above that (gradients, recompute, temporaries; "
+                     f"fitted likewise, {rise_fixed / GiB:.2f} fixed): {rise / GiB:.2f} GiB")
+        lines.append(f"  planned peak {total / GiB:.2f} GiB (master weights + buffers + Adam "
+                     f"state + retained + the backward's rise)")
         return "\n".join(lines)
 
     def zero_grad(self) -> None:
@@ -489,7 +510,7 @@ def main(argv=None) -> int:
     if profile_shape is not None and profile_shape not in seqs:
         raise SystemExit(f"--profile-seq {args.profile_seq} is not one of --seqs {args.seqs}")
     biggest = max(seqs, key=lambda s: s.tokens)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device("auto")
     if args.attention is None:
         args.attention = "triton" if device.type == "cuda" else "reference"
     peak = args.peak_tflops
@@ -497,6 +518,14 @@ def main(argv=None) -> int:
         name = torch.cuda.get_device_name(device)
         peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
     info = init_distributed(device)
+    if info.world_size > 1:
+        # FSDP over the ranks, each with its own batch of the shape: only ours runs (the
+        # transformers baseline is one process on one GPU), and only rank 0 prints.
+        if args.transformers != "none" or not args.no_twin:
+            raise SystemExit("under torchrun with more than one rank: pass --transformers none "
+                             "--no-twin (ours on the preset only)")
+        if not info.is_primary:
+            sys.stdout = open(os.devnull, "w")
     twin = v4_twin(cfg)
     print(check_grouped_moe(cfg, device), flush=True)
     print(check_fused_hc_weights(cfg, device), flush=True)
@@ -526,7 +555,7 @@ def main(argv=None) -> int:
         for seq in seqs:
             while True:
                 if runner is None:
-                    runner = Ours(c, info.mesh, device, args, policies[ac])
+                    runner = Ours(c, info, device, args, policies[ac])
                     try:
                         plan = (runner.planned_memory(longest, shortest, policies[ac])
                                 if shortest >= 4 else "memory plan: its two probes (half the "
@@ -569,9 +598,11 @@ def main(argv=None) -> int:
     finally:
         close_distributed()
     print(f"\n{args.preset}: {active_params(cfg) / 1e6:.1f}M active params "
-          f"({args.preset}-v4: {active_params(twin) / 1e6:.1f}M), {device.type}, median of "
-          f"{args.steps} steps after {args.warmup} warm-up; MFU = 6 x active x tokens / step / "
-          f"{peak} TFLOP/s; attn TFLOP = attention FLOPs per step (not in MFU)")
+          f"({args.preset}-v4: {active_params(twin) / 1e6:.1f}M), {device.type} x "
+          f"{info.world_size}, median of {args.steps} steps after {args.warmup} warm-up; seq, "
+          f"tokens/s, attn TFLOP and peak GiB are per GPU (each rank steps its own batch of the "
+          f"shape); MFU = 6 x active x tokens / step / {peak} TFLOP/s; attn TFLOP = attention "
+          f"FLOPs per step (not in MFU)")
     print(f"{'run':<48} {'seq':>9} {'step ms':>9} {'tokens/s':>9} {'MFU':>6} "
           f"{'attn TFLOP':>10} {'peak GiB':>8}")
     for row in rows:
