@@ -6,7 +6,10 @@ GPU (the real measurement): python bench/train.py --preset small --seqs 4096,163
 CPU smoke check:            python bench/train.py --preset tiny --seqs 64 --steps 2
 
 A ``--seqs`` item NxLENGTH packs N sequences into ours' one micro-batch (transformers gets them
-as a [N, LENGTH] batch): the host cost of a step is shared by more tokens.
+as a [N, LENGTH] batch): the host cost of a step is shared by more tokens. ``--micro-batches
+M`` runs M micro-batches of each shape per optimizer step, as the trainer's mini-batch loop
+does (both sides): the AdamW step's fixed cost (fp32 state, memory-bound) is shared by M times
+the tokens.
 
 Rows: ours on the preset (V4.1: ratio-1/2 layers, Engram), ours and transformers on its V4 twin
 (same sizes, the layer kinds transformers defines: ratios 1/2 become 4, no Engram). MFU counts
@@ -219,12 +222,13 @@ def random_tokens(cfg: DSV4Config, seq: int, seed: int = 0) -> list[int]:
     return torch.randint(0, min(cfg.vocab_size, 256), (seq,), generator=gen).tolist()
 
 
-def bench_batch(cfg: DSV4Config, routed_layers: list[int], shape: Shape, rank: int = 0):
+def bench_batch(cfg: DSV4Config, routed_layers: list[int], shape: Shape, index: int = 0):
     """``shape.n`` random sequences (every token after the first in the loss, advantage 1)
-    packed into one micro-batch; each data-parallel rank draws its own."""
+    packed into one micro-batch; ``index`` numbers the micro-batches drawn (per rank, per
+    micro-batch of a step), each with its own tokens."""
     samples = []
     for i in range(shape.n):
-        s = Sample(random_tokens(cfg, shape.length, seed=rank * shape.n + i), [0] + [1] * (shape.length - 1),
+        s = Sample(random_tokens(cfg, shape.length, seed=index * shape.n + i), [0] + [1] * (shape.length - 1),
                    [0.0] * shape.length, 1.0, 0)
         s.advantage = 1.0
         samples.append(s)
@@ -265,28 +269,35 @@ class Ours:
         self.allocated_after_build = memory(device)[0]
         print(f"built ours {checkpointing} in {time.perf_counter() - t0:.1f} s", flush=True)
 
-    def stepper(self, shape: Shape):
-        mb = bench_batch(self.cfg, self.policy.routed_layers, shape, self.info.rank)
+    def stepper(self, shape: Shape, micro_batches: int):
+        """One optimizer step over ``micro_batches`` micro-batches of ``shape`` per rank, as
+        the trainer's mini-batch loop runs them (forward + backward each, then AdamW)."""
         dev = self.device
-        old, rollout, adv, mask = (t.to(dev) for t in (torch.zeros_like(mb.rollout_logprobs),
-                                                       mb.rollout_logprobs, mb.advantages,
-                                                       mb.loss_mask))
-        tokens = float(mb.loss_mask.sum()) * self.info.world_size  # every rank's batch alike
+        batches = []
+        for m in range(micro_batches):
+            mb = bench_batch(self.cfg, self.policy.routed_layers, shape,
+                             self.info.rank * micro_batches + m)
+            batches.append((mb, *(t.to(dev) for t in (torch.zeros_like(mb.rollout_logprobs),
+                                                      mb.rollout_logprobs, mb.advantages,
+                                                      mb.loss_mask))))
+        # every rank's batches alike
+        tokens = sum(float(b[0].loss_mask.sum()) for b in batches) * self.info.world_size
 
         def step():
-            # The ranges name the step's phases in a profile (print_profile's table).
-            out = None
-            try:
-                with torch.profiler.record_function("ours.forward"):
-                    out = self.policy.forward(mb, replay=False)
-                    loss = ppo_loss(out.logprobs, old, rollout, adv, mask, LossConfig(),
-                                    global_tokens=tokens,
-                                    world_size=self.info.world_size).loss
-                with torch.profiler.record_function("ours.backward"):
-                    loss.backward()
-            finally:  # an out-of-memory step must not keep its graph alive for the retry
-                if out is not None:
-                    out.release()
+            for mb, old, rollout, adv, mask in batches:
+                # The ranges name the step's phases in a profile (print_profile's table).
+                out = None
+                try:
+                    with torch.profiler.record_function("ours.forward"):
+                        out = self.policy.forward(mb, replay=False)
+                        loss = ppo_loss(out.logprobs, old, rollout, adv, mask, LossConfig(),
+                                        global_tokens=tokens,
+                                        world_size=self.info.world_size).loss
+                    with torch.profiler.record_function("ours.backward"):
+                        loss.backward()
+                finally:  # an out-of-memory step must not keep its graph alive for the retry
+                    if out is not None:
+                        out.release()
             with torch.profiler.record_function("ours.optimizer"):
                 self.opt.step()
                 self.opt.zero_grad(set_to_none=True)
@@ -406,12 +417,14 @@ class Transformers:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
         print(f"built transformers {experts} in {time.perf_counter() - t0:.1f} s", flush=True)
 
-    def stepper(self, shape: Shape):
-        ids = torch.tensor([random_tokens(self.cfg, shape.length, seed=i)
-                            for i in range(shape.n)], device=self.device)
+    def stepper(self, shape: Shape, micro_batches: int):
+        batches = [torch.tensor([random_tokens(self.cfg, shape.length, seed=m * shape.n + i)
+                                 for i in range(shape.n)], device=self.device)
+                   for m in range(micro_batches)]
 
         def step():
-            self.model(input_ids=ids, labels=ids).loss.backward()
+            for ids in batches:
+                (self.model(input_ids=ids, labels=ids).loss / micro_batches).backward()
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
         return step
@@ -484,6 +497,9 @@ def main(argv=None) -> int:
                    help="comma list of step shapes: LENGTH (one sequence) or NxLENGTH (N "
                    "sequences packed in one micro-batch; transformers gets them as a batch)")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="micro-batches of each --seqs shape per optimizer step (the trainer's "
+                   "mini-batch: the AdamW step's fixed cost is shared by their tokens)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--attention", default=None, help="triton | reference (default: triton on "
                    "CUDA, the torch reference on CPU)")
@@ -501,6 +517,8 @@ def main(argv=None) -> int:
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="device bf16 peak for MFU (default: known GPUs; none on CPU)")
     args = p.parse_args(argv)
+    if args.micro_batches < 1:
+        raise SystemExit(f"--micro-batches {args.micro_batches}: at least 1")
     cfg = get_preset(args.preset)
     seqs = [Shape.parse(s) for s in args.seqs.split(",")]
     longest = max(s.length for s in seqs)
@@ -534,7 +552,7 @@ def main(argv=None) -> int:
 
     def measure(runner, label, seq, profile):
         try:
-            step_s, peak_b = time_steps(runner.stepper(seq), args, device,
+            step_s, peak_b = time_steps(runner.stepper(seq, args.micro_batches), args, device,
                                         f"{label} @ {seq}" if profile else None)
         except torch.OutOfMemoryError:
             runner.zero_grad()
@@ -568,7 +586,7 @@ def main(argv=None) -> int:
                 name = f"{label} ac={policies[ac]}"
                 r = measure(runner, name, seq, profile and seq == profile_shape)
                 rows.append((name, c, seq, r))
-                print_row(rows[-1], peak, flush=True)
+                print_row(rows[-1], peak, args.micro_batches, flush=True)
                 if r != "OOM" or ac + 1 == len(policies):
                     break
                 runner.close()
@@ -589,7 +607,7 @@ def main(argv=None) -> int:
                 continue
             for seq in seqs:
                 rows.append((label, twin, seq, measure(runner, label, seq, False)))
-                print_row(rows[-1], peak, flush=True)
+                print_row(rows[-1], peak, args.micro_batches, flush=True)
             runner.close()
             del runner
             free(device)
@@ -599,14 +617,15 @@ def main(argv=None) -> int:
         close_distributed()
     print(f"\n{args.preset}: {active_params(cfg) / 1e6:.1f}M active params "
           f"({args.preset}-v4: {active_params(twin) / 1e6:.1f}M), {device.type} x "
-          f"{info.world_size}, median of {args.steps} steps after {args.warmup} warm-up; seq, "
+          f"{info.world_size}, {args.micro_batches} micro-batch(es) of the seq shape per step, "
+          f"median of {args.steps} steps after {args.warmup} warm-up; seq, "
           f"tokens/s, attn TFLOP and peak GiB are per GPU (each rank steps its own batch of the "
           f"shape); MFU = 6 x active x tokens / step / {peak} TFLOP/s; attn TFLOP = attention "
           f"FLOPs per step (not in MFU)")
     print(f"{'run':<48} {'seq':>9} {'step ms':>9} {'tokens/s':>9} {'MFU':>6} "
           f"{'attn TFLOP':>10} {'peak GiB':>8}")
     for row in rows:
-        print_row(row, peak)
+        print_row(row, peak, args.micro_batches)
     for seq in seqs:
         best_hf = max((r[3] for r in rows if r[2] == seq and r[0].startswith("transformers")
                        and r[3] != "OOM"), default=None, key=lambda r: -r[0])
@@ -620,16 +639,18 @@ def main(argv=None) -> int:
     return 0
 
 
-def print_row(row, peak, flush=False) -> None:
+def print_row(row, peak, micro_batches: int, flush=False) -> None:
     label, c, seq, r = row
     if r == "OOM":
         print(f"{label:<48} {str(seq):>9} {'OOM':>9}", flush=flush)
         return
     step_s, peak_b = r
-    mfu = (f"{100 * 6 * active_params(c) * seq.tokens / step_s / 1e12 / peak:.1f}%" if peak
+    tokens = seq.tokens * micro_batches
+    mfu = (f"{100 * 6 * active_params(c) * tokens / step_s / 1e12 / peak:.1f}%" if peak
            else "n/a")
-    print(f"{label:<48} {str(seq):>9} {1e3 * step_s:9.1f} {seq.tokens / step_s:9.0f} {mfu:>6} "
-          f"{seq.n * attention_flops(c, seq.length) / 1e12:10.2f} {peak_b / GiB:8.2f}",
+    print(f"{label:<48} {str(seq):>9} {1e3 * step_s:9.1f} {tokens / step_s:9.0f} {mfu:>6} "
+          f"{micro_batches * seq.n * attention_flops(c, seq.length) / 1e12:10.2f} "
+          f"{peak_b / GiB:8.2f}",
           flush=flush)
 
 

@@ -49,25 +49,28 @@ def test_bench_train_runs_on_cpu():
 def test_bench_train_runs_with_activation_checkpointing(policy):
     """One process, world 1, FSDP2 groups nested in each checkpointed layer: the selective
     recompute used to be refused ("profiler._record_function_enter_new ... not found in
-    storage") because those groups' hooks open profiler ranges a different number of times."""
+    storage") because those groups' hooks open profiler ranges a different number of times.
+    Two micro-batches per optimizer step: the row counts the tokens of both."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
     code = RUN.format(tests=os.path.join(ROOT, "tests"),
                       bench=os.path.join(ROOT, "bench", "train.py"))
     out = subprocess.run([sys.executable, "-c", code, "--preset", "tiny", "--seqs", "64",
                           "--steps", "1", "--warmup", "1", "--checkpointing", policy,
-                          "--transformers", "none", "--no-twin"],
+                          "--micro-batches", "2", "--transformers", "none", "--no-twin"],
                          env=env, capture_output=True, text=True, timeout=110)
     assert out.returncode == 0, out.stderr[-3000:]
     row = next(line for line in out.stdout.splitlines()
                if line.startswith(f"ours tiny ac={policy} ") and "memory plan" not in line)
-    assert float(row.split()[-5]) > 0, row  # tokens/s
+    step_ms, tokens_per_s = float(row.split()[-5]), float(row.split()[-4])
+    assert tokens_per_s * step_ms / 1e3 == pytest.approx(2 * 64, rel=0.02), row
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("args, message", [
     (["--seqs", "64,2xk"], "--seqs item '2xk': expected LENGTH or NxLENGTH"),
     (["--seqs", "64", "--profile-seq", "32"], "--profile-seq 32 is not one of --seqs 64"),
+    (["--seqs", "64", "--micro-batches", "0"], "--micro-batches 0: at least 1"),
 ])
 def test_bench_train_refuses_bad_flags_before_building(args, message):
     env = dict(os.environ, OMP_NUM_THREADS="1")
