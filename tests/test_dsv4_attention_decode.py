@@ -11,7 +11,8 @@ import torch
 
 from sglang_dsv41.attention import dsv4_decode
 from sglang_dsv41.attention.dsv4 import dsv4_decode_reference
-from sglang_dsv41.attention.dsv4_triton_decode import DecodeTiles, dsv4_decode_triton, split_count
+from sglang_dsv41.attention.dsv4_triton_decode import (DecodeTiles, dsv4_decode_triton,
+                                                       multiprocessors, split_count)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
@@ -79,6 +80,16 @@ def test_decode_matches_reference_over_splits(seed, dtype, splits):
     of this shape is clamped to 3, one tile each)."""
     tiles = DecodeTiles(bh=16, bn=16, warps=1, stages=1, splits=splits)
     _check(LENS, 4, 32, PICKS, dtype, tiles)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_decode_persistent_programs_stride_over_work_items(seed, splits):
+    """One program per multiprocessor striding over (request, split, head block) items: more
+    items than programs (on the CPU one program does them all), 20 heads in two blocks."""
+    tiles = DecodeTiles(bh=16, bn=16, warps=1 if INTERPRET else 4, stages=1 if INTERPRET else 2,
+                        splits=splits, programs_per_sm=1)
+    repeats = 1 if INTERPRET else -(-multiprocessors(torch.device(DEVICE)) // 2)
+    _check(LENS * repeats, 20, 32, PICKS * repeats, torch.bfloat16, tiles)
 
 
 @pytest.mark.parametrize("sinks", [True, False])
