@@ -364,13 +364,12 @@ def sweep(kernels, total=4096):
 
 
 # Decode configs tried by --decode-sweep per head count: DecodeTiles(bh, bn, warps, stages,
-# splits, programs_per_sm, q_per_tile); splits 0 = split_count's choice, programs_per_sm 0 = one
-# program per work item; the default's own config first.
+# splits, value_splits); splits 0 = split_count's choice; the default's own config first.
 DECODE_TRIALS = {
-    64: [(64, 64, 8, 2, 0, 0, False), (64, 32, 8, 2, 0, 0, False), (64, 32, 8, 2, 0, 1, False),
-         (64, 16, 8, 2, 0, 1, False), (64, 32, 8, 2, 0, 1, True), (64, 16, 8, 3, 0, 1, True)],
-    8: [(16, 32, 4, 3, 0, 0, False), (16, 64, 4, 2, 0, 0, False), (16, 32, 8, 3, 0, 0, False),
-        (16, 32, 4, 3, 0, 2, False), (16, 32, 4, 3, 0, 0, True)],
+    64: [(64, 64, 8, 2, 0, 1), (64, 32, 8, 2, 0, 1), (64, 16, 4, 2, 0, 2), (64, 16, 4, 3, 0, 2),
+         (64, 16, 4, 4, 0, 2), (64, 32, 4, 2, 0, 2), (64, 32, 8, 2, 0, 2), (64, 16, 8, 3, 0, 2)],
+    8: [(16, 32, 4, 3, 0, 1), (16, 32, 4, 3, 0, 2), (16, 16, 4, 3, 0, 2), (16, 32, 4, 4, 0, 2),
+        (16, 64, 4, 2, 0, 2)],
 }
 
 

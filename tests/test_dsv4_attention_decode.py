@@ -11,8 +11,7 @@ import torch
 
 from sglang_dsv41.attention import dsv4_decode
 from sglang_dsv41.attention.dsv4 import dsv4_decode_reference
-from sglang_dsv41.attention.dsv4_triton_decode import (DecodeTiles, dsv4_decode_triton,
-                                                       multiprocessors, split_count)
+from sglang_dsv41.attention.dsv4_triton_decode import DecodeTiles, dsv4_decode_triton, split_count
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
@@ -75,27 +74,22 @@ LENS = [5, 8, 24, 61]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("splits", [1, 2, 5])
-def test_decode_matches_reference_over_splits(seed, dtype, splits):
+@pytest.mark.parametrize("value_splits", [1, 2])
+def test_decode_matches_reference_over_splits(seed, dtype, splits, value_splits):
     """One split writes the output itself; 2 and 5 go through the combine (5 > the 3 key tiles
-    of this shape is clamped to 3, one tile each)."""
-    tiles = DecodeTiles(bh=16, bn=16, warps=1, stages=1, splits=splits)
+    of this shape is clamped to 3, one tile each). Two value splits: each program scores the
+    whole key row and writes half of the output columns (and, with key splits, of the partial
+    outputs)."""
+    tiles = DecodeTiles(bh=16, bn=16, warps=1, stages=1, splits=splits,
+                        value_splits=value_splits)
     _check(LENS, 4, 32, PICKS, dtype, tiles)
 
 
-@pytest.mark.parametrize("splits", [1, 2])
-def test_decode_persistent_programs_stride_over_work_items(seed, splits):
-    """One program per multiprocessor striding over (request, split, head block) items: more
-    items than programs (on the CPU one program does them all), 20 heads in two blocks."""
-    tiles = DecodeTiles(bh=16, bn=16, warps=1 if INTERPRET else 4, stages=1 if INTERPRET else 2,
-                        splits=splits, programs_per_sm=1)
-    repeats = 1 if INTERPRET else -(-multiprocessors(torch.device(DEVICE)) // 2)
-    _check(LENS * repeats, 20, 32, PICKS * repeats, torch.bfloat16, tiles)
-
-
 @pytest.mark.parametrize("sinks", [True, False])
-def test_decode_without_selection_and_head_blocks(seed, sinks):
+@pytest.mark.parametrize("value_splits", [1, 2])
+def test_decode_without_selection_and_head_blocks(seed, sinks, value_splits):
     """Sliding layers (no selection; K = 0 too), 20 heads in two 16-head blocks."""
-    tiles = DecodeTiles(bh=16, bn=16, warps=1, stages=1, splits=2)
+    tiles = DecodeTiles(bh=16, bn=16, warps=1, stages=1, splits=2, value_splits=value_splits)
     _check(LENS, 20, 32, None, torch.float32, tiles, sinks=sinks)
     _check(LENS, 20, 32, [[] for _ in LENS], torch.float32, tiles, sinks=sinks)
 
@@ -126,6 +120,8 @@ def test_decode_tiles_refuse_bad_sizes():
         DecodeTiles(bh=24, bn=16, warps=4, stages=2)
     with pytest.raises(ValueError, match="splits"):
         DecodeTiles(bh=16, bn=16, warps=4, stages=2, splits=-1)
+    with pytest.raises(ValueError, match="value_splits"):
+        DecodeTiles(bh=16, bn=16, warps=4, stages=2, value_splits=4)
 
 
 def test_split_count_never_leaves_a_split_without_key_tiles():

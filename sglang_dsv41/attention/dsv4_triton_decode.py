@@ -24,34 +24,33 @@ import torch
 import triton
 import triton.language as tl
 
-from .dsv4_triton_forward import _online_softmax_step, selection_or_empty
-from .triton_common import LOG2E, dot_precision, interpreting
+from .dsv4_triton_forward import selection_or_empty
+from .triton_common import LOG2E, dot_precision, interpreting, mma, to_dtype
 
 
 @dataclass(frozen=True)
 class DecodeTiles:
     """Tile sizes of the decode kernels: heads per program (bh), keys per tile (bn), warps,
-    pipeline stages, key splits per request (0 = as many as fill the GPU: split_count),
-    programs per multiprocessor of a persistent grid (0 = one program per work item), and
-    whether q is reloaded with every key tile (q_per_tile: it then streams through the
-    pipeline's buffers with the keys instead of waiting at the start of each request)."""
+    pipeline stages, key splits per request (0 = as many as fill the GPU: split_count), and
+    value splits (1 or 2: programs sharing a request's scores, each writing its share of the
+    output columns)."""
 
     bh: int
     bn: int
     warps: int
     stages: int
     splits: int = 0
-    programs_per_sm: int = 0
-    q_per_tile: bool = False
+    value_splits: int = 1
 
     def __post_init__(self):
         for name in ("bh", "bn"):
             val = getattr(self, name)
             if val < 16 or val & (val - 1):
                 raise ValueError(f"DecodeTiles.{name}={val}: must be a power of two >= 16")
-        for name in ("splits", "programs_per_sm"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"DecodeTiles.{name}={getattr(self, name)}: must be >= 0")
+        if self.splits < 0:
+            raise ValueError(f"DecodeTiles.splits={self.splits}: must be >= 0")
+        if self.value_splits not in (1, 2):
+            raise ValueError(f"DecodeTiles.value_splits={self.value_splits}: must be 1 or 2")
 
 
 INTERPRET_TILES = DecodeTiles(bh=16, bn=16, warps=1, stages=1)
@@ -71,17 +70,8 @@ def default_tiles(heads: int) -> DecodeTiles:
 
 
 @functools.lru_cache(maxsize=None)
-def _cuda_multiprocessors(device_index: int) -> int:
+def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def multiprocessors(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device; 1 elsewhere (the CPU interpreter runs programs one by
-    one)."""
-    if device.type != "cuda":
-        return 1
-    return _cuda_multiprocessors(device.index if device.index is not None else
-                                 torch.cuda.current_device())
 
 
 def split_count(tiles: DecodeTiles, batch: int, head_blocks: int, key_tiles: int,
@@ -97,7 +87,8 @@ def split_count(tiles: DecodeTiles, batch: int, head_blocks: int, key_tiles: int
     elif device.type != "cuda":
         wanted = 1
     else:
-        sms = multiprocessors(device)
+        sms = _multiprocessors(device.index if device.index is not None else
+                               torch.cuda.current_device())
         programs = batch * head_blocks
         wanted = 1 if programs >= sms else 1 << (triton.cdiv(2 * sms, programs).bit_length() - 1)
     wanted = max(1, min(wanted, key_tiles))
@@ -105,75 +96,101 @@ def split_count(tiles: DecodeTiles, batch: int, head_blocks: int, key_tiles: int
 
 
 @triton.jit
+def _softmax_update(s, v, valid, m_i, l_i, acc, DOT_PREC: tl.constexpr):
+    """One key tile of the online softmax (log2 domain) from its scores s [BH, BN]."""
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + mma(to_dtype(p, v.dtype, DOT_PREC), v, DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _dsv4_decode_split_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_ptr, len_ptr,
                               page_ptr, o_ptr, part_ptr, ml_ptr, H, D, window, qk_scale,
                               stride_kv, stride_c, stride_idx, stride_page, tiles_per_split,
-                              num_items, num_programs, HAS_SINK: tl.constexpr,
-                              PAGE: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
-                              BD: tl.constexpr, SPLITS: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
-                              PERSISTENT: tl.constexpr, Q_PER_TILE: tl.constexpr,
-                              DOT_PREC: tl.constexpr):
-    offs_d = tl.arange(0, BD)
+                              HAS_SINK: tl.constexpr, PAGE: tl.constexpr, BH: tl.constexpr,
+                              BN: tl.constexpr, BV: tl.constexpr, VALUE_SPLITS: tl.constexpr,
+                              SPLITS: tl.constexpr, DOT_PREC: tl.constexpr):
+    hb = tl.program_id(0) // VALUE_SPLITS
+    vs = tl.program_id(0) % VALUE_SPLITS
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_h = hb * BH + tl.arange(0, BH)
+    # This program's value columns; with two value splits the scores also need the other
+    # half of every key row ("rest"): both programs compute the scores, each its own half of
+    # the output, so each holds an fp32 accumulator of half the width.
+    offs_v = vs * BV + tl.arange(0, BV)
     offs_n = tl.arange(0, BN)
-    dmask = offs_d < D
+    hmask = offs_h < H
+    vmask = offs_v < D
+    hv_mask = hmask[:, None] & vmask[None, :]
+    # A 64-bit request base plus 32-bit tile offsets: 64-bit offset tiles [BH, BV] would take
+    # twice the registers next to the fp32 accumulator.
+    hv_offs = offs_h[:, None] * D + offs_v[None, :]
+    q_base = q_ptr + b.to(tl.int64) * H * D
+    q = tl.load(q_base + hv_offs, mask=hv_mask, other=0.0)
+    if VALUE_SPLITS == 2:
+        offs_r = (1 - vs) * BV + tl.arange(0, BV)
+        rmask = offs_r < D
+        q_rest = tl.load(q_base + offs_h[:, None] * D + offs_r[None, :],
+                         mask=hmask[:, None] & rmask[None, :], other=0.0)
+    m_i = tl.full([BH], -1.0e30, tl.float32)
+    l_i = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, BV], tl.float32)
+    t0 = split * tiles_per_split
+    t1 = t0 + tiles_per_split
+    hi = tl.load(len_ptr + b)
+    lo = tl.maximum(hi - window, 0)
+    # Window tiles: positions [lo, hi) through the page table. Neither loop body branches, so
+    # Triton pipelines the page/index load and the key load of later tiles behind this one's MMA.
+    for i in range(t0, tl.minimum(t1, tl.cdiv(hi - lo, BN))):
+        pos = lo + i * BN + offs_n
+        valid = pos < hi
+        page = tl.load(page_ptr + b * stride_page + pos // PAGE, mask=valid, other=0)
+        rows = kv_ptr + (page.to(tl.int64) * PAGE + pos % PAGE)[:, None] * stride_kv
+        k = tl.load(rows + offs_v[None, :], mask=valid[:, None] & vmask[None, :], other=0.0)
+        s = mma(q, tl.trans(k), DOT_PREC)
+        if VALUE_SPLITS == 2:
+            k_rest = tl.load(rows + offs_r[None, :], mask=valid[:, None] & rmask[None, :],
+                             other=0.0)
+            s += mma(q_rest, tl.trans(k_rest), DOT_PREC)
+        m_i, l_i, acc = _softmax_update(s * qk_scale, k, valid, m_i, l_i, acc, DOT_PREC)
+    # Selection tiles, numbered after the window's cdiv(window, BN); they stop at the request's
+    # last valid pick (sel_end), so -1 padding at the end costs nothing.
     win_tiles = tl.cdiv(window, BN)
-    # Work items (request, split, head block), head block fastest: the blocks of one request run
-    # side by side and share its keys through L2. A persistent program strides over the items;
-    # the tile loop's bounds do not depend on the item, so Triton flattens the nest into one
-    # pipelined loop and the next item's first key tiles load during this item's last MMAs.
-    for item in tl.range(tl.program_id(0), num_items, num_programs, flatten=PERSISTENT,
-                         disable_licm=Q_PER_TILE):
-        hb = item % HEAD_BLOCKS
-        split = (item // HEAD_BLOCKS) % SPLITS
-        b = item // (HEAD_BLOCKS * SPLITS)
-        offs_h = hb * BH + tl.arange(0, BH)
-        hmask = offs_h < H
-        hd_mask = hmask[:, None] & dmask[None, :]
-        # A 64-bit request base plus 32-bit tile offsets: 64-bit offset tiles [BH, BD] would
-        # take twice the registers next to the fp32 accumulator.
-        hd_offs = offs_h[:, None] * D + offs_d[None, :]
-        q_ptrs = q_ptr + b.to(tl.int64) * H * D + hd_offs
-        if not Q_PER_TILE:
-            q = tl.load(q_ptrs, mask=hd_mask, other=0.0)
-        m_i = tl.full([BH], -1.0e30, tl.float32)
-        l_i = tl.zeros([BH], tl.float32)
-        acc = tl.zeros([BH, BD], tl.float32)
-        hi = tl.load(len_ptr + b)
-        lo = tl.maximum(hi - window, 0)
-        sel_end = tl.load(end_ptr + b)
-        # Tiles numbered first over the window's cdiv(window, BN) (positions [lo, hi) through
-        # the page table), then over the selection's; a tile past a short window or past the
-        # request's last valid pick (sel_end) is all masked: it costs MMA time, not bytes.
-        for t in range(0, tiles_per_split):
-            tile = split * tiles_per_split + t
-            pos = lo + tile * BN + offs_n
-            in_window = pos < hi
-            page = tl.load(page_ptr + b * stride_page + pos // PAGE, mask=in_window, other=0)
-            sel = (tile - win_tiles) * BN + offs_n
-            pick = tl.load(idx_ptr + b * stride_idx + sel, mask=(sel >= 0) & (sel < sel_end),
-                           other=-1)
-            valid = in_window | (pick >= 0)
-            rows = tl.where(in_window, kv_ptr + (page.to(tl.int64) * PAGE + pos % PAGE) * stride_kv,
-                            comp_ptr + pick.to(tl.int64) * stride_c)
-            k = tl.load(rows[:, None] + offs_d[None, :], mask=valid[:, None] & dmask[None, :],
-                        other=0.0)
-            if Q_PER_TILE:
-                q = tl.load(q_ptrs, mask=hd_mask, other=0.0)
-            m_i, l_i, acc = _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC)
-        if SPLITS == 1:
-            if HAS_SINK:
-                sink = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0).to(tl.float32)
-                sink = sink * 1.4426950408889634  # log2 units, as the scores
-                m_new = tl.maximum(m_i, sink)
-                alpha = tl.exp2(m_i - m_new)
-                l_i = l_i * alpha + tl.exp2(sink - m_new)
-                acc = acc * alpha[:, None]
-            out = acc / tl.maximum(l_i, 1.0e-30)[:, None]
-            tl.store(o_ptr + b.to(tl.int64) * H * D + hd_offs, out.to(o_ptr.dtype.element_ty),
-                     mask=hd_mask)
-        else:
-            base = (b.to(tl.int64) * SPLITS + split) * H
-            tl.store(part_ptr + base * D + hd_offs, acc, mask=hd_mask)
+    sel_end = tl.load(end_ptr + b)
+    sel_tiles = tl.cdiv(sel_end, BN)
+    for j in range(tl.maximum(t0 - win_tiles, 0), tl.minimum(t1 - win_tiles, sel_tiles)):
+        sel = j * BN + offs_n
+        row = tl.load(idx_ptr + b * stride_idx + sel, mask=sel < sel_end, other=-1)
+        valid = row >= 0
+        rows = comp_ptr + row[:, None].to(tl.int64) * stride_c
+        k = tl.load(rows + offs_v[None, :], mask=valid[:, None] & vmask[None, :], other=0.0)
+        s = mma(q, tl.trans(k), DOT_PREC)
+        if VALUE_SPLITS == 2:
+            k_rest = tl.load(rows + offs_r[None, :], mask=valid[:, None] & rmask[None, :],
+                             other=0.0)
+            s += mma(q_rest, tl.trans(k_rest), DOT_PREC)
+        m_i, l_i, acc = _softmax_update(s * qk_scale, k, valid, m_i, l_i, acc, DOT_PREC)
+    if SPLITS == 1:
+        if HAS_SINK:
+            sink = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0).to(tl.float32)
+            sink = sink * 1.4426950408889634  # log2 units, as the scores
+            m_new = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.exp2(sink - m_new)
+            acc = acc * alpha[:, None]
+        out = acc / tl.maximum(l_i, 1.0e-30)[:, None]
+        tl.store(o_ptr + b.to(tl.int64) * H * D + hv_offs, out.to(o_ptr.dtype.element_ty),
+                 mask=hv_mask)
+    else:
+        base = (b.to(tl.int64) * SPLITS + split) * H
+        tl.store(part_ptr + base * D + hv_offs, acc, mask=hv_mask)
+        # Both value splits hold the same running max and sum; the first writes them.
+        if vs == 0:
             tl.store(ml_ptr + (base + offs_h) * 2, m_i, mask=hmask)
             tl.store(ml_ptr + (base + offs_h) * 2 + 1, l_i, mask=hmask)
 
@@ -238,18 +255,13 @@ def dsv4_decode_triton(q, kv_cache, page_table, seq_lens, sinks, window, scale, 
         ml = torch.empty(batch, splits, heads, 2, device=q.device, dtype=torch.float32)
     has_sink = sinks is not None
     bd = triton.next_power_of_2(dim)
-    num_items = batch * splits * head_blocks
-    programs = num_items
-    if tiles.programs_per_sm:
-        programs = min(num_items, tiles.programs_per_sm * multiprocessors(q.device))
-    _dsv4_decode_split_kernel[(programs,)](
+    _dsv4_decode_split_kernel[(head_blocks * tiles.value_splits, splits, batch)](
         q, kv, comp, cidx, sel_end, sinks if has_sink else q, lens, table, out, part, ml,
         heads, dim, window, scale * LOG2E, kv.stride(0), comp.stride(0), cidx.stride(0),
-        table.stride(0), triton.cdiv(key_tiles, splits), num_items, programs,
-        HAS_SINK=has_sink, PAGE=kv_cache.shape[1], BH=tiles.bh, BN=tiles.bn, BD=bd,
-        SPLITS=splits, HEAD_BLOCKS=head_blocks, PERSISTENT=programs < num_items,
-        Q_PER_TILE=tiles.q_per_tile,
-        DOT_PREC=dot_precision(q.dtype), num_warps=tiles.warps, num_stages=tiles.stages)
+        table.stride(0), triton.cdiv(key_tiles, splits), HAS_SINK=has_sink,
+        PAGE=kv_cache.shape[1], BH=tiles.bh, BN=tiles.bn, BV=bd // tiles.value_splits,
+        VALUE_SPLITS=tiles.value_splits, SPLITS=splits, DOT_PREC=dot_precision(q.dtype),
+        num_warps=tiles.warps, num_stages=tiles.stages)
     if splits > 1:
         bh = min(16, tiles.bh)
         _dsv4_decode_combine_kernel[(triton.cdiv(heads, bh), batch)](
