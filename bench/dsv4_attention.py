@@ -364,12 +364,12 @@ def sweep(kernels, total=4096):
 
 
 # Decode configs tried by --decode-sweep per head count: DecodeTiles(bh, bn, warps, stages,
-# splits, value_splits); splits 0 = split_count's choice; the default's own config first.
+# splits, register_prefetch); splits 0 = split_count's choice; the default's own config first.
 DECODE_TRIALS = {
-    64: [(64, 64, 8, 2, 0, 1), (64, 32, 8, 2, 0, 1), (64, 16, 4, 2, 0, 2), (64, 16, 4, 3, 0, 2),
-         (64, 16, 4, 4, 0, 2), (64, 32, 4, 2, 0, 2), (64, 32, 8, 2, 0, 2), (64, 16, 8, 3, 0, 2)],
-    8: [(16, 32, 4, 3, 0, 1), (16, 32, 4, 3, 0, 2), (16, 16, 4, 3, 0, 2), (16, 32, 4, 4, 0, 2),
-        (16, 64, 4, 2, 0, 2)],
+    64: [(64, 64, 8, 2, 0, False), (64, 16, 8, 3, 0, False), (64, 16, 8, 1, 0, True),
+         (64, 32, 8, 1, 0, True)],
+    8: [(16, 32, 4, 3, 0, False), (16, 16, 4, 1, 0, True), (16, 32, 4, 1, 0, True),
+        (16, 32, 8, 1, 0, True)],
 }
 
 

@@ -74,22 +74,22 @@ LENS = [5, 8, 24, 61]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("splits", [1, 2, 5])
-@pytest.mark.parametrize("value_splits", [1, 2])
-def test_decode_matches_reference_over_splits(seed, dtype, splits, value_splits):
+@pytest.mark.parametrize("register_prefetch", [False, True])
+def test_decode_matches_reference_over_splits(seed, dtype, splits, register_prefetch):
     """One split writes the output itself; 2 and 5 go through the combine (5 > the 3 key tiles
-    of this shape is clamped to 3, one tile each). Two value splits: each program scores the
-    whole key row and writes half of the output columns (and, with key splits, of the partial
-    outputs)."""
+    of this shape is clamped to 3, one tile each). Both loop forms: Triton's pipeline and the
+    hand-rotated register prefetch (whose masks must stop at each split's last tile)."""
     tiles = DecodeTiles(bh=16, bn=16, warps=1, stages=1, splits=splits,
-                        value_splits=value_splits)
+                        register_prefetch=register_prefetch)
     _check(LENS, 4, 32, PICKS, dtype, tiles)
 
 
 @pytest.mark.parametrize("sinks", [True, False])
-@pytest.mark.parametrize("value_splits", [1, 2])
-def test_decode_without_selection_and_head_blocks(seed, sinks, value_splits):
+@pytest.mark.parametrize("register_prefetch", [False, True])
+def test_decode_without_selection_and_head_blocks(seed, sinks, register_prefetch):
     """Sliding layers (no selection; K = 0 too), 20 heads in two 16-head blocks."""
-    tiles = DecodeTiles(bh=16, bn=16, warps=1, stages=1, splits=2, value_splits=value_splits)
+    tiles = DecodeTiles(bh=16, bn=16, warps=1, stages=1, splits=2,
+                        register_prefetch=register_prefetch)
     _check(LENS, 20, 32, None, torch.float32, tiles, sinks=sinks)
     _check(LENS, 20, 32, [[] for _ in LENS], torch.float32, tiles, sinks=sinks)
 
@@ -120,8 +120,6 @@ def test_decode_tiles_refuse_bad_sizes():
         DecodeTiles(bh=24, bn=16, warps=4, stages=2)
     with pytest.raises(ValueError, match="splits"):
         DecodeTiles(bh=16, bn=16, warps=4, stages=2, splits=-1)
-    with pytest.raises(ValueError, match="value_splits"):
-        DecodeTiles(bh=16, bn=16, warps=4, stages=2, value_splits=4)
 
 
 def test_split_count_never_leaves_a_split_without_key_tiles():

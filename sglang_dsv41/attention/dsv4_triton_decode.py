@@ -24,23 +24,23 @@ import torch
 import triton
 import triton.language as tl
 
-from .dsv4_triton_forward import selection_or_empty
-from .triton_common import LOG2E, dot_precision, interpreting, mma, to_dtype
+from .dsv4_triton_forward import _online_softmax_step, selection_or_empty
+from .triton_common import LOG2E, dot_precision, interpreting
 
 
 @dataclass(frozen=True)
 class DecodeTiles:
     """Tile sizes of the decode kernels: heads per program (bh), keys per tile (bn), warps,
     pipeline stages, key splits per request (0 = as many as fill the GPU: split_count), and
-    value splits (1 or 2: programs sharing a request's scores, each writing its share of the
-    output columns)."""
+    whether the split kernel prefetches key tiles into registers by hand (register_prefetch;
+    stages then has no effect on its key loops)."""
 
     bh: int
     bn: int
     warps: int
     stages: int
     splits: int = 0
-    value_splits: int = 1
+    register_prefetch: bool = False
 
     def __post_init__(self):
         for name in ("bh", "bn"):
@@ -49,8 +49,6 @@ class DecodeTiles:
                 raise ValueError(f"DecodeTiles.{name}={val}: must be a power of two >= 16")
         if self.splits < 0:
             raise ValueError(f"DecodeTiles.splits={self.splits}: must be >= 0")
-        if self.value_splits not in (1, 2):
-            raise ValueError(f"DecodeTiles.value_splits={self.value_splits}: must be 1 or 2")
 
 
 INTERPRET_TILES = DecodeTiles(bh=16, bn=16, warps=1, stages=1)
@@ -96,85 +94,103 @@ def split_count(tiles: DecodeTiles, batch: int, head_blocks: int, key_tiles: int
 
 
 @triton.jit
-def _softmax_update(s, v, valid, m_i, l_i, acc, DOT_PREC: tl.constexpr):
-    """One key tile of the online softmax (log2 domain) from its scores s [BH, BN]."""
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + mma(to_dtype(p, v.dtype, DOT_PREC), v, DOT_PREC)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _dsv4_decode_split_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_ptr, len_ptr,
                               page_ptr, o_ptr, part_ptr, ml_ptr, H, D, window, qk_scale,
                               stride_kv, stride_c, stride_idx, stride_page, tiles_per_split,
                               HAS_SINK: tl.constexpr, PAGE: tl.constexpr, BH: tl.constexpr,
-                              BN: tl.constexpr, BV: tl.constexpr, VALUE_SPLITS: tl.constexpr,
-                              SPLITS: tl.constexpr, DOT_PREC: tl.constexpr):
-    hb = tl.program_id(0) // VALUE_SPLITS
-    vs = tl.program_id(0) % VALUE_SPLITS
+                              BN: tl.constexpr, BD: tl.constexpr, SPLITS: tl.constexpr,
+                              REGISTER_PREFETCH: tl.constexpr, DOT_PREC: tl.constexpr):
+    hb = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
     offs_h = hb * BH + tl.arange(0, BH)
-    # This program's value columns; with two value splits the scores also need the other
-    # half of every key row ("rest"): both programs compute the scores, each its own half of
-    # the output, so each holds an fp32 accumulator of half the width.
-    offs_v = vs * BV + tl.arange(0, BV)
+    offs_d = tl.arange(0, BD)
     offs_n = tl.arange(0, BN)
     hmask = offs_h < H
-    vmask = offs_v < D
-    hv_mask = hmask[:, None] & vmask[None, :]
-    # A 64-bit request base plus 32-bit tile offsets: 64-bit offset tiles [BH, BV] would take
+    dmask = offs_d < D
+    hd_mask = hmask[:, None] & dmask[None, :]
+    # A 64-bit request base plus 32-bit tile offsets: 64-bit offset tiles [BH, BD] would take
     # twice the registers next to the fp32 accumulator.
-    hv_offs = offs_h[:, None] * D + offs_v[None, :]
-    q_base = q_ptr + b.to(tl.int64) * H * D
-    q = tl.load(q_base + hv_offs, mask=hv_mask, other=0.0)
-    if VALUE_SPLITS == 2:
-        offs_r = (1 - vs) * BV + tl.arange(0, BV)
-        rmask = offs_r < D
-        q_rest = tl.load(q_base + offs_h[:, None] * D + offs_r[None, :],
-                         mask=hmask[:, None] & rmask[None, :], other=0.0)
+    hd_offs = offs_h[:, None] * D + offs_d[None, :]
+    q = tl.load(q_ptr + b.to(tl.int64) * H * D + hd_offs, mask=hd_mask, other=0.0)
     m_i = tl.full([BH], -1.0e30, tl.float32)
     l_i = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([BH, BV], tl.float32)
+    acc = tl.zeros([BH, BD], tl.float32)
     t0 = split * tiles_per_split
     t1 = t0 + tiles_per_split
     hi = tl.load(len_ptr + b)
     lo = tl.maximum(hi - window, 0)
-    # Window tiles: positions [lo, hi) through the page table. Neither loop body branches, so
-    # Triton pipelines the page/index load and the key load of later tiles behind this one's MMA.
-    for i in range(t0, tl.minimum(t1, tl.cdiv(hi - lo, BN))):
-        pos = lo + i * BN + offs_n
-        valid = pos < hi
-        page = tl.load(page_ptr + b * stride_page + pos // PAGE, mask=valid, other=0)
-        rows = kv_ptr + (page.to(tl.int64) * PAGE + pos % PAGE)[:, None] * stride_kv
-        k = tl.load(rows + offs_v[None, :], mask=valid[:, None] & vmask[None, :], other=0.0)
-        s = mma(q, tl.trans(k), DOT_PREC)
-        if VALUE_SPLITS == 2:
-            k_rest = tl.load(rows + offs_r[None, :], mask=valid[:, None] & rmask[None, :],
-                             other=0.0)
-            s += mma(q_rest, tl.trans(k_rest), DOT_PREC)
-        m_i, l_i, acc = _softmax_update(s * qk_scale, k, valid, m_i, l_i, acc, DOT_PREC)
-    # Selection tiles, numbered after the window's cdiv(window, BN); they stop at the request's
-    # last valid pick (sel_end), so -1 padding at the end costs nothing.
     win_tiles = tl.cdiv(window, BN)
     sel_end = tl.load(end_ptr + b)
     sel_tiles = tl.cdiv(sel_end, BN)
-    for j in range(tl.maximum(t0 - win_tiles, 0), tl.minimum(t1 - win_tiles, sel_tiles)):
-        sel = j * BN + offs_n
-        row = tl.load(idx_ptr + b * stride_idx + sel, mask=sel < sel_end, other=-1)
+    i_end = tl.minimum(t1, tl.cdiv(hi - lo, BN))
+    j0 = tl.maximum(t0 - win_tiles, 0)
+    j_end = tl.minimum(t1 - win_tiles, sel_tiles)
+    if REGISTER_PREFETCH:
+        # Loads run two tiles ahead by hand: the page or pick entries of tile n+2 and the keys
+        # of tile n+1 are issued before tile n's MMAs and land in registers while they run.
+        # Triton's own pipeline (below) waits at the top of each iteration for every copy in
+        # flight, the next tile's included, so none of its key loads overlaps an MMA.
+        # Masks stop at this split's last tile: positions below split_hi, picks below sel_hi.
+        split_hi = tl.minimum(hi, lo + i_end * BN)
+        sel_hi = tl.minimum(sel_end, j_end * BN)
+        page_ptrs = page_ptr + b * stride_page
+        pos = lo + t0 * BN + offs_n
+        valid = pos < split_hi
+        page = tl.load(page_ptrs + pos // PAGE, mask=valid, other=0)
+        k = tl.load(kv_ptr + ((page.to(tl.int64) * PAGE + pos % PAGE) * stride_kv)[:, None]
+                    + offs_d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+        pos_next = pos + BN
+        valid_next = pos_next < split_hi
+        page_next = tl.load(page_ptrs + pos_next // PAGE, mask=valid_next, other=0)
+        for i in tl.range(t0, i_end, num_stages=1):
+            k_next = tl.load(kv_ptr + ((page_next.to(tl.int64) * PAGE + pos_next % PAGE)
+                                       * stride_kv)[:, None] + offs_d[None, :],
+                             mask=valid_next[:, None] & dmask[None, :], other=0.0)
+            pos_after = pos_next + BN
+            valid_after = pos_after < split_hi
+            page_after = tl.load(page_ptrs + pos_after // PAGE, mask=valid_after, other=0)
+            m_i, l_i, acc = _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC)
+            k, valid = k_next, valid_next
+            pos_next, valid_next, page_next = pos_after, valid_after, page_after
+        idx_ptrs = idx_ptr + b * stride_idx
+        sel = j0 * BN + offs_n
+        row = tl.load(idx_ptrs + sel, mask=sel < sel_hi, other=-1)
         valid = row >= 0
-        rows = comp_ptr + row[:, None].to(tl.int64) * stride_c
-        k = tl.load(rows + offs_v[None, :], mask=valid[:, None] & vmask[None, :], other=0.0)
-        s = mma(q, tl.trans(k), DOT_PREC)
-        if VALUE_SPLITS == 2:
-            k_rest = tl.load(rows + offs_r[None, :], mask=valid[:, None] & rmask[None, :],
+        k = tl.load(comp_ptr + row[:, None].to(tl.int64) * stride_c + offs_d[None, :],
+                    mask=valid[:, None] & dmask[None, :], other=0.0)
+        sel_next = sel + BN
+        row_next = tl.load(idx_ptrs + sel_next, mask=sel_next < sel_hi, other=-1)
+        for j in tl.range(j0, j_end, num_stages=1):
+            valid_next = row_next >= 0
+            k_next = tl.load(comp_ptr + row_next[:, None].to(tl.int64) * stride_c
+                             + offs_d[None, :], mask=valid_next[:, None] & dmask[None, :],
                              other=0.0)
-            s += mma(q_rest, tl.trans(k_rest), DOT_PREC)
-        m_i, l_i, acc = _softmax_update(s * qk_scale, k, valid, m_i, l_i, acc, DOT_PREC)
+            sel_after = sel_next + BN
+            row_after = tl.load(idx_ptrs + sel_after, mask=sel_after < sel_hi, other=-1)
+            m_i, l_i, acc = _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC)
+            k, valid = k_next, valid_next
+            sel_next, row_next = sel_after, row_after
+    else:
+        # Window tiles: positions [lo, hi) through the page table. Neither loop body branches,
+        # so Triton pipelines the page/index load and the key load of later tiles.
+        for i in range(t0, i_end):
+            pos = lo + i * BN + offs_n
+            valid = pos < hi
+            page = tl.load(page_ptr + b * stride_page + pos // PAGE, mask=valid, other=0)
+            row = page.to(tl.int64) * PAGE + pos % PAGE
+            k = tl.load(kv_ptr + row[:, None] * stride_kv + offs_d[None, :],
+                        mask=valid[:, None] & dmask[None, :], other=0.0)
+            m_i, l_i, acc = _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC)
+        # Selection tiles, numbered after the window's cdiv(window, BN); they stop at the
+        # request's last valid pick (sel_end), so -1 padding at the end costs nothing.
+        for j in range(j0, j_end):
+            sel = j * BN + offs_n
+            row = tl.load(idx_ptr + b * stride_idx + sel, mask=sel < sel_end, other=-1)
+            valid = row >= 0
+            k = tl.load(comp_ptr + row[:, None].to(tl.int64) * stride_c + offs_d[None, :],
+                        mask=valid[:, None] & dmask[None, :], other=0.0)
+            m_i, l_i, acc = _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC)
     if SPLITS == 1:
         if HAS_SINK:
             sink = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0).to(tl.float32)
@@ -184,15 +200,13 @@ def _dsv4_decode_split_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_pt
             l_i = l_i * alpha + tl.exp2(sink - m_new)
             acc = acc * alpha[:, None]
         out = acc / tl.maximum(l_i, 1.0e-30)[:, None]
-        tl.store(o_ptr + b.to(tl.int64) * H * D + hv_offs, out.to(o_ptr.dtype.element_ty),
-                 mask=hv_mask)
+        tl.store(o_ptr + b.to(tl.int64) * H * D + hd_offs, out.to(o_ptr.dtype.element_ty),
+                 mask=hd_mask)
     else:
         base = (b.to(tl.int64) * SPLITS + split) * H
-        tl.store(part_ptr + base * D + hv_offs, acc, mask=hv_mask)
-        # Both value splits hold the same running max and sum; the first writes them.
-        if vs == 0:
-            tl.store(ml_ptr + (base + offs_h) * 2, m_i, mask=hmask)
-            tl.store(ml_ptr + (base + offs_h) * 2 + 1, l_i, mask=hmask)
+        tl.store(part_ptr + base * D + hd_offs, acc, mask=hd_mask)
+        tl.store(ml_ptr + (base + offs_h) * 2, m_i, mask=hmask)
+        tl.store(ml_ptr + (base + offs_h) * 2 + 1, l_i, mask=hmask)
 
 
 @triton.jit
@@ -255,12 +269,12 @@ def dsv4_decode_triton(q, kv_cache, page_table, seq_lens, sinks, window, scale, 
         ml = torch.empty(batch, splits, heads, 2, device=q.device, dtype=torch.float32)
     has_sink = sinks is not None
     bd = triton.next_power_of_2(dim)
-    _dsv4_decode_split_kernel[(head_blocks * tiles.value_splits, splits, batch)](
+    _dsv4_decode_split_kernel[(head_blocks, splits, batch)](
         q, kv, comp, cidx, sel_end, sinks if has_sink else q, lens, table, out, part, ml,
         heads, dim, window, scale * LOG2E, kv.stride(0), comp.stride(0), cidx.stride(0),
         table.stride(0), triton.cdiv(key_tiles, splits), HAS_SINK=has_sink,
-        PAGE=kv_cache.shape[1], BH=tiles.bh, BN=tiles.bn, BV=bd // tiles.value_splits,
-        VALUE_SPLITS=tiles.value_splits, SPLITS=splits, DOT_PREC=dot_precision(q.dtype),
+        PAGE=kv_cache.shape[1], BH=tiles.bh, BN=tiles.bn, BD=bd, SPLITS=splits,
+        REGISTER_PREFETCH=tiles.register_prefetch, DOT_PREC=dot_precision(q.dtype),
         num_warps=tiles.warps, num_stages=tiles.stages)
     if splits > 1:
         bh = min(16, tiles.bh)
