@@ -4,6 +4,7 @@ our Triton kernels vs transformers' eager DeepseekV4 attention, per layer kind, 
     python bench/dsv4_attention.py                 # the table (4k, 16k, 64k) and decode
     python bench/dsv4_attention.py --sweep [dkv..] # only: tile configs at 4k CSA and HCA
     python bench/dsv4_attention.py --decode-sweep  # only: decode tile configs
+    python bench/dsv4_attention.py --decode-compile  # only, no GPU: decode kernels for sm_90
     python bench/dsv4_attention.py --lengths 4096  # fewer lengths
     python bench/dsv4_attention.py --profile       # only: kernel split of the core, module ops
     python bench/dsv4_attention.py --profile-module --lengths 4096  # only: our module per kind
@@ -29,7 +30,7 @@ import torch
 from triton.testing import do_bench
 
 from sglang_dsv41.attention import register_transformers_attention
-from sglang_dsv41.attention.dsv4_triton_decode import dsv4_decode_triton
+from sglang_dsv41.attention.dsv4_triton_decode import DecodeTiles, dsv4_decode_triton
 from sglang_dsv41.attention.dsv4_triton_backward import dsv4_attention_triton
 from sglang_dsv41.attention.dsv4_triton_forward import default_blocks
 
@@ -364,20 +365,17 @@ def sweep(kernels, total=4096):
 
 
 # Decode configs tried by --decode-sweep per head count: DecodeTiles(bh, bn, warps, stages,
-# splits, register_prefetch); splits 0 = split_count's choice; the default's own config first.
+# splits); splits 0 = split_count's choice; the default's own config first.
 DECODE_TRIALS = {
-    64: [(64, 64, 8, 2, 0, False), (64, 16, 8, 3, 0, False), (64, 16, 8, 1, 0, True),
-         (64, 32, 8, 1, 0, True)],
-    8: [(16, 32, 4, 3, 0, False), (16, 16, 4, 1, 0, True), (16, 32, 4, 1, 0, True),
-        (16, 32, 8, 1, 0, True)],
+    64: [(64, 64, 8, 2, 0), (32, 32, 4, 2, 0), (64, 32, 8, 2, 0), (64, 16, 8, 3, 0),
+         (32, 32, 4, 3, 0), (32, 16, 4, 3, 0), (32, 64, 4, 2, 0)],
+    8: [(16, 32, 4, 3, 0), (16, 16, 4, 4, 0), (16, 32, 4, 4, 0), (16, 32, 4, 3, 2)],
 }
 
 
 def decode_sweep(batch=512, seq=8192, page=64):
     """Decode tile configs per head count and layer kind (GPU time from a CUDA graph); names
     the config with the least sliding + HCA + CSA time per head count."""
-    from sglang_dsv41.attention.dsv4_triton_decode import DecodeTiles
-
     for heads, trials in DECODE_TRIALS.items():
         cache, table_, lens, q, sinks, comp, picks = decode_inputs(batch, seq, page, heads)
         totals = {}
@@ -400,6 +398,53 @@ def decode_sweep(batch=512, seq=8192, page=64):
         torch.cuda.empty_cache()
 
 
+def decode_compile_report(arch=90):
+    """The decode split kernel of each DECODE_TRIALS config compiled for sm_<arch> without a GPU
+    (the installed Triton and its ptxas): registers and spill bytes a thread, shared memory,
+    and how many of its waits drain every copy in flight (async_wait num=0: one at the top of
+    each loop iteration and one after each loop). Integer arguments that are multiples of 16 at
+    the bench shapes are marked so, as a launch would."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from sglang_dsv41.attention.dsv4_triton_decode import _dsv4_decode_split_kernel as kernel
+
+    types_ = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "comp_ptr": "*bf16", "o_ptr": "*bf16",
+              "sink_ptr": "*fp32", "part_ptr": "*fp32", "ml_ptr": "*fp32", "qk_scale": "fp32"}
+    aligned = {"D", "window", "stride_kv", "stride_c", "stride_idx", "stride_page"}
+    ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
+    for heads, trials in DECODE_TRIALS.items():
+        for config in trials:
+            tiles = DecodeTiles(*config)
+            consts = dict(HAS_SINK=True, PAGE=64, BH=tiles.bh, BN=tiles.bn, BD=D,
+                          SPLITS=max(tiles.splits, 1), DOT_PREC="tf32")
+            names = [p.name for p in kernel.params]
+            sig = {n: "constexpr" if n in consts else types_.get(
+                n, "*i32" if n.endswith("_ptr") else "i32") for n in names}
+            div16 = [i for i, n in enumerate(names) if sig[n].startswith("*") or n in aligned
+                     or (n == "H" and heads % 16 == 0)]
+            src = ASTSource(kernel, sig, consts, {(i,): [["tt.divisibility", 16]] for i in div16})
+            compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(
+                num_warps=tiles.warps, num_stages=tiles.stages))
+            with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+                f.write(compiled.asm["ptx"])
+                f.flush()
+                info = subprocess.run([str(ptxas), f"-arch=sm_{arch}a", "-v", f.name, "-o",
+                                       "/dev/null"], capture_output=True, text=True).stderr
+            regs = re.search(r"Used (\d+) registers", info).group(1)
+            spills = re.search(r"(\d+) bytes spill stores", info).group(1)
+            drains = compiled.asm["ttgir"].count("num = 0 : i32")
+            print(f"decode H={heads} {config}: {regs} registers, {spills} B spill stores, "
+                  f"{compiled.metadata.shared} B shared, {drains} waits draining all copies",
+                  flush=True)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", nargs="*", choices=sorted(SWEEP_TRIALS), default=None,
@@ -413,7 +458,16 @@ if __name__ == "__main__":
                         help="table and profile: the attention core rows only, no module")
     parser.add_argument("--only-decode", action="store_true")
     parser.add_argument("--decode-sweep", action="store_true")
+    parser.add_argument("--decode-compile", action="store_true",
+                        help="only, no GPU: registers, spills, shared memory of the decode "
+                             "configs compiled for sm_90")
     args = parser.parse_args()
+    if args.decode_compile:
+        import triton
+
+        print("triton", triton.__version__, "sm_90, no GPU")
+        decode_compile_report()
+        raise SystemExit
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     if args.profile_module:
         profile_module(args.lengths[0])

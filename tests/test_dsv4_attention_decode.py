@@ -74,22 +74,17 @@ LENS = [5, 8, 24, 61]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("splits", [1, 2, 5])
-@pytest.mark.parametrize("register_prefetch", [False, True])
-def test_decode_matches_reference_over_splits(seed, dtype, splits, register_prefetch):
+def test_decode_matches_reference_over_splits(seed, dtype, splits):
     """One split writes the output itself; 2 and 5 go through the combine (5 > the 3 key tiles
-    of this shape is clamped to 3, one tile each). Both loop forms: Triton's pipeline and the
-    hand-rotated register prefetch (whose masks must stop at each split's last tile)."""
-    tiles = DecodeTiles(bh=16, bn=16, warps=1, stages=1, splits=splits,
-                        register_prefetch=register_prefetch)
+    of this shape is clamped to 3, one tile each)."""
+    tiles = DecodeTiles(bh=16, bn=16, warps=1, stages=1, splits=splits)
     _check(LENS, 4, 32, PICKS, dtype, tiles)
 
 
 @pytest.mark.parametrize("sinks", [True, False])
-@pytest.mark.parametrize("register_prefetch", [False, True])
-def test_decode_without_selection_and_head_blocks(seed, sinks, register_prefetch):
+def test_decode_without_selection_and_head_blocks(seed, sinks):
     """Sliding layers (no selection; K = 0 too), 20 heads in two 16-head blocks."""
-    tiles = DecodeTiles(bh=16, bn=16, warps=1, stages=1, splits=2,
-                        register_prefetch=register_prefetch)
+    tiles = DecodeTiles(bh=16, bn=16, warps=1, stages=1, splits=2)
     _check(LENS, 20, 32, None, torch.float32, tiles, sinks=sinks)
     _check(LENS, 20, 32, [[] for _ in LENS], torch.float32, tiles, sinks=sinks)
 

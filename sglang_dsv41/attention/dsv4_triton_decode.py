@@ -31,16 +31,13 @@ from .triton_common import LOG2E, dot_precision, interpreting
 @dataclass(frozen=True)
 class DecodeTiles:
     """Tile sizes of the decode kernels: heads per program (bh), keys per tile (bn), warps,
-    pipeline stages, key splits per request (0 = as many as fill the GPU: split_count), and
-    whether the split kernel prefetches key tiles into registers by hand (register_prefetch;
-    stages then has no effect on its key loops)."""
+    pipeline stages, and key splits per request (0 = as many as fill the GPU: split_count)."""
 
     bh: int
     bn: int
     warps: int
     stages: int
     splits: int = 0
-    register_prefetch: bool = False
 
     def __post_init__(self):
         for name in ("bh", "bn"):
@@ -60,8 +57,11 @@ def default_tiles(heads: int) -> DecodeTiles:
     if interpreting():
         return INTERPRET_TILES
     # 64 heads: one block of all heads, 64-key tiles: 82 / 117 / 270 us sliding / HCA / CSA vs
-    # 92 / 128 / 319 us for two 32-head blocks sharing keys through L2. 8 heads: one split; a
-    # second one costs 30-40% (partial outputs and the combine), 16-key tiles 25-45%.
+    # 92 / 128 / 319 us for two 32-head blocks sharing keys through L2, 89 / 125 / 324 with
+    # 32-key and 114 / 163 / 452 with 16-key tiles. 8 heads: one split; a second one costs
+    # 30-40% (partial outputs and the combine), 16-key tiles 25-45%. Tried on 2026-11-30 and
+    # lost at both head counts: a persistent grid, value splits, register prefetch (the
+    # experiment commits before the one that removed them).
     if heads > 16:
         return DecodeTiles(bh=64, bn=64, warps=8, stages=2)
     return DecodeTiles(bh=16, bn=32, warps=4, stages=3)
@@ -99,7 +99,7 @@ def _dsv4_decode_split_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_pt
                               stride_kv, stride_c, stride_idx, stride_page, tiles_per_split,
                               HAS_SINK: tl.constexpr, PAGE: tl.constexpr, BH: tl.constexpr,
                               BN: tl.constexpr, BD: tl.constexpr, SPLITS: tl.constexpr,
-                              REGISTER_PREFETCH: tl.constexpr, DOT_PREC: tl.constexpr):
+                              DOT_PREC: tl.constexpr):
     hb = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
@@ -126,71 +126,31 @@ def _dsv4_decode_split_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_pt
     i_end = tl.minimum(t1, tl.cdiv(hi - lo, BN))
     j0 = tl.maximum(t0 - win_tiles, 0)
     j_end = tl.minimum(t1 - win_tiles, sel_tiles)
-    if REGISTER_PREFETCH:
-        # Loads run two tiles ahead by hand: the page or pick entries of tile n+2 and the keys
-        # of tile n+1 are issued before tile n's MMAs and land in registers while they run.
-        # Triton's own pipeline (below) waits at the top of each iteration for every copy in
-        # flight, the next tile's included, so none of its key loads overlaps an MMA.
-        # Masks stop at this split's last tile: positions below split_hi, picks below sel_hi.
-        split_hi = tl.minimum(hi, lo + i_end * BN)
-        sel_hi = tl.minimum(sel_end, j_end * BN)
-        page_ptrs = page_ptr + b * stride_page
-        pos = lo + t0 * BN + offs_n
-        valid = pos < split_hi
-        page = tl.load(page_ptrs + pos // PAGE, mask=valid, other=0)
-        k = tl.load(kv_ptr + ((page.to(tl.int64) * PAGE + pos % PAGE) * stride_kv)[:, None]
-                    + offs_d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
-        pos_next = pos + BN
-        valid_next = pos_next < split_hi
-        page_next = tl.load(page_ptrs + pos_next // PAGE, mask=valid_next, other=0)
-        for i in tl.range(t0, i_end, num_stages=1):
-            k_next = tl.load(kv_ptr + ((page_next.to(tl.int64) * PAGE + pos_next % PAGE)
-                                       * stride_kv)[:, None] + offs_d[None, :],
-                             mask=valid_next[:, None] & dmask[None, :], other=0.0)
-            pos_after = pos_next + BN
-            valid_after = pos_after < split_hi
-            page_after = tl.load(page_ptrs + pos_after // PAGE, mask=valid_after, other=0)
-            m_i, l_i, acc = _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC)
-            k, valid = k_next, valid_next
-            pos_next, valid_next, page_next = pos_after, valid_after, page_after
-        idx_ptrs = idx_ptr + b * stride_idx
-        sel = j0 * BN + offs_n
-        row = tl.load(idx_ptrs + sel, mask=sel < sel_hi, other=-1)
+    # Window tiles: positions [lo, hi) through the page table. Neither loop body branches, so
+    # Triton pipelines the key loads, but only one tile ahead: as Triton 3.6 compiles the
+    # defaults for sm_90 (bench/dsv4_attention.py --decode-compile), an iteration waits for
+    # every copy in flight (async_wait num=0), runs the score MMA and softmax, issues the value
+    # MMA, then loads the next tile's page entries and issues its key copy. That copy overlaps
+    # at most the value MMA, so each tile pays most of a load's latency. A hand rotation
+    # through registers, a persistent grid and value splits all lost (2026-11-30 in
+    # bench/results/dsv4_attention_h200.txt).
+    for i in range(t0, i_end):
+        pos = lo + i * BN + offs_n
+        valid = pos < hi
+        page = tl.load(page_ptr + b * stride_page + pos // PAGE, mask=valid, other=0)
+        row = page.to(tl.int64) * PAGE + pos % PAGE
+        k = tl.load(kv_ptr + row[:, None] * stride_kv + offs_d[None, :],
+                    mask=valid[:, None] & dmask[None, :], other=0.0)
+        m_i, l_i, acc = _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC)
+    # Selection tiles, numbered after the window's cdiv(window, BN); they stop at the
+    # request's last valid pick (sel_end), so -1 padding at the end costs nothing.
+    for j in range(j0, j_end):
+        sel = j * BN + offs_n
+        row = tl.load(idx_ptr + b * stride_idx + sel, mask=sel < sel_end, other=-1)
         valid = row >= 0
         k = tl.load(comp_ptr + row[:, None].to(tl.int64) * stride_c + offs_d[None, :],
                     mask=valid[:, None] & dmask[None, :], other=0.0)
-        sel_next = sel + BN
-        row_next = tl.load(idx_ptrs + sel_next, mask=sel_next < sel_hi, other=-1)
-        for j in tl.range(j0, j_end, num_stages=1):
-            valid_next = row_next >= 0
-            k_next = tl.load(comp_ptr + row_next[:, None].to(tl.int64) * stride_c
-                             + offs_d[None, :], mask=valid_next[:, None] & dmask[None, :],
-                             other=0.0)
-            sel_after = sel_next + BN
-            row_after = tl.load(idx_ptrs + sel_after, mask=sel_after < sel_hi, other=-1)
-            m_i, l_i, acc = _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC)
-            k, valid = k_next, valid_next
-            sel_next, row_next = sel_after, row_after
-    else:
-        # Window tiles: positions [lo, hi) through the page table. Neither loop body branches,
-        # so Triton pipelines the page/index load and the key load of later tiles.
-        for i in range(t0, i_end):
-            pos = lo + i * BN + offs_n
-            valid = pos < hi
-            page = tl.load(page_ptr + b * stride_page + pos // PAGE, mask=valid, other=0)
-            row = page.to(tl.int64) * PAGE + pos % PAGE
-            k = tl.load(kv_ptr + row[:, None] * stride_kv + offs_d[None, :],
-                        mask=valid[:, None] & dmask[None, :], other=0.0)
-            m_i, l_i, acc = _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC)
-        # Selection tiles, numbered after the window's cdiv(window, BN); they stop at the
-        # request's last valid pick (sel_end), so -1 padding at the end costs nothing.
-        for j in range(j0, j_end):
-            sel = j * BN + offs_n
-            row = tl.load(idx_ptr + b * stride_idx + sel, mask=sel < sel_end, other=-1)
-            valid = row >= 0
-            k = tl.load(comp_ptr + row[:, None].to(tl.int64) * stride_c + offs_d[None, :],
-                        mask=valid[:, None] & dmask[None, :], other=0.0)
-            m_i, l_i, acc = _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC)
+        m_i, l_i, acc = _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC)
     if SPLITS == 1:
         if HAS_SINK:
             sink = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0).to(tl.float32)
@@ -274,8 +234,7 @@ def dsv4_decode_triton(q, kv_cache, page_table, seq_lens, sinks, window, scale, 
         heads, dim, window, scale * LOG2E, kv.stride(0), comp.stride(0), cidx.stride(0),
         table.stride(0), triton.cdiv(key_tiles, splits), HAS_SINK=has_sink,
         PAGE=kv_cache.shape[1], BH=tiles.bh, BN=tiles.bn, BD=bd, SPLITS=splits,
-        REGISTER_PREFETCH=tiles.register_prefetch, DOT_PREC=dot_precision(q.dtype),
-        num_warps=tiles.warps, num_stages=tiles.stages)
+        DOT_PREC=dot_precision(q.dtype), num_warps=tiles.warps, num_stages=tiles.stages)
     if splits > 1:
         bh = min(16, tiles.bh)
         _dsv4_decode_combine_kernel[(triton.cdiv(heads, bh), batch)](
