@@ -13,6 +13,7 @@ import torch
 from sglang_dsv41.model.dsv4 import compressor, get_preset
 from sglang_dsv41.model.dsv4.context import DSV4Context
 from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM, init_weights
+from sglang_dsv41.model.dsv4.rope import layer_inv_freq
 from sglang_dsv41.model.dsv4.v41_sparse import build_low_ratio_modules, low_ratio_entries
 
 SEQS = [57, 30]
@@ -96,6 +97,7 @@ def test_ratio_one_selection_memory_grows_linearly(monkeypatch):
     monkeypatch.setattr(compressor, "SELECTION_CHUNK_PRODUCTS", 1 << 16)
     attn = torch.nn.Module()
     attn.compressor, attn.indexer = build_low_ratio_modules(cfg, 0)
+    attn.freqs = layer_inv_freq(cfg, compressed=True)
     gen = torch.Generator().manual_seed(0)
     peaks = []
     for t in (1024, 2048):

@@ -153,3 +153,15 @@ def test_packed_context_bounds_are_host_facts_checked_once_per_call():
     assert ctx.attend(0, q, kv, torch.zeros(2), 4, 0.25, None, None).shape == q.shape
     with pytest.raises(ValueError, match="cu_seqlens ends at 5, but q has 4 tokens"):
         ctx.attend(0, q[:4], kv[:4], torch.zeros(2), 4, 0.25, None, None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host waits exist on CUDA only")
+def test_packed_context_makes_the_host_wait_nowhere():
+    """DSV4Context.packed copies cu_seqlens from pinned memory (a copy from pageable memory
+    waits for the GPU): no sync under torch's sync debug mode "error" (the old code raised)."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ctx = DSV4Context.packed([3, 0, 2], device="cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert ctx.cu_seqlens.tolist() == [0, 3, 3, 5]

@@ -87,7 +87,8 @@ def _models(cfg, seed):
         if idx is not None:
             s_idx = sg.sparse.DeepseekV41Indexer(sg_cfg, i, cfg.head_dim, None, "indexer")
             s_idx.load_state_dict(idx.state_dict())
-        ours[i] = types.SimpleNamespace(compressor=comp, indexer=idx)
+        ours[i] = types.SimpleNamespace(compressor=comp, indexer=idx,
+                                        freqs=layer_inv_freq(cfg, compressed=True))
         theirs[i] = (s_comp, s_idx)
     return ours, theirs
 

@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from sglang_dsv41.loader.serving import load_serving_model
-from sglang_dsv41.model.dsv4.context import DSV4Context
+from sglang_dsv41.model.dsv4.context import DSV4Context, host_to_device
 from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM
 from sglang_dsv41.model.dsv4.token_logprobs import check_targets
 
@@ -131,8 +131,8 @@ class Policy:
         dev = self.device
         routing = None
         if replay and mb.routing is not None:
-            routing = {k: (mb.routing[k][0].to(dev), mb.routing[k][1].to(dev))
-                       for k in self.replayed_layers}
+            routing = {k: (host_to_device(mb.routing[k][0], dev),
+                           host_to_device(mb.routing[k][1], dev)) for k in self.replayed_layers}
         state = ForwardState()
         ctx = DSV4Context.packed(mb.seq_lens, device=dev, routing_replay=routing,
                                  record_routing=record_routing,
@@ -142,8 +142,9 @@ class Policy:
         # Called as a module so every FSDP group unshards; the head is fp32 (lm_head_fp32).
         # The model returns the targets' log-probabilities computed in chunks of rows: the
         # [T, vocab] fp32 logits of a long sequence never exist at once.
-        logp = self.model(mb.input_ids.to(dev), ctx, hidden_index=mb.hidden_index.to(dev),
-                          targets=mb.targets.to(dev), temperature=self.temperature)
+        logp = self.model(host_to_device(mb.input_ids, dev), ctx,
+                          hidden_index=host_to_device(mb.hidden_index, dev),
+                          targets=host_to_device(mb.targets, dev), temperature=self.temperature)
         return ForwardOut(logp, ctx.routed, state)
 
     def trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:

@@ -10,10 +10,21 @@ variable-length sequences without a cache.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without making the host wait: a copy from pageable memory
+    blocks until the GPU has run everything queued before it (a sync per input a step), one
+    from pinned memory is queued like a kernel (the caching host allocator keeps the pinned
+    buffer until the copy has run)."""
+    if device.type != "cuda" or t.is_cuda:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -35,15 +46,11 @@ class DSV4Context:
     @classmethod
     def packed(cls, seq_lens: list[int], device: torch.device | str = "cpu",
                **kw) -> "DSV4Context":
-        lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-        cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int32, device=device)
-        cu[1:] = torch.cumsum(lens, 0)
+        ends = [0, *itertools.accumulate(seq_lens)]
+        cu = host_to_device(torch.tensor(ends, dtype=torch.int32), torch.device(device))
         positions = (torch.cat([torch.arange(n, device=device) for n in seq_lens]) if seq_lens
                      else torch.zeros(0, dtype=torch.long, device=device))
         ctx = cls(cu_seqlens=cu, positions=positions, **kw)
-        ends = [0]
-        for n in seq_lens:
-            ends.append(ends[-1] + n)
         ctx.__dict__["seq_bounds"] = list(zip(ends[:-1], ends[1:]))  # no read-back from the device
         return ctx
 

@@ -97,7 +97,13 @@ def _hc_weights(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: 
 
 def weighted_stream_sum(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """streams [T, hc, D], pre [T, hc] -> sum_k pre[:, k] * streams[:, k] accumulated in fp32
-    in stream order (SGLang's ``mhc_combine`` kernel), cast to the streams' dtype."""
+    in stream order (SGLang's ``mhc_combine`` kernel), cast to the streams' dtype. On CUDA one
+    Triton kernel each way (mhc_streams_triton.py)."""
+    if streams.is_cuda:
+        from .mhc_streams_triton import supports, weighted_stream_sum_fused
+
+        if supports(streams.shape[1]):
+            return weighted_stream_sum_fused(streams, pre)
     return _WeightedStreamSum.apply(streams, pre)
 
 
@@ -134,7 +140,14 @@ def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 
 def hc_expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
               comb: torch.Tensor) -> torch.Tensor:
-    """post * y + comb^T @ streams: comb[j, k] mixes input stream j into output stream k."""
+    """post * y + comb^T @ streams: comb[j, k] mixes input stream j into output stream k.
+    On CUDA one Triton kernel each way (mhc_streams_triton.py): the torch bmm of T tiny
+    matrices ran on a slow cuBLAS kernel (~300 us a sublayer at 4k tokens)."""
+    if streams.is_cuda and y.dtype == streams.dtype:
+        from .mhc_streams_triton import hc_expand_fused, supports
+
+        if supports(streams.shape[1]):
+            return hc_expand_fused(streams, y, post, comb)
     dtype = streams.dtype
     return (post.to(dtype).unsqueeze(-1) * y.unsqueeze(1)
             + torch.matmul(comb.to(dtype).transpose(-1, -2), streams))

@@ -35,7 +35,7 @@ from torch import nn
 from .compressor import query_chunks, stable_topk
 from .config import DSV4Config
 from .norm import RMSNorm
-from .rope import apply_rope, layer_inv_freq
+from .rope import apply_rope
 from .v41 import fake_quant_compressed_kv, fake_quant_fp4
 
 LOW_RATIOS = (1, 2)
@@ -173,7 +173,7 @@ def low_ratio_entries(cfg: DSV4Config, layer_id: int, attn: nn.Module, x: torch.
     layout = shared.get(("v41_layout", ratio))
     if layout is None:
         layout = shared[("v41_layout", ratio)] = EntryLayout.build(ratio, positions, seq_bounds)
-    inv_freq = layer_inv_freq(cfg, compressed=True)
+    inv_freq = attn.freqs  # the layer's compressed-RoPE frequencies, already on the device
     compressor, indexer = getattr(attn, "compressor", None), getattr(attn, "indexer", None)
     if layer_id in cfg.kv_source_layer_ids:
         if not isinstance(compressor, V41Compressor):

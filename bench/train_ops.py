@@ -1,0 +1,358 @@
+"""Where a training step's small ops come from, which layout serves attention's grouped output
+projection fastest, and what the model's Triton kernels of its torch paths cost and change.
+
+  python bench/train_ops.py sources --preset tiny --seq 64 [--dtype bfloat16]
+      one step of ours (bench/train.py's policy, loss and AdamW) under torch.profiler with
+      stacks: the calls of each listed aten op per step, by the innermost project source line
+      (the CPU gives the same op counts as the GPU for the torch paths; bf16 compute on the CPU
+      shows the dtype casts the GPU makes).
+  python bench/train_ops.py grouped-proj [--tokens 4096]
+      CUDA: forward + backward of the [T, G, I] x [G, R, I] -> [T, G, R] projection (the small
+      preset's G 4, I 2048, R 512) for each candidate layout, median of timed repeats, every
+      candidate measured --rounds times (a first round on a busy or cold GPU misleads).
+  python bench/train_ops.py fused [--tokens 4096 --dim 1024]
+      CUDA: mHC's write-back and weighted stream sum, RMSNorm and the clamped SwiGLU, torch
+      expressions vs the Triton kernels (forward, forward + backward, relative differences).
+  python bench/train_ops.py parity [--preset small --seq 1024]
+      CUDA: one step's loss and gradients with those Triton kernels vs their torch expressions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.train import Shape, bench_batch  # noqa: E402
+from sglang_dsv41.model.dsv4 import get_preset  # noqa: E402
+from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM, init_weights  # noqa: E402
+from trainer_bridge.config import LossConfig, OptimConfig  # noqa: E402
+from trainer_bridge.dist import close_distributed, init_distributed  # noqa: E402
+from trainer_bridge.loss import ppo_loss  # noqa: E402
+from trainer_bridge.parallelize import parallelize_policy  # noqa: E402
+from trainer_bridge.policy import Policy, resolve_device  # noqa: E402
+from trainer_bridge.schedule import build_optimizer  # noqa: E402
+
+PROJECT_DIRS = ("sglang_dsv41/", "trainer_bridge/")
+OPS = ("aten::copy_", "aten::_to_copy", "aten::mul", "aten::clone", "aten::contiguous",
+       "aten::cat", "aten::add", "aten::sum")
+
+
+def ours_step(preset: str, seq: int, dtype: torch.dtype, device: torch.device,
+              optimizer: bool = True):
+    """One step of ours (bench/train.py's Ours): forward, PPO loss, backward and, with
+    ``optimizer``, AdamW; the step returns the loss and the policy."""
+    cfg = get_preset(preset)
+    info = init_distributed(device)
+    torch.manual_seed(0)
+    model = DSV4ForCausalLM(cfg)
+    init_weights(model, seed=0)
+    for name, p in model.named_parameters():
+        if name.endswith("ffn.gate.weight"):
+            p.requires_grad_(False)
+    model.to(device)
+    parallelize_policy(model, info.mesh, compute_dtype=dtype, lm_head_fp32=True)
+    policy = Policy(model, "bench", device)
+    opt, _ = build_optimizer(policy, OptimConfig(lr=1e-5, sink_frozen_frac=0, sink_ramp_frac=0), 1)
+    mb = bench_batch(cfg, policy.routed_layers, Shape(1, seq))
+    old, rollout, adv, mask = (t.to(device) for t in (torch.zeros_like(mb.rollout_logprobs),
+                                                      mb.rollout_logprobs, mb.advantages,
+                                                      mb.loss_mask))
+    tokens = float(mb.loss_mask.sum())
+
+    def step():
+        out = policy.forward(mb, replay=False)
+        loss = ppo_loss(out.logprobs, old, rollout, adv, mask, LossConfig(),
+                        global_tokens=tokens, world_size=1).loss
+        loss.backward()
+        out.release()
+        if optimizer:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return loss.detach(), policy
+    return step
+
+
+def parity(args) -> None:
+    """CUDA: one step's loss and gradients with the Triton kernels of the model's torch paths
+    (RMSNorm, mHC write-back and weighted sum, SwiGLU) vs with their torch expressions
+    (the CPU paths), same weights and batch."""
+    from sglang_dsv41.model.dsv4 import mhc, mhc_streams_triton, norm_triton, swiglu_triton
+
+    def torch_rms_norm(x, w, eps):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return (w.float() * h).to(x.dtype)
+
+    def torch_expand(s, y, post, comb):
+        return (post.to(s.dtype).unsqueeze(-1) * y.unsqueeze(1)
+                + torch.matmul(comb.to(s.dtype).transpose(-1, -2), s))
+
+    def torch_swiglu(g, u, limit):
+        return F.silu(g.clamp(max=limit)) * u.clamp(min=-limit, max=limit)
+
+    step = ours_step(args.preset, args.seq, torch.bfloat16, torch.device("cuda"),
+                     optimizer=False)
+    runs = []
+    for label in ("triton", "torch"):
+        if label == "torch":
+            norm_triton.rms_norm_fused = torch_rms_norm
+            mhc_streams_triton.hc_expand_fused = torch_expand
+            mhc_streams_triton.weighted_stream_sum_fused = mhc._WeightedStreamSum.apply
+            swiglu_triton.swiglu_fused = torch_swiglu
+        loss, policy = step()
+        grads = {n: p.grad.full_tensor().float().clone() if hasattr(p.grad, "full_tensor")
+                 else p.grad.float().clone() for n, p in policy.model.named_parameters()
+                 if p.grad is not None}
+        policy.model.zero_grad(set_to_none=True)
+        runs.append((loss.item(), grads))
+    (loss_a, grads_a), (loss_b, grads_b) = runs
+    rel = {n: ((grads_a[n] - grads_b[n]).norm() / grads_b[n].norm().clamp_min(1e-30)).item()
+           for n in grads_b}
+    worst = sorted(rel.items(), key=lambda kv: -kv[1])[:5]
+    total = (sum((grads_a[n] - grads_b[n]).square().sum() for n in grads_b).sqrt()
+             / sum(grads_b[n].square().sum() for n in grads_b).sqrt()).item()
+    print(f"parity {args.preset} @ {args.seq} (bf16, cuda): loss triton {loss_a:.6f} torch "
+          f"{loss_b:.6f}; all gradients rel. diff {total:.2e}; worst parameters: "
+          + ", ".join(f"{n} {v:.1e}" for n, v in worst), flush=True)
+    close_distributed()
+
+
+def op_source(event) -> str:
+    """Where an op was called: the innermost enclosing Python frame of this repository's code
+    (the profiler records frames as parent events "path(line): function"), else the autograd
+    node or optimizer range that ran it (the backward has no Python frames)."""
+    node = None
+    while event is not None:
+        name = event.name
+        for top in PROJECT_DIRS:  # frame names are relative or absolute paths
+            if top in name:
+                return name[name.index(top):]
+        if node is None and name.startswith(("autograd::engine::evaluate_function",
+                                             "Optimizer.", "FSDP::")):
+            node = name
+        event = event.cpu_parent
+    return node or "<other>"
+
+
+def sources(args) -> None:
+    device = resolve_device(args.device)
+    step = ours_step(args.preset, args.seq, getattr(torch, args.dtype), device)
+    step()
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts, with_stack=True) as prof:
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    calls: dict[str, Counter] = {op: Counter() for op in OPS}
+    device_us: Counter = Counter()
+    device_calls: Counter = Counter()
+    for e in prof.events():
+        if not e.name.startswith("aten::"):
+            continue
+        place = op_source(e)
+        if e.name in calls:
+            calls[e.name][place] += 1
+        if e.self_device_time_total > 0:
+            device_us[(e.name, place)] += e.self_device_time_total
+            device_calls[(e.name, place)] += 1
+    for op, places in calls.items():
+        print(f"--- {op}: {sum(places.values())} calls a step ---")
+        for place, n in places.most_common(args.top):
+            print(f"{n:6d}  {place}")
+    if device_us:
+        total = sum(device_us.values()) / 1e3
+        print(f"--- aten ops by self device time, one step ({total:.1f} ms in aten ops) ---")
+        for (op, place), us in device_us.most_common(3 * args.top):
+            print(f"{us / 1e3:8.2f} ms {device_calls[(op, place)]:5d} calls  {op:22s} {place}")
+    close_distributed()
+
+
+def median_us(fn, grad, leaves, backward: bool, repeats: int) -> float:
+    """Median device time of fn() (and its backward with ``grad``) over ``repeats`` calls."""
+    start = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+    end = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+    for k in range(repeats):
+        for leaf in leaves:
+            leaf.grad = None
+        start[k].record()
+        out = fn()
+        if backward:
+            out.backward(grad)
+        end[k].record()
+    torch.cuda.synchronize()
+    ms = sorted(s.elapsed_time(e) for s, e in zip(start, end))
+    return ms[len(ms) // 2] * 1e3
+
+
+def fused_kernels(args) -> None:
+    """mhc.hc_expand, mhc.weighted_stream_sum, norm.RMSNorm, moe.swiglu: the torch expressions
+    (forward and autograd or hand-written backward) vs the Triton kernels, bf16 activations."""
+    from sglang_dsv41.model.dsv4 import mhc
+    from sglang_dsv41.model.dsv4.mhc_streams_triton import (hc_expand_fused,
+                                                           weighted_stream_sum_fused)
+    from sglang_dsv41.model.dsv4.norm_triton import rms_norm_fused
+    from sglang_dsv41.model.dsv4.swiglu_triton import swiglu_fused
+
+    dev, t, hc, d = torch.device("cuda"), args.tokens, 4, args.dim
+    streams = torch.randn(t, hc, d, device=dev, dtype=torch.bfloat16)
+    y = torch.randn(t, d, device=dev, dtype=torch.bfloat16)
+    post = torch.rand(t, hc, device=dev) * 2
+    comb = torch.rand(t, hc, hc, device=dev)
+    pre = torch.rand(t, hc, device=dev)
+
+    weight = torch.rand(d, device=dev, dtype=torch.bfloat16) + 0.5  # as FSDP hands it over
+
+    def torch_rms_norm(x, w):  # norm.RMSNorm's expression
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (w.float() * h).to(x.dtype)
+
+    # the routed experts' halves at top-6 of 64 experts, moe_intermediate_size 512
+    gate, up = (torch.randn(6 * t, 512, device=dev, dtype=torch.bfloat16) * 3 for _ in range(2))
+    grad_swiglu = torch.randn_like(gate)
+
+    def torch_swiglu(g, u):  # moe.swiglu's expression
+        return F.silu(g.clamp(max=10.0)) * u.clamp(min=-10.0, max=10.0)
+
+    def torch_expand(s, y_, p, c):
+        return (p.to(s.dtype).unsqueeze(-1) * y_.unsqueeze(1)
+                + torch.matmul(c.to(s.dtype).transpose(-1, -2), s))
+
+    grad_expand, grad_sum = torch.randn_like(streams), torch.randn_like(y)
+    cases = {"hc_expand torch": (torch_expand, (streams, y, post, comb), grad_expand),
+             "hc_expand triton": (hc_expand_fused, (streams, y, post, comb), grad_expand),
+             "weighted_stream_sum torch": (mhc._WeightedStreamSum.apply, (streams, pre),
+                                           grad_sum),
+             "weighted_stream_sum triton": (weighted_stream_sum_fused, (streams, pre),
+                                            grad_sum),
+             "rms_norm torch": (torch_rms_norm, (y, weight), grad_sum),
+             "rms_norm triton": (lambda x, w: rms_norm_fused(x, w, 1e-6), (y, weight), grad_sum),
+             "swiglu torch": (torch_swiglu, (gate, up), grad_swiglu),
+             "swiglu triton": (lambda g, u: swiglu_fused(g, u, 10.0), (gate, up), grad_swiglu)}
+    outs = {}
+    for name, (fn, inputs, grad) in cases.items():
+        leaves = [x.clone().requires_grad_(True) for x in inputs]
+        out = fn(*leaves)
+        out.backward(grad)
+        outs[name] = [out.float().clone()] + [x.grad.float().clone() for x in leaves]
+        fwd = median_us(lambda: fn(*leaves), grad, leaves, False, args.repeats)
+        both = median_us(lambda: fn(*leaves), grad, leaves, True, args.repeats)
+        ref = outs[name.replace("triton", "torch")]
+        diff = ", ".join(f"{((a - b).norm() / b.norm()).item():.1e}"
+                         for a, b in zip(outs[name], ref))
+        print(f"{name:28s} fwd {fwd:7.1f} us  fwd+bwd {both:7.1f} us  rel. diff vs torch "
+              f"(out, grads): {diff}", flush=True)
+
+
+class MmPerGroup(torch.autograd.Function):
+    """One plain mm per group on the strided row views o[:, g] ([T, I], row stride G*I), the
+    outputs stacked; the backward writes each group's gradient in place (out= views)."""
+
+    @staticmethod
+    def forward(ctx, o, w):
+        ctx.save_for_backward(o, w)
+        return torch.stack([torch.mm(o[:, g], w[g].t()) for g in range(o.shape[1])], dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        o, w = ctx.saved_tensors
+        grad_o, grad_w = torch.empty_like(o), torch.empty_like(w)
+        for g in range(o.shape[1]):
+            torch.mm(grad[:, g], w[g], out=grad_o[:, g])
+            torch.mm(grad[:, g].t(), o[:, g], out=grad_w[g])
+        return grad_o, grad_w
+
+
+class BmmGroupMajor(torch.autograd.Function):
+    """o copied group-major, bmm on contiguous operands both ways."""
+
+    @staticmethod
+    def forward(ctx, o, w):
+        og = o.transpose(0, 1).contiguous()
+        ctx.save_for_backward(og, w)
+        return torch.bmm(og, w.transpose(1, 2)).transpose(0, 1).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        og, w = ctx.saved_tensors
+        by_group = grad.transpose(0, 1).contiguous()
+        grad_o = torch.bmm(by_group, w).transpose(0, 1).contiguous()
+        return grad_o, torch.bmm(by_group.transpose(1, 2), og)
+
+
+def grouped_proj(args) -> None:
+    """Forward and forward + backward of each layout of [T, G, I] x [G, R, I] -> [T, G*R]."""
+    from sglang_dsv41.model.dsv4.attention import GroupedProjection
+
+    dev = torch.device("cuda")
+    t, g, i, r = args.tokens, 4, 2048, 512
+    o0 = torch.randn(t, g * i, device=dev, dtype=torch.bfloat16)
+    w0 = torch.randn(g, r, i, device=dev, dtype=torch.bfloat16) / i ** 0.5
+    grad = torch.randn(t, g * r, device=dev, dtype=torch.bfloat16)
+
+    def grouped_mm_3d(o, w):  # torch's grouped GEMM, batched form, autograd's backward
+        return torch._grouped_mm(o.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
+
+    cands = {"GroupedProjection (bmm, main)": GroupedProjection.apply,
+             "mm per group": MmPerGroup.apply,
+             "bmm group-major copies": BmmGroupMajor.apply,
+             "_grouped_mm 3d": grouped_mm_3d}
+    ref = None
+    for name, fn in [item for _ in range(args.rounds) for item in cands.items()]:
+        o = o0.clone().requires_grad_(True)
+        w = w0.clone().requires_grad_(True)
+        try:
+            out = fn(o.view(t, g, i), w).reshape(t, g * r)
+            out.backward(grad)
+        except RuntimeError as e:
+            print(f"{name:34s} failed: {str(e).splitlines()[0]}")
+            continue
+        got = (out.float().clone(), o.grad.float().clone(), w.grad.float().clone())
+        ref = got if ref is None else ref
+        errs = [((a - b).norm() / b.norm()).item() for a, b in zip(got, ref)]
+        times = {phase: median_us(lambda: fn(o.view(t, g, i), w).reshape(t, g * r), grad,
+                                  (o, w), phase == "fwd+bwd", args.repeats)
+                 for phase in ("fwd", "fwd+bwd")}
+        print(f"{name:34s} fwd {times['fwd']:7.1f} us  fwd+bwd "
+              f"{times['fwd+bwd']:7.1f} us  rel. diff vs main: out {errs[0]:.1e} "
+              f"d o {errs[1]:.1e} d w {errs[2]:.1e}", flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("sources")
+    s.add_argument("--preset", default="tiny")
+    s.add_argument("--seq", type=int, default=64)
+    s.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    s.add_argument("--device", default="auto")
+    s.add_argument("--top", type=int, default=15)
+    gp = sub.add_parser("grouped-proj")
+    gp.add_argument("--tokens", type=int, default=4096)
+    gp.add_argument("--repeats", type=int, default=20)
+    gp.add_argument("--rounds", type=int, default=2, help="measure every candidate this often")
+    ms = sub.add_parser("fused")
+    ms.add_argument("--tokens", type=int, default=4096)
+    ms.add_argument("--dim", type=int, default=1024)
+    ms.add_argument("--repeats", type=int, default=20)
+    pa = sub.add_parser("parity")
+    pa.add_argument("--preset", default="small")
+    pa.add_argument("--seq", type=int, default=1024)
+    args = p.parse_args(argv)
+    {"sources": sources, "grouped-proj": grouped_proj, "fused": fused_kernels,
+     "parity": parity}[args.cmd](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""The fused mHC stream kernels (mhc_streams_triton, run by the Triton interpreter on CPU) equal
+their torch expressions and gradients: hc_expand's (autograd's) of the streams, y, post and
+comb; weighted_stream_sum's (mhc._WeightedStreamSum's hand-written backward) of the streams and
+pre."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from sglang_dsv41.model.dsv4 import mhc
+from sglang_dsv41.model.dsv4.mhc_streams_triton import hc_expand_fused, weighted_stream_sum_fused
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and
+                                not torch.cuda.is_available(),
+                                reason="Triton kernels: CUDA or TRITON_INTERPRET=1")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _torch_expand(streams, y, post, comb):
+    # mhc.hc_expand's CPU expression (on CUDA it dispatches to the fused kernel)
+    return post.unsqueeze(-1) * y.unsqueeze(1) + torch.matmul(comb.transpose(-1, -2), streams)
+
+
+@pytest.mark.parametrize("tokens,dim", [(37, 72), (8, 128), (3, 300)])
+def test_fused_expand_equals_torch_values_and_gradients(tokens, dim):
+    hc = 4
+    gen = torch.Generator().manual_seed(tokens)
+    inputs = [torch.randn(tokens, hc, dim, generator=gen), torch.randn(tokens, dim, generator=gen),
+              torch.rand(tokens, hc, generator=gen) * 2, torch.rand(tokens, hc, hc, generator=gen)]
+    grad = torch.randn(tokens, hc, dim, generator=gen).to(DEV)
+    results = []
+    for fn in (_torch_expand, hc_expand_fused):
+        leaves = [t.to(DEV).clone().requires_grad_(True) for t in inputs]
+        out = fn(*leaves)
+        out.backward(grad)
+        results.append([out.detach()] + [t.grad for t in leaves])
+    for name, ref, got in zip(["out", "d streams", "d y", "d post", "d comb"], *results):
+        assert got.dtype == ref.dtype and got.shape == ref.shape, name
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("tokens,dim", [(37, 72), (3, 300)])
+def test_fused_weighted_sum_equals_torch_values_and_gradients(tokens, dim):
+    hc = 4
+    gen = torch.Generator().manual_seed(tokens)
+    inputs = [torch.randn(tokens, hc, dim, generator=gen), torch.rand(tokens, hc, generator=gen)]
+    grad = torch.randn(tokens, dim, generator=gen).to(DEV)
+    results = []
+    for fn in (mhc._WeightedStreamSum.apply, weighted_stream_sum_fused):
+        leaves = [t.to(DEV).clone().requires_grad_(True) for t in inputs]
+        out = fn(*leaves)
+        out.backward(grad)
+        results.append([out.detach()] + [t.grad for t in leaves])
+    for name, ref, got in zip(["out", "d streams", "d pre"], *results):
+        assert got.dtype == ref.dtype and got.shape == ref.shape, name
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_fused_takes_zero_tokens_and_refuses_bad_inputs():
+    streams, y = torch.zeros(0, 4, 16, device=DEV), torch.zeros(0, 16, device=DEV)
+    out = hc_expand_fused(streams, y, torch.zeros(0, 4, device=DEV),
+                          torch.zeros(0, 4, 4, device=DEV))
+    assert out.shape == (0, 4, 16)
+    assert weighted_stream_sum_fused(streams, torch.zeros(0, 4, device=DEV)).shape == (0, 16)
+    with pytest.raises(ValueError, match="power of two"):
+        weighted_stream_sum_fused(torch.zeros(2, 3, 8), torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="power of two"):
+        hc_expand_fused(torch.zeros(2, 3, 8), torch.zeros(2, 8), torch.zeros(2, 3),
+                        torch.zeros(2, 3, 3))
+    with pytest.raises(ValueError, match="dtype"):
+        hc_expand_fused(torch.zeros(2, 4, 8), torch.zeros(2, 8, dtype=torch.float64),
+                        torch.zeros(2, 4), torch.zeros(2, 4, 4))
