@@ -13,8 +13,9 @@ projection fastest, and what the model's Triton kernels of its torch paths cost 
   python bench/train_ops.py fused [--tokens 4096 --dim 1024]
       CUDA: mHC's write-back and weighted stream sum, RMSNorm and the clamped SwiGLU, torch
       expressions vs the Triton kernels (forward, forward + backward, relative differences).
-  python bench/train_ops.py parity [--preset small --seq 1024]
-      CUDA: one step's loss and gradients with those Triton kernels vs their torch expressions.
+  python bench/train_ops.py parity [--preset small --seq 1024 --device cuda]
+      one step's gradients: bf16 with those Triton kernels, bf16 with the torch expressions,
+      fp32 (the reference); relative differences of each pair.
 """
 
 from __future__ import annotations
@@ -80,9 +81,10 @@ def ours_step(preset: str, seq: int, dtype: torch.dtype, device: torch.device,
 
 
 def parity(args) -> None:
-    """CUDA: one step's loss and gradients with the Triton kernels of the model's torch paths
-    (RMSNorm, mHC write-back and weighted sum, SwiGLU) vs with their torch expressions
-    (the CPU paths), same weights and batch."""
+    """One step's loss and gradients (no optimizer) in bf16 with the Triton kernels of the
+    model's torch paths (RMSNorm, mHC write-back and weighted sum, SwiGLU; CUDA only), in bf16
+    with their torch expressions, and in fp32 (the accuracy reference), same weights and batch.
+    On the CPU both bf16 runs take the torch expressions: the bf16-vs-fp32 floor only."""
     from sglang_dsv41.model.dsv4 import mhc, mhc_streams_triton, norm_triton, swiglu_triton
 
     def torch_rms_norm(x, w, eps):
@@ -97,30 +99,38 @@ def parity(args) -> None:
     def torch_swiglu(g, u, limit):
         return F.silu(g.clamp(max=limit)) * u.clamp(min=-limit, max=limit)
 
-    step = ours_step(args.preset, args.seq, torch.bfloat16, torch.device("cuda"),
-                     optimizer=False)
-    runs = []
-    for label in ("triton", "torch"):
-        if label == "torch":
-            norm_triton.rms_norm_fused = torch_rms_norm
-            mhc_streams_triton.hc_expand_fused = torch_expand
-            mhc_streams_triton.weighted_stream_sum_fused = mhc._WeightedStreamSum.apply
-            swiglu_triton.swiglu_fused = torch_swiglu
+    device = torch.device(args.device)
+
+    def loss_and_gradients(step) -> tuple[float, dict[str, torch.Tensor]]:
         loss, policy = step()
         grads = {n: p.grad.full_tensor().float().clone() if hasattr(p.grad, "full_tensor")
                  else p.grad.float().clone() for n, p in policy.model.named_parameters()
                  if p.grad is not None}
         policy.model.zero_grad(set_to_none=True)
-        runs.append((loss.item(), grads))
-    (loss_a, grads_a), (loss_b, grads_b) = runs
-    rel = {n: ((grads_a[n] - grads_b[n]).norm() / grads_b[n].norm().clamp_min(1e-30)).item()
-           for n in grads_b}
-    worst = sorted(rel.items(), key=lambda kv: -kv[1])[:5]
-    total = (sum((grads_a[n] - grads_b[n]).square().sum() for n in grads_b).sqrt()
-             / sum(grads_b[n].square().sum() for n in grads_b).sqrt()).item()
-    print(f"parity {args.preset} @ {args.seq} (bf16, cuda): loss triton {loss_a:.6f} torch "
-          f"{loss_b:.6f}; all gradients rel. diff {total:.2e}; worst parameters: "
-          + ", ".join(f"{n} {v:.1e}" for n, v in worst), flush=True)
+        return loss.item(), grads
+
+    runs = {}
+    step = ours_step(args.preset, args.seq, torch.bfloat16, device, optimizer=False)
+    runs["triton bf16"] = loss_and_gradients(step)
+    norm_triton.rms_norm_fused = torch_rms_norm
+    mhc_streams_triton.hc_expand_fused = torch_expand
+    mhc_streams_triton.weighted_stream_sum_fused = mhc._WeightedStreamSum.apply
+    swiglu_triton.swiglu_fused = torch_swiglu
+    runs["torch bf16"] = loss_and_gradients(step)
+    # The accuracy reference: the same weights and batch computed in fp32 (torch expressions).
+    runs["fp32"] = loss_and_gradients(ours_step(args.preset, args.seq, torch.float32, device,
+                                                optimizer=False))
+    print(f"parity {args.preset} @ {args.seq} on {device.type}: loss "
+          + ", ".join(f"{k} {v[0]:.7f}" for k, v in runs.items()), flush=True)
+    for a, b in (("triton bf16", "torch bf16"), ("triton bf16", "fp32"), ("torch bf16", "fp32")):
+        ga, gb = runs[a][1], runs[b][1]
+        rel = {n: ((ga[n] - gb[n]).norm() / gb[n].norm().clamp_min(1e-30)).item() for n in gb}
+        total = (sum((ga[n] - gb[n]).square().sum() for n in gb).sqrt()
+                 / sum(gb[n].square().sum() for n in gb).sqrt()).item()
+        worst = sorted(rel.items(), key=lambda kv: -kv[1])[:4]
+        print(f"  gradients {a} vs {b}: all {total:.2e}; median parameter "
+              f"{sorted(rel.values())[len(rel) // 2]:.1e}; worst "
+              + ", ".join(f"{n} {v:.1e}" for n, v in worst), flush=True)
     close_distributed()
 
 
@@ -348,6 +358,7 @@ def main(argv=None) -> int:
     pa = sub.add_parser("parity")
     pa.add_argument("--preset", default="small")
     pa.add_argument("--seq", type=int, default=1024)
+    pa.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
     {"sources": sources, "grouped-proj": grouped_proj, "fused": fused_kernels,
      "parity": parity}[args.cmd](args)
