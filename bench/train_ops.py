@@ -11,8 +11,10 @@ projection fastest, and what the model's Triton kernels of its torch paths cost 
       preset's G 4, I 2048, R 512) for each candidate layout, median of timed repeats, every
       candidate measured --rounds times (a first round on a busy or cold GPU misleads).
   python bench/train_ops.py fused [--tokens 4096 --dim 1024]
-      CUDA: mHC's write-back and weighted stream sum, RMSNorm and the clamped SwiGLU, torch
-      expressions vs the Triton kernels (forward, forward + backward, relative differences).
+      CUDA: mHC's write-back and weighted stream sum, torch expressions vs the Triton kernels
+      (forward, forward + backward, relative differences). RMSNorm and the clamped SwiGLU had
+      Triton kernels too; they made the step slower on one H200 (bench/results/train_h200.txt,
+      run L: 201.0 ms with them, 187.1 ms without, same host) and were removed.
   python bench/train_ops.py parity [--preset small --seq 1024 --device cuda]
       one step's gradients: bf16 with those Triton kernels, bf16 with the torch expressions,
       fp32 (the reference); relative differences of each pair.
@@ -26,7 +28,6 @@ import sys
 from collections import Counter
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -82,22 +83,14 @@ def ours_step(preset: str, seq: int, dtype: torch.dtype, device: torch.device,
 
 def parity(args) -> None:
     """One step's loss and gradients (no optimizer) in bf16 with the Triton kernels of the
-    model's torch paths (RMSNorm, mHC write-back and weighted sum, SwiGLU; CUDA only), in bf16
+    model's torch paths (mHC write-back and weighted sum; CUDA only), in bf16
     with their torch expressions, and in fp32 (the accuracy reference), same weights and batch.
     On the CPU both bf16 runs take the torch expressions: the bf16-vs-fp32 floor only."""
-    from sglang_dsv41.model.dsv4 import mhc, mhc_streams_triton, norm_triton, swiglu_triton
-
-    def torch_rms_norm(x, w, eps):
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        return (w.float() * h).to(x.dtype)
+    from sglang_dsv41.model.dsv4 import mhc, mhc_streams_triton
 
     def torch_expand(s, y, post, comb):
         return (post.to(s.dtype).unsqueeze(-1) * y.unsqueeze(1)
                 + torch.matmul(comb.to(s.dtype).transpose(-1, -2), s))
-
-    def torch_swiglu(g, u, limit):
-        return F.silu(g.clamp(max=limit)) * u.clamp(min=-limit, max=limit)
 
     device = torch.device(args.device)
 
@@ -112,10 +105,8 @@ def parity(args) -> None:
     runs = {}
     step = ours_step(args.preset, args.seq, torch.bfloat16, device, optimizer=False)
     runs["triton bf16"] = loss_and_gradients(step)
-    norm_triton.rms_norm_fused = torch_rms_norm
     mhc_streams_triton.hc_expand_fused = torch_expand
     mhc_streams_triton.weighted_stream_sum_fused = mhc._WeightedStreamSum.apply
-    swiglu_triton.swiglu_fused = torch_swiglu
     runs["torch bf16"] = loss_and_gradients(step)
     # The accuracy reference: the same weights and batch computed in fp32 (torch expressions).
     runs["fp32"] = loss_and_gradients(ours_step(args.preset, args.seq, torch.float32, device,
@@ -204,13 +195,12 @@ def median_us(fn, grad, leaves, backward: bool, repeats: int) -> float:
 
 
 def fused_kernels(args) -> None:
-    """mhc.hc_expand, mhc.weighted_stream_sum, norm.RMSNorm, moe.swiglu: the torch expressions
-    (forward and autograd or hand-written backward) vs the Triton kernels, bf16 activations."""
+    """mhc.hc_expand, mhc.weighted_stream_sum: the torch expressions (forward and autograd or
+    hand-written backward) vs the Triton kernels, bf16 activations; and each side's relative
+    error against the torch expression in float64 on the same (bf16-valued) inputs."""
     from sglang_dsv41.model.dsv4 import mhc
     from sglang_dsv41.model.dsv4.mhc_streams_triton import (hc_expand_fused,
                                                            weighted_stream_sum_fused)
-    from sglang_dsv41.model.dsv4.norm_triton import rms_norm_fused
-    from sglang_dsv41.model.dsv4.swiglu_triton import swiglu_fused
 
     dev, t, hc, d = torch.device("cuda"), args.tokens, 4, args.dim
     streams = torch.randn(t, hc, d, device=dev, dtype=torch.bfloat16)
@@ -218,20 +208,6 @@ def fused_kernels(args) -> None:
     post = torch.rand(t, hc, device=dev) * 2
     comb = torch.rand(t, hc, hc, device=dev)
     pre = torch.rand(t, hc, device=dev)
-
-    weight = torch.rand(d, device=dev, dtype=torch.bfloat16) + 0.5  # as FSDP hands it over
-
-    def torch_rms_norm(x, w):  # norm.RMSNorm's expression
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
-        return (w.float() * h).to(x.dtype)
-
-    # the routed experts' halves at top-6 of 64 experts, moe_intermediate_size 512
-    gate, up = (torch.randn(6 * t, 512, device=dev, dtype=torch.bfloat16) * 3 for _ in range(2))
-    grad_swiglu = torch.randn_like(gate)
-
-    def torch_swiglu(g, u):  # moe.swiglu's expression
-        return F.silu(g.clamp(max=10.0)) * u.clamp(min=-10.0, max=10.0)
 
     def torch_expand(s, y_, p, c):
         return (p.to(s.dtype).unsqueeze(-1) * y_.unsqueeze(1)
@@ -243,24 +219,27 @@ def fused_kernels(args) -> None:
              "weighted_stream_sum torch": (mhc._WeightedStreamSum.apply, (streams, pre),
                                            grad_sum),
              "weighted_stream_sum triton": (weighted_stream_sum_fused, (streams, pre),
-                                            grad_sum),
-             "rms_norm torch": (torch_rms_norm, (y, weight), grad_sum),
-             "rms_norm triton": (lambda x, w: rms_norm_fused(x, w, 1e-6), (y, weight), grad_sum),
-             "swiglu torch": (torch_swiglu, (gate, up), grad_swiglu),
-             "swiglu triton": (lambda g, u: swiglu_fused(g, u, 10.0), (gate, up), grad_swiglu)}
+                                            grad_sum)}
+    def outputs(fn, inputs, grad, dtype=None):
+        """-> (leaves, [out, input grads...] in float64)."""
+        leaves = [(x if dtype is None else x.to(dtype)).clone().requires_grad_(True)
+                  for x in inputs]
+        out = fn(*leaves)
+        out.backward(grad if dtype is None else grad.to(dtype))
+        return leaves, [out.double().detach()] + [x.grad.double() for x in leaves]
+
+    def rel(got, ref):
+        return ", ".join(f"{((a - b).norm() / b.norm()).item():.1e}" for a, b in zip(got, ref))
+
     outs = {}
     for name, (fn, inputs, grad) in cases.items():
-        leaves = [x.clone().requires_grad_(True) for x in inputs]
-        out = fn(*leaves)
-        out.backward(grad)
-        outs[name] = [out.float().clone()] + [x.grad.float().clone() for x in leaves]
+        leaves, outs[name] = outputs(fn, inputs, grad)
+        exact = outputs(cases[name.replace("triton", "torch")][0], inputs, grad, torch.float64)[1]
         fwd = median_us(lambda: fn(*leaves), grad, leaves, False, args.repeats)
         both = median_us(lambda: fn(*leaves), grad, leaves, True, args.repeats)
-        ref = outs[name.replace("triton", "torch")]
-        diff = ", ".join(f"{((a - b).norm() / b.norm()).item():.1e}"
-                         for a, b in zip(outs[name], ref))
-        print(f"{name:28s} fwd {fwd:7.1f} us  fwd+bwd {both:7.1f} us  rel. diff vs torch "
-              f"(out, grads): {diff}", flush=True)
+        print(f"{name:28s} fwd {fwd:7.1f} us  fwd+bwd {both:7.1f} us  rel. diff (out, grads) vs "
+              f"torch: {rel(outs[name], outs[name.replace('triton', 'torch')])}; vs float64: "
+              f"{rel(outs[name], exact)}", flush=True)
 
 
 class MmPerGroup(torch.autograd.Function):

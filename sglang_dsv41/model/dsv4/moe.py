@@ -64,12 +64,7 @@ class Gate(nn.Module):
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """DeepSeek V4's clamped SwiGLU: gate <= limit, |up| <= limit. On CUDA one Triton kernel
-    each way (swiglu_triton.py) instead of four forward and about ten backward."""
-    if gate.is_cuda:
-        from .swiglu_triton import swiglu_fused
-
-        return swiglu_fused(gate, up, limit)
+    """DeepSeek V4's clamped SwiGLU: gate <= limit, |up| <= limit."""
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
