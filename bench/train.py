@@ -250,7 +250,9 @@ def static_bytes(model: torch.nn.Module) -> tuple[int, int, int]:
 class Ours:
     """Our trainer's policy on ``cfg``: built once, stepped at every sequence length."""
 
-    def __init__(self, cfg: DSV4Config, info, device, args, checkpointing: str):
+    def __init__(self, cfg: DSV4Config, info, device, args, checkpointing: str,
+                 compute_dtype: torch.dtype | None = None):
+        """compute_dtype: FSDP's parameter dtype (default bf16 on CUDA, fp32 on the CPU)."""
         t0 = time.perf_counter()
         self.cfg, self.device, self.info = cfg, device, info
         torch.manual_seed(0)
@@ -260,7 +262,7 @@ class Ours:
             if name.endswith("ffn.gate.weight"):
                 p.requires_grad_(False)  # RL keeps the router frozen (model.freeze_router)
         model.to(device)
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        dtype = compute_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         parallelize_policy(model, info.mesh, compute_dtype=dtype, lm_head_fp32=True,
                            activation_checkpointing=checkpointing)
         self.policy = Policy(model, "bench", device, attention_backend=args.attention)
@@ -269,9 +271,10 @@ class Ours:
         self.allocated_after_build = memory(device)[0]
         print(f"built ours {checkpointing} in {time.perf_counter() - t0:.1f} s", flush=True)
 
-    def stepper(self, shape: Shape, micro_batches: int):
+    def stepper(self, shape: Shape, micro_batches: int, optimizer: bool = True):
         """One optimizer step over ``micro_batches`` micro-batches of ``shape`` per rank, as
-        the trainer's mini-batch loop runs them (forward + backward each, then AdamW)."""
+        the trainer's mini-batch loop runs them (forward + backward each, then AdamW; without
+        ``optimizer`` the gradients stay). The step returns the last micro-batch's loss."""
         dev = self.device
         batches = []
         for m in range(micro_batches):
@@ -298,9 +301,12 @@ class Ours:
                 finally:  # an out-of-memory step must not keep its graph alive for the retry
                     if out is not None:
                         out.release()
+            if not optimizer:
+                return loss.detach()
             with torch.profiler.record_function("ours.optimizer"):
                 self.opt.step()
                 self.opt.zero_grad(set_to_none=True)
+            return loss.detach()
         return step
 
     def memory_plan(self, peak: int) -> str:

@@ -31,15 +31,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.train import Shape, bench_batch  # noqa: E402
+from bench.train import Ours, Shape  # noqa: E402
 from sglang_dsv41.model.dsv4 import get_preset  # noqa: E402
-from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM, init_weights  # noqa: E402
-from trainer_bridge.config import LossConfig, OptimConfig  # noqa: E402
 from trainer_bridge.dist import close_distributed, init_distributed  # noqa: E402
-from trainer_bridge.loss import ppo_loss  # noqa: E402
-from trainer_bridge.parallelize import parallelize_policy  # noqa: E402
-from trainer_bridge.policy import Policy, resolve_device  # noqa: E402
-from trainer_bridge.schedule import build_optimizer  # noqa: E402
+from trainer_bridge.policy import resolve_device  # noqa: E402
 
 PROJECT_DIRS = ("sglang_dsv41/", "trainer_bridge/")
 OPS = ("aten::copy_", "aten::_to_copy", "aten::mul", "aten::clone", "aten::contiguous",
@@ -48,37 +43,13 @@ OPS = ("aten::copy_", "aten::_to_copy", "aten::mul", "aten::clone", "aten::conti
 
 def ours_step(preset: str, seq: int, dtype: torch.dtype, device: torch.device,
               optimizer: bool = True):
-    """One step of ours (bench/train.py's Ours): forward, PPO loss, backward and, with
-    ``optimizer``, AdamW; the step returns the loss and the policy."""
-    cfg = get_preset(preset)
-    info = init_distributed(device)
-    torch.manual_seed(0)
-    model = DSV4ForCausalLM(cfg)
-    init_weights(model, seed=0)
-    for name, p in model.named_parameters():
-        if name.endswith("ffn.gate.weight"):
-            p.requires_grad_(False)
-    model.to(device)
-    parallelize_policy(model, info.mesh, compute_dtype=dtype, lm_head_fp32=True)
-    policy = Policy(model, "bench", device)
-    opt, _ = build_optimizer(policy, OptimConfig(lr=1e-5, sink_frozen_frac=0, sink_ramp_frac=0), 1)
-    mb = bench_batch(cfg, policy.routed_layers, Shape(1, seq))
-    old, rollout, adv, mask = (t.to(device) for t in (torch.zeros_like(mb.rollout_logprobs),
-                                                      mb.rollout_logprobs, mb.advantages,
-                                                      mb.loss_mask))
-    tokens = float(mb.loss_mask.sum())
-
-    def step():
-        out = policy.forward(mb, replay=False)
-        loss = ppo_loss(out.logprobs, old, rollout, adv, mask, LossConfig(),
-                        global_tokens=tokens, world_size=1).loss
-        loss.backward()
-        out.release()
-        if optimizer:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return loss.detach(), policy
-    return step
+    """One step of bench/train.py's Ours on one sequence of ``seq`` tokens with ``dtype``
+    compute: forward, PPO loss, backward and, with ``optimizer``, AdamW; the step returns the
+    loss and the policy."""
+    runner = Ours(get_preset(preset), init_distributed(device), device,
+                  argparse.Namespace(attention=None), "none", compute_dtype=dtype)
+    step = runner.stepper(Shape(1, seq), 1, optimizer=optimizer)
+    return lambda: (step(), runner.policy)
 
 
 def parity(args) -> None:
