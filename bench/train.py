@@ -48,10 +48,10 @@ from sglang_dsv41.model.dsv4.moe import MoE  # noqa: E402
 from trainer_bridge.batch import Sample, pack  # noqa: E402
 from trainer_bridge.config import LossConfig, OptimConfig  # noqa: E402
 from trainer_bridge.dist import close_distributed, init_distributed  # noqa: E402
-from trainer_bridge.loss import ppo_loss  # noqa: E402
 from trainer_bridge.parallelize import parallelize_policy  # noqa: E402
 from trainer_bridge.policy import ForwardState, Policy, resolve_device  # noqa: E402
 from trainer_bridge.schedule import build_optimizer  # noqa: E402
+from trainer_bridge.trainer import clip_gradients, forward_backward  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 GiB = 2 ** 30
@@ -157,7 +157,7 @@ def print_profile(prof, label: str, steps: int, device, trace_dir: str | None) -
     print(f"--- {label}: per step: self CPU {cpu:.1f} ms, self {device.type} {dev:.1f} ms; "
           f"{launches:.0f} kernel launches, {copies:.0f} cudaMemcpyAsync, {waits:.0f} host "
           f"waits ({', '.join(SYNC_CALLS)}) ---")
-    phases = [e for e in table if e.key.startswith("ours.")]
+    phases = [e for e in table if e.key.startswith("trainer.")]
     if phases:
         print("phases per step: " + ", ".join(
             f"{e.key} CPU {e.cpu_time_total / steps / 1e3:.1f} ms" for e in phases))
@@ -228,8 +228,8 @@ def bench_batch(cfg: DSV4Config, routed_layers: list[int], shape: Shape, index: 
     micro-batch of a step), each with its own tokens."""
     samples = []
     for i in range(shape.n):
-        s = Sample(random_tokens(cfg, shape.length, seed=index * shape.n + i), [0] + [1] * (shape.length - 1),
-                   [0.0] * shape.length, 1.0, 0)
+        s = Sample(random_tokens(cfg, shape.length, seed=index * shape.n + i),
+                   [0] + [1] * (shape.length - 1), [0.0] * shape.length, 1.0, 0)
         s.advantage = 1.0
         samples.append(s)
     return pack(samples, routed_layers, use_routing=False)
@@ -250,8 +250,8 @@ def static_bytes(model: torch.nn.Module) -> tuple[int, int, int]:
 class Ours:
     """Our trainer's policy on ``cfg``: built once, stepped at every sequence length."""
 
-    def __init__(self, cfg: DSV4Config, info, device, args, checkpointing: str,
-                 compute_dtype: torch.dtype | None = None):
+    def __init__(self, cfg: DSV4Config, info, device, attention_backend: str | None,
+                 checkpointing: str, compute_dtype: torch.dtype | None = None):
         """compute_dtype: FSDP's parameter dtype (default bf16 on CUDA, fp32 on the CPU)."""
         t0 = time.perf_counter()
         self.cfg, self.device, self.info = cfg, device, info
@@ -265,48 +265,36 @@ class Ours:
         dtype = compute_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         parallelize_policy(model, info.mesh, compute_dtype=dtype, lm_head_fp32=True,
                            activation_checkpointing=checkpointing)
-        self.policy = Policy(model, "bench", device, attention_backend=args.attention)
-        self.opt, _ = build_optimizer(self.policy, OptimConfig(lr=1e-5, sink_frozen_frac=0,
-                                                               sink_ramp_frac=0), 1)
+        self.policy = Policy(model, "bench", device, attention_backend=attention_backend)
+        self.optim_cfg = OptimConfig(lr=1e-5, sink_frozen_frac=0, sink_ramp_frac=0)
+        self.opt, _ = build_optimizer(self.policy, self.optim_cfg, 1)
         self.allocated_after_build = memory(device)[0]
         print(f"built ours {checkpointing} in {time.perf_counter() - t0:.1f} s", flush=True)
 
     def stepper(self, shape: Shape, micro_batches: int, optimizer: bool = True):
-        """One optimizer step over ``micro_batches`` micro-batches of ``shape`` per rank, as
-        the trainer's mini-batch loop runs them (forward + backward each, then AdamW; without
-        ``optimizer`` the gradients stay). The step returns the last micro-batch's loss."""
-        dev = self.device
+        """One optimizer step over ``micro_batches`` micro-batches of ``shape`` per rank, with
+        the trainer's own functions (forward_backward per micro-batch, then clip_gradients and
+        AdamW; without ``optimizer`` the gradients stay). The step returns the last
+        micro-batch's loss."""
         batches = []
         for m in range(micro_batches):
             mb = bench_batch(self.cfg, self.policy.routed_layers, shape,
                              self.info.rank * micro_batches + m)
-            batches.append((mb, *(t.to(dev) for t in (torch.zeros_like(mb.rollout_logprobs),
-                                                      mb.rollout_logprobs, mb.advantages,
-                                                      mb.loss_mask))))
-        # every rank's batches alike
-        tokens = sum(float(b[0].loss_mask.sum()) for b in batches) * self.info.world_size
+            mb.old_logprobs = torch.zeros_like(mb.rollout_logprobs)
+            batches.append(mb)
+        # the loss is normalised by the global token count: every rank's batches hold as many
+        tokens = sum(float(mb.loss_mask.sum()) for mb in batches) * self.info.world_size
 
         def step():
-            for mb, old, rollout, adv, mask in batches:
-                # The ranges name the step's phases in a profile (print_profile's table).
-                out = None
-                try:
-                    with torch.profiler.record_function("ours.forward"):
-                        out = self.policy.forward(mb, replay=False)
-                        loss = ppo_loss(out.logprobs, old, rollout, adv, mask, LossConfig(),
-                                        global_tokens=tokens,
-                                        world_size=self.info.world_size).loss
-                    with torch.profiler.record_function("ours.backward"):
-                        loss.backward()
-                finally:  # an out-of-memory step must not keep its graph alive for the retry
-                    if out is not None:
-                        out.release()
-            if not optimizer:
-                return loss.detach()
-            with torch.profiler.record_function("ours.optimizer"):
-                self.opt.step()
-                self.opt.zero_grad(set_to_none=True)
-            return loss.detach()
+            for mb in batches:
+                sums = forward_backward(self.policy, mb, tokens, LossConfig(),
+                                        self.info.world_size, replay=False)
+            if optimizer:
+                with torch.profiler.record_function("trainer.optimizer"):
+                    clip_gradients(self.policy, self.optim_cfg.max_grad_norm)
+                    self.opt.step()
+                    self.opt.zero_grad(set_to_none=True)
+            return sums[0]
         return step
 
     def memory_plan(self, peak: int) -> str:
@@ -511,7 +499,7 @@ def main(argv=None) -> int:
                    "CUDA, the torch reference on CPU)")
     p.add_argument("--checkpointing", default="none",
                    help="ours: none | layer | selective; a length that runs out of memory is "
-                   "retried with selective, then layer")
+                   "retried with selective, then layer (one process; under torchrun it fails)")
     p.add_argument("--transformers", default="eager,grouped_mm",
                    help="comma list of transformers experts implementations, or none")
     p.add_argument("--no-twin", action="store_true", help="skip ours on the V4 twin")
@@ -561,6 +549,8 @@ def main(argv=None) -> int:
             step_s, peak_b = time_steps(runner.stepper(seq, args.micro_batches), args, device,
                                         f"{label} @ {seq}" if profile else None)
         except torch.OutOfMemoryError:
+            if info.world_size > 1:
+                raise  # the other ranks may not have run out: a retry would hang them
             runner.zero_grad()
             free(device)
             return "OOM"
@@ -579,12 +569,14 @@ def main(argv=None) -> int:
         for seq in seqs:
             while True:
                 if runner is None:
-                    runner = Ours(c, info, device, args, policies[ac])
+                    runner = Ours(c, info, device, args.attention, policies[ac])
                     try:
                         plan = (runner.planned_memory(longest, shortest, policies[ac])
                                 if shortest >= 4 else "memory plan: its two probes (half the "
                                 "shortest length and the shortest) need a length of at least 4")
                     except torch.OutOfMemoryError:
+                        if info.world_size > 1:
+                            raise  # as in measure: the ranks must stay on one path
                         plan = f"memory plan: the {shortest}-token probe ran out of memory"
                         free(device)
                     print(f"{label}: {plan}", flush=True)

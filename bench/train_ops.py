@@ -12,9 +12,7 @@ projection fastest, and what the model's Triton kernels of its torch paths cost 
       candidate measured --rounds times (a first round on a busy or cold GPU misleads).
   python bench/train_ops.py fused [--tokens 4096 --dim 1024]
       CUDA: mHC's write-back and weighted stream sum, torch expressions vs the Triton kernels
-      (forward, forward + backward, relative differences). RMSNorm and the clamped SwiGLU had
-      Triton kernels too; they made the step slower on one H200 (bench/results/train_h200.txt,
-      run L: 201.0 ms with them, 187.1 ms without, same host) and were removed.
+      (forward, forward + backward, relative differences to torch and to float64).
   python bench/train_ops.py parity [--preset small --seq 1024 --device cuda]
       one step's gradients: bf16 with those Triton kernels, bf16 with the torch expressions,
       fp32 (the reference); relative differences of each pair.
@@ -26,6 +24,7 @@ import argparse
 import os
 import sys
 from collections import Counter
+from unittest import mock
 
 import torch
 
@@ -46,8 +45,8 @@ def ours_step(preset: str, seq: int, dtype: torch.dtype, device: torch.device,
     """One step of bench/train.py's Ours on one sequence of ``seq`` tokens with ``dtype``
     compute: forward, PPO loss, backward and, with ``optimizer``, AdamW; the step returns the
     loss and the policy."""
-    runner = Ours(get_preset(preset), init_distributed(device), device,
-                  argparse.Namespace(attention=None), "none", compute_dtype=dtype)
+    runner = Ours(get_preset(preset), init_distributed(device), device, None, "none",
+                  compute_dtype=dtype)
     step = runner.stepper(Shape(1, seq), 1, optimizer=optimizer)
     return lambda: (step(), runner.policy)
 
@@ -57,11 +56,7 @@ def parity(args) -> None:
     model's torch paths (mHC write-back and weighted sum; CUDA only), in bf16
     with their torch expressions, and in fp32 (the accuracy reference), same weights and batch.
     On the CPU both bf16 runs take the torch expressions: the bf16-vs-fp32 floor only."""
-    from sglang_dsv41.model.dsv4 import mhc, mhc_streams_triton
-
-    def torch_expand(s, y, post, comb):
-        return (post.to(s.dtype).unsqueeze(-1) * y.unsqueeze(1)
-                + torch.matmul(comb.to(s.dtype).transpose(-1, -2), s))
+    from sglang_dsv41.model.dsv4 import mhc_streams_triton
 
     device = torch.device(args.device)
 
@@ -76,9 +71,9 @@ def parity(args) -> None:
     runs = {}
     step = ours_step(args.preset, args.seq, torch.bfloat16, device, optimizer=False)
     runs["triton bf16"] = loss_and_gradients(step)
-    mhc_streams_triton.hc_expand_fused = torch_expand
-    mhc_streams_triton.weighted_stream_sum_fused = mhc._WeightedStreamSum.apply
-    runs["torch bf16"] = loss_and_gradients(step)
+    # mhc's dispatch asks supports() at each call: "no" sends it down the torch expressions
+    with mock.patch.object(mhc_streams_triton, "supports", lambda hc: False):
+        runs["torch bf16"] = loss_and_gradients(step)
     # The accuracy reference: the same weights and batch computed in fp32 (torch expressions).
     runs["fp32"] = loss_and_gradients(ours_step(args.preset, args.seq, torch.float32, device,
                                                 optimizer=False))
@@ -180,14 +175,10 @@ def fused_kernels(args) -> None:
     comb = torch.rand(t, hc, hc, device=dev)
     pre = torch.rand(t, hc, device=dev)
 
-    def torch_expand(s, y_, p, c):
-        return (p.to(s.dtype).unsqueeze(-1) * y_.unsqueeze(1)
-                + torch.matmul(c.to(s.dtype).transpose(-1, -2), s))
-
     grad_expand, grad_sum = torch.randn_like(streams), torch.randn_like(y)
-    cases = {"hc_expand torch": (torch_expand, (streams, y, post, comb), grad_expand),
+    cases = {"hc_expand torch": (mhc.hc_expand_torch, (streams, y, post, comb), grad_expand),
              "hc_expand triton": (hc_expand_fused, (streams, y, post, comb), grad_expand),
-             "weighted_stream_sum torch": (mhc._WeightedStreamSum.apply, (streams, pre),
+             "weighted_stream_sum torch": (mhc.weighted_stream_sum_torch, (streams, pre),
                                            grad_sum),
              "weighted_stream_sum triton": (weighted_stream_sum_fused, (streams, pre),
                                             grad_sum)}

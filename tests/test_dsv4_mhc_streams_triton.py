@@ -1,9 +1,9 @@
 """The fused mHC stream kernels (mhc_streams_triton, run by the Triton interpreter on CPU) equal
-their torch expressions and gradients: hc_expand's (autograd's) of the streams, y, post and
-comb; weighted_stream_sum's (mhc._WeightedStreamSum's hand-written backward) of the streams and
-pre. The expressions run in float64: on an H200 the fp32 torch expression's d comb (a matmul
-backward over D) was itself off by more than 1e-5 at D 300, while the kernel stayed within
-1e-7 of float64 (bench/results/train_h200.txt, run L)."""
+their torch expressions and gradients (mhc.hc_expand_torch through autograd,
+mhc.weighted_stream_sum_torch through its hand-written backward). The expressions run in
+float64: on an H200 the fp32 torch expression's d comb (a matmul backward over D) was itself
+off by more than 1e-5 at D 300, while the kernel stayed within 1e-7 of float64
+(bench/results/train_h200.txt, runs L and M)."""
 
 from __future__ import annotations
 
@@ -21,20 +21,15 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _torch_expand(streams, y, post, comb):
-    # mhc.hc_expand's CPU expression (on CUDA it dispatches to the fused kernel)
-    return post.unsqueeze(-1) * y.unsqueeze(1) + torch.matmul(comb.transpose(-1, -2), streams)
-
-
+@pytest.mark.parametrize("hc", [2, 4, 8])
 @pytest.mark.parametrize("tokens,dim", [(37, 72), (8, 128), (3, 300)])
-def test_fused_expand_equals_torch_values_and_gradients(tokens, dim):
-    hc = 4
+def test_fused_expand_equals_torch_values_and_gradients(tokens, dim, hc):
     gen = torch.Generator().manual_seed(tokens)
     inputs = [torch.randn(tokens, hc, dim, generator=gen), torch.randn(tokens, dim, generator=gen),
               torch.rand(tokens, hc, generator=gen) * 2, torch.rand(tokens, hc, hc, generator=gen)]
     grad = torch.randn(tokens, hc, dim, generator=gen).to(DEV)
     results = []
-    for fn, dtype in ((_torch_expand, torch.float64), (hc_expand_fused, torch.float32)):
+    for fn, dtype in ((mhc.hc_expand_torch, torch.float64), (hc_expand_fused, torch.float32)):
         leaves = [t.to(DEV, dtype).requires_grad_(True) for t in inputs]
         out = fn(*leaves)
         out.backward(grad.to(dtype))
@@ -51,7 +46,7 @@ def test_fused_weighted_sum_equals_torch_values_and_gradients(tokens, dim):
     inputs = [torch.randn(tokens, hc, dim, generator=gen), torch.rand(tokens, hc, generator=gen)]
     grad = torch.randn(tokens, dim, generator=gen).to(DEV)
     results = []
-    for fn, dtype in ((mhc._WeightedStreamSum.apply, torch.float64),
+    for fn, dtype in ((mhc.weighted_stream_sum_torch, torch.float64),
                       (weighted_stream_sum_fused, torch.float32)):
         leaves = [t.to(DEV, dtype).requires_grad_(True) for t in inputs]
         out = fn(*leaves)

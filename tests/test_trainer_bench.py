@@ -50,11 +50,16 @@ def test_bench_train_runs_with_activation_checkpointing(policy):
     """One process, world 1, FSDP2 groups nested in each checkpointed layer: the selective
     recompute used to be refused ("profiler._record_function_enter_new ... not found in
     storage") because those groups' hooks open profiler ranges a different number of times.
-    Two micro-batches per optimizer step: the row counts the tokens of both."""
+    Two micro-batches per optimizer step: each step runs two forwards (counted on the
+    policy), and the row counts the tokens of both."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
+    count = ("import atexit, trainer_bridge.policy as P; calls = [0]; fwd = P.Policy.forward; "
+             "P.Policy.forward = lambda *a, **k: (calls.__setitem__(0, calls[0] + 1), "
+             "fwd(*a, **k))[1]; atexit.register(lambda: print('policy forwards', calls[0])); ")
     code = RUN.format(tests=os.path.join(ROOT, "tests"),
                       bench=os.path.join(ROOT, "bench", "train.py"))
+    code = code.replace("runpy.run_path", count + "runpy.run_path")
     out = subprocess.run([sys.executable, "-c", code, "--preset", "tiny", "--seqs", "64",
                           "--steps", "1", "--warmup", "1", "--checkpointing", policy,
                           "--micro-batches", "2", "--transformers", "none", "--no-twin"],
@@ -62,6 +67,8 @@ def test_bench_train_runs_with_activation_checkpointing(policy):
     assert out.returncode == 0, out.stderr[-3000:]
     row = next(line for line in out.stdout.splitlines()
                if line.startswith(f"ours tiny ac={policy} ") and "memory plan" not in line)
+    # one warm-up and one timed step (the memory plan's probes run on CUDA only)
+    assert "policy forwards 4" in out.stdout.splitlines()[-1], out.stdout[-500:]
     step_ms, tokens_per_s = float(row.split()[-5]), float(row.split()[-4])
     assert tokens_per_s * step_ms / 1e3 == pytest.approx(2 * 64, rel=0.02), row
 
@@ -79,3 +86,24 @@ def test_bench_train_refuses_bad_flags_before_building(args, message):
     out = subprocess.run([sys.executable, "-c", code, "--preset", "tiny", *args], env=env,
                          capture_output=True, text=True, timeout=50)
     assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.timeout(150)
+def test_bench_train_under_torchrun_two_ranks():
+    """FSDP over two gloo ranks: one table (rank 0 prints), a row per shape; the transformers
+    baseline (one process) is refused there."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    bench = os.path.join(ROOT, "bench", "train.py")
+    run = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", bench,
+           "--preset", "tiny", "--seqs", "64", "--steps", "1", "--warmup", "1"]
+    out = subprocess.run(run + ["--transformers", "none", "--no-twin"], env=env,
+                         capture_output=True, text=True, timeout=140)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("cpu x 2, 1 micro-batch(es)") == 1, out.stdout[-2000:]
+    rows = [line for line in out.stdout.splitlines()
+            if line.startswith("ours tiny ac=none ") and "memory plan" not in line]
+    assert len(rows) == 2 and float(rows[0].split()[-4]) > 0, rows  # printed live + table
+    refused = subprocess.run(run + ["--transformers", "eager"], env=env, capture_output=True,
+                             text=True, timeout=100)
+    assert refused.returncode != 0 and "pass --transformers none --no-twin" in refused.stderr

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
+from sglang_dsv41.model.dsv4.context import host_to_device
 from sglang_dsv41.tokenizer import ByteTokenizer
 
 from .batch import MicroBatch, Sample, pack, split_by_token_budget
@@ -155,22 +156,8 @@ class Trainer:
         return out
 
     def forward_backward_step(self, mb: MicroBatch, global_tokens: float) -> torch.Tensor:
-        """Forward and backward of one micro-batch -> float64 [5] on the device: loss, and the
-        token sums of pg, kl, clipped and tis (STEP_SUMS)."""
-        out = self.policy.forward(mb, replay=self.cfg.model.r3)
-        try:
-            dev = out.logprobs.device
-            terms = ppo_loss(out.logprobs, mb.old_logprobs.to(dev), mb.rollout_logprobs.to(dev),
-                             mb.advantages.to(dev), mb.loss_mask.to(dev), self.cfg.loss,
-                             global_tokens=global_tokens, world_size=self.dist.world_size,
-                             ref_logp=None if mb.ref_logprobs is None
-                             else mb.ref_logprobs.to(dev))
-            terms.loss.backward()
-        finally:
-            out.release()
-        # On the device, read once per step (train_step): no host sync per micro-batch.
-        return torch.stack([terms.loss.detach(), terms.pg_sum, terms.kl_sum,
-                            terms.clip_frac_sum, terms.tis_sum]).double()
+        return forward_backward(self.policy, mb, global_tokens, self.cfg.loss,
+                                self.dist.world_size, replay=self.cfg.model.r3)
 
     def train_step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -187,8 +174,7 @@ class Trainer:
             for mb in mini:
                 sums += self.forward_backward_step(mb, global_tokens)
             sink_norm = self.sink_grad_norm()
-            grad_norm = _full(torch.nn.utils.clip_grad_norm_(
-                [p for _, p in self.policy.trainable_parameters()], self.cfg.optim.max_grad_norm))
+            grad_norm = clip_gradients(self.policy, self.cfg.optim.max_grad_norm)
             norms = torch.stack([grad_norm.float().to(norms.device), sink_norm.to(norms.device)])
             self.optimizer.step()
         self.scheduler.step()
@@ -288,6 +274,38 @@ def routing_agreement(own: dict[int, tuple[torch.Tensor, torch.Tensor]], mb: Mic
         out[row, 0] = float((mine == theirs).all(-1)[valid].sum())
         out[row, 1] = float(valid.sum())
     return out
+
+
+def forward_backward(policy: Policy, mb: MicroBatch, global_tokens: float, loss_cfg,
+                     world_size: int, replay: bool) -> torch.Tensor:
+    """Forward, PPO loss and backward of one micro-batch (mb.old_logprobs set) -> float64 [5]
+    on the device: loss, and the token sums of pg, kl, clipped and tis (STEP_SUMS). The
+    trainer's step and bench/train.py both run it; its ranges name the phases in a profile."""
+    with torch.profiler.record_function("trainer.forward"):
+        out = policy.forward(mb, replay=replay)
+    try:
+        dev = out.logprobs.device
+        # pinned, queued copies: a pageable one makes the host wait for the GPU's queue
+        terms = ppo_loss(out.logprobs, host_to_device(mb.old_logprobs, dev),
+                         host_to_device(mb.rollout_logprobs, dev),
+                         host_to_device(mb.advantages, dev), host_to_device(mb.loss_mask, dev),
+                         loss_cfg, global_tokens=global_tokens, world_size=world_size,
+                         ref_logp=None if mb.ref_logprobs is None
+                         else host_to_device(mb.ref_logprobs, dev))
+        with torch.profiler.record_function("trainer.backward"):
+            terms.loss.backward()
+    finally:  # a failed step must not keep its graph alive (ForwardOut.release)
+        out.release()
+    # On the device, read once per step (train_step): no host sync per micro-batch.
+    return torch.stack([terms.loss.detach(), terms.pg_sum, terms.kl_sum,
+                        terms.clip_frac_sum, terms.tis_sum]).double()
+
+
+def clip_gradients(policy: Policy, max_norm: float) -> torch.Tensor:
+    """Clips the trained parameters' gradients to ``max_norm`` in place -> their total norm
+    before clipping, on the device (no host sync)."""
+    return _full(torch.nn.utils.clip_grad_norm_(
+        [p for _, p in policy.trainable_parameters()], max_norm))
 
 
 def _full(t: Any) -> torch.Tensor:

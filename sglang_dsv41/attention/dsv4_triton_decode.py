@@ -59,9 +59,8 @@ def default_tiles(heads: int) -> DecodeTiles:
     # 64 heads: one block of all heads, 64-key tiles: 82 / 117 / 270 us sliding / HCA / CSA vs
     # 92 / 128 / 319 us for two 32-head blocks sharing keys through L2, 89 / 125 / 324 with
     # 32-key and 114 / 163 / 452 with 16-key tiles. 8 heads: one split; a second one costs
-    # 30-40% (partial outputs and the combine), 16-key tiles 25-45%. Tried on 2026-11-30 and
-    # lost at both head counts: a persistent grid, value splits, register prefetch (the
-    # experiment commits before the one that removed them).
+    # 30-40% (partial outputs and the combine), 16-key tiles 25-45%. Other designs that lost:
+    # see the window loop's comment in _dsv4_decode_split_kernel.
     if heads > 16:
         return DecodeTiles(bh=64, bn=64, warps=8, stages=2)
     return DecodeTiles(bh=16, bn=32, warps=4, stages=3)

@@ -21,7 +21,8 @@ def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on ``device`` without making the host wait: a copy from pageable memory
     blocks until the GPU has run everything queued before it (a sync per input a step), one
     from pinned memory is queued like a kernel (the caching host allocator keeps the pinned
-    buffer until the copy has run)."""
+    buffer until the copy has run). An already pinned ``t`` is copied from as it is: its owner
+    must not write to it until the copy has run."""
     if device.type != "cuda" or t.is_cuda:
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)

@@ -104,6 +104,11 @@ def weighted_stream_sum(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tenso
 
         if supports(streams.shape[1]):
             return weighted_stream_sum_fused(streams, pre)
+    return weighted_stream_sum_torch(streams, pre)
+
+
+def weighted_stream_sum_torch(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """weighted_stream_sum in torch ops (the CPU path, and the kernels' reference)."""
     return _WeightedStreamSum.apply(streams, pre)
 
 
@@ -148,6 +153,12 @@ def hc_expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
 
         if supports(streams.shape[1]):
             return hc_expand_fused(streams, y, post, comb)
+    return hc_expand_torch(streams, y, post, comb)
+
+
+def hc_expand_torch(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
+                    comb: torch.Tensor) -> torch.Tensor:
+    """hc_expand in torch ops (the CPU path, and the kernels' reference)."""
     dtype = streams.dtype
     return (post.to(dtype).unsqueeze(-1) * y.unsqueeze(1)
             + torch.matmul(comb.to(dtype).transpose(-1, -2), streams))

@@ -10,8 +10,9 @@ y and writes the output; the backward reads the gradient once, writes the gradie
 streams and y, and reduces those of post and comb over D inside each program.
 
 weighted_stream_sum: out[t] = sum_k pre[t, k] * streams[t, k], accumulated in fp32 in stream
-order (SGLang's mhc_combine) as torch did it, one pass instead of hc casts, multiplies and
-adds; its backward, one pass instead of a cast, a multiply and a sum per stream.
+order (SGLang's mhc_combine; fused multiply-adds, so not bit-identical to the torch path), one
+pass instead of hc casts, multiplies and adds; its backward, one pass instead of a cast, a
+multiply and a sum per stream.
 
 Reductions stay inside a program (no atomics: deterministic). Every product and sum is in fp32,
 rounded once to the streams' dtype (torch's hc_expand rounded post to the streams' dtype, the
