@@ -19,9 +19,10 @@ import torch
 
 from sglang_cpu import import_sglang
 from sglang_dsv41.model.dsv4.config import DSV4Config
+from sglang_dsv41.model.dsv4.context import DSV4Context
 from sglang_dsv41.model.dsv4.rope import layer_inv_freq
-from sglang_dsv41.model.dsv4.v41_sparse import (build_low_ratio_modules, low_ratio_entries,
-                                                validate_low_ratio_config)
+from sglang_dsv41.model.dsv4.v41_sparse import (EntryLayout, build_low_ratio_modules,
+                                                low_ratio_entries, validate_low_ratio_config)
 
 SEQS = [37, 20]          # packed; M below keeps each request's slots 2-aligned
 M = 64
@@ -318,6 +319,10 @@ def test_bad_layouts_and_configs_are_refused():
     q = torch.randn(pos.shape[0], CFG.q_lora_rank)
     with pytest.raises(ValueError, match="positions 0..n-1"):
         low_ratio_entries(CFG, 0, ours[0], x, q, pos + 1, bounds, {})
+    # The trainer's contexts (DSV4Context.packed) built their positions as ranges: the check,
+    # a device read-back, is skipped for them.
+    assert DSV4Context.packed([3, 2]).positions_are_ranges
+    EntryLayout.build(1, pos + 1, bounds, check_positions=False)
     with pytest.raises(RuntimeError, match="has not run"):
         low_ratio_entries(CFG, 2, ours[2], x, q, pos, bounds, {})
     with pytest.raises(ValueError, match="not an index source"):

@@ -87,7 +87,8 @@ class Attention(nn.Module):
             return None, None
         if self.ratio in (1, 2):
             return low_ratio_entries(self.cfg, self.layer_id, self, x, q_lora, ctx.positions,
-                                     ctx.seq_bounds, ctx.shared, ctx.serving_numerics)
+                                     ctx.seq_bounds, ctx.shared, ctx.serving_numerics,
+                                     check_positions=not ctx.positions_are_ranges)
         bounds = ctx.seq_bounds
         entries, starts = self.compressor(x, bounds, self.freqs)
         if self.indexer is None:

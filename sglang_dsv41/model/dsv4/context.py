@@ -43,6 +43,9 @@ class DSV4Context:
     serving_numerics: bool = False
     # Per-forward state that V4.1's ratio-1/2 source layers hand to the layers reusing them.
     shared: dict[Any, Any] = field(default_factory=dict)
+    # packed() built positions as 0..n-1 per sequence: the ratio-1/2 layers need not check
+    # them on the device (a read-back each).
+    positions_are_ranges: bool = False
 
     @classmethod
     def packed(cls, seq_lens: list[int], device: torch.device | str = "cpu",
@@ -51,7 +54,7 @@ class DSV4Context:
         cu = host_to_device(torch.tensor(ends, dtype=torch.int32), torch.device(device))
         positions = (torch.cat([torch.arange(n, device=device) for n in seq_lens]) if seq_lens
                      else torch.zeros(0, dtype=torch.long, device=device))
-        ctx = cls(cu_seqlens=cu, positions=positions, **kw)
+        ctx = cls(cu_seqlens=cu, positions=positions, positions_are_ranges=True, **kw)
         ctx.__dict__["seq_bounds"] = list(zip(ends[:-1], ends[1:]))  # no read-back from the device
         return ctx
 

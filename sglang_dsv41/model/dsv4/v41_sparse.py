@@ -133,15 +133,18 @@ class EntryLayout:
     token_bounds: list[tuple[int, int]]
 
     @classmethod
-    def build(cls, ratio: int, positions: torch.Tensor,
-              bounds: list[tuple[int, int]]) -> "EntryLayout":
-        """bounds: each sequence's packed rows [start, end), on the host."""
+    def build(cls, ratio: int, positions: torch.Tensor, bounds: list[tuple[int, int]],
+              check_positions: bool = True) -> "EntryLayout":
+        """bounds: each sequence's packed rows [start, end), on the host. check_positions
+        compares positions with 0..n-1 per sequence on the device (a read-back); a caller that
+        built them so (DSV4Context.packed) passes False."""
         if bounds and bounds[-1][1] != positions.shape[0]:
             raise ValueError(f"the sequences end at {bounds[-1][1]}, positions has "
                              f"{positions.shape[0]} tokens")
         expect = [torch.arange(b - a, device=positions.device) for a, b in bounds]
         # One comparison for the whole batch: a per-sequence check reads back once per sequence.
-        if expect and not torch.equal(positions.to(torch.int64), torch.cat(expect)):
+        if check_positions and expect and not torch.equal(positions.to(torch.int64),
+                                                          torch.cat(expect)):
             raise ValueError("V4.1 ratio-1/2 layers without a KV cache need every packed "
                              "sequence at positions 0..n-1")
         rows, starts, total = [], [], 0
@@ -159,20 +162,21 @@ class EntryLayout:
 def low_ratio_entries(cfg: DSV4Config, layer_id: int, attn: nn.Module, x: torch.Tensor,
                       q_lora: torch.Tensor, positions: torch.Tensor,
                       seq_bounds: list[tuple[int, int]],
-                      shared: dict, serving_numerics: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      shared: dict, serving_numerics: bool = False,
+                      check_positions: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The compressed entries of ratio-1/2 layer ``layer_id``: ``comp_kv [C, head_dim]`` RoPE'd
     (and FP4-rounded under serving numerics) and ``comp_idx [T, index_topk]`` int32 rows of
     comp_kv each query attends, -1 = none. ``x`` is the attention input after attn_norm,
     ``q_lora`` after q_norm; ``shared`` is one forward's dict (``DSV4Context.shared``): source
     layers leave their entries and selections there for the layers after them, so call the
-    layers in order."""
+    layers in order. check_positions: as EntryLayout.build's."""
     ratio = cfg.compress_ratios[layer_id]
     if ratio not in LOW_RATIOS:
         raise ValueError(f"layer {layer_id} has compress ratio {ratio}, not 1 or 2")
     layout = shared.get(("v41_layout", ratio))
     if layout is None:
-        layout = shared[("v41_layout", ratio)] = EntryLayout.build(ratio, positions, seq_bounds)
+        layout = shared[("v41_layout", ratio)] = EntryLayout.build(ratio, positions, seq_bounds,
+                                                                     check_positions)
     inv_freq = attn.freqs  # the layer's compressed-RoPE frequencies, already on the device
     compressor, indexer = getattr(attn, "compressor", None), getattr(attn, "indexer", None)
     if layer_id in cfg.kv_source_layer_ids:
