@@ -15,9 +15,10 @@ Rows: ours on the preset (V4.1: ratio-1/2 layers, Engram), ours and transformers
 (same sizes, the layer kinds transformers defines: ratios 1/2 become 4, no Engram). MFU counts
 6 x active parameters x tokens against the device's bf16 peak; attention FLOPs (3 x forward,
 4 H D per query-key pair) are reported separately. A row that runs out of memory says OOM.
-The longest row prints its memory plan (fp32 master weights, gradients, Adam state,
-activations); before it runs, each of ours' models prints its planned peak at the longest
-length: the static state, every layer's retained bytes and the backward's rise above them,
+The row of the most tokens prints its memory plan (fp32 master weights, gradients, Adam state,
+activations); before it runs, each of ours' models prints its planned peak for one sequence of
+that many tokens (an upper bound when they are packed sequences: each sees fewer compressed
+entries): the static state, every layer's retained bytes and the backward's rise above them,
 each measured on steps of the shortest length and its half and extrapolated linearly (all
 O(T) since the selection and the head run in chunks), and the largest temporaries.
 
@@ -571,7 +572,7 @@ def main(argv=None) -> int:
                 if runner is None:
                     runner = Ours(c, info, device, args.attention, policies[ac])
                     try:
-                        plan = (runner.planned_memory(longest, shortest, policies[ac])
+                        plan = (runner.planned_memory(biggest.tokens, shortest, policies[ac])
                                 if shortest >= 4 else "memory plan: its two probes (half the "
                                 "shortest length and the shortest) need a length of at least 4")
                     except torch.OutOfMemoryError:
