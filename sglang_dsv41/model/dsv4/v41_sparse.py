@@ -141,10 +141,10 @@ class EntryLayout:
         if bounds and bounds[-1][1] != positions.shape[0]:
             raise ValueError(f"the sequences end at {bounds[-1][1]}, positions has "
                              f"{positions.shape[0]} tokens")
-        expect = [torch.arange(b - a, device=positions.device) for a, b in bounds]
         # One comparison for the whole batch: a per-sequence check reads back once per sequence.
-        if check_positions and expect and not torch.equal(positions.to(torch.int64),
-                                                          torch.cat(expect)):
+        if check_positions and bounds and not torch.equal(
+                positions.to(torch.int64),
+                torch.cat([torch.arange(b - a, device=positions.device) for a, b in bounds])):
             raise ValueError("V4.1 ratio-1/2 layers without a KV cache need every packed "
                              "sequence at positions 0..n-1")
         rows, starts, total = [], [], 0
