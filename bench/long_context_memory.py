@@ -34,10 +34,10 @@ from sglang_dsv41.model.dsv4 import compressor, get_preset, token_logprobs  # no
 from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM, init_weights  # noqa: E402
 from bench.train import Shape, bench_batch  # noqa: E402
 from trainer_bridge.config import LossConfig  # noqa: E402
-from trainer_bridge.loss import ppo_loss  # noqa: E402
 from trainer_bridge.parallelize import is_fp32_param  # noqa: E402
 from sglang_dsv41.model.dsv4.context import DSV4Context  # noqa: E402
 from trainer_bridge.policy import Policy  # noqa: E402
+from trainer_bridge.trainer import forward_backward  # noqa: E402
 
 MiB = 2 ** 20
 
@@ -112,13 +112,10 @@ def saved_bytes(policy: Policy, seq: int) -> int:
 
 def step_peak(policy: Policy, seq: int) -> int:
     mb = step_batch(policy, seq)
-    old = torch.zeros_like(mb.rollout_logprobs)
+    mb.old_logprobs = torch.zeros_like(mb.rollout_logprobs)
 
     def step():
-        out = policy.forward(mb, replay=False)
-        ppo_loss(out.logprobs, old, mb.rollout_logprobs, mb.advantages, mb.loss_mask,
-                 LossConfig(), global_tokens=float(mb.loss_mask.sum()), world_size=1
-                 ).loss.backward()
+        forward_backward(policy, mb, float(mb.loss_mask.sum()), LossConfig(), 1, replay=False)
         policy.model.zero_grad(set_to_none=True)
     return peak_bytes(step)
 

@@ -32,7 +32,7 @@ from .telemetry import Telemetry, memory_metrics, rollout_metrics
 from .weight_sync import WeightSyncer
 
 log = logging.getLogger("trainer_bridge")
-STEP_SUMS = ("loss", "pg", "kl", "clip", "tis")  # forward_backward_step's vector
+STEP_SUMS = ("loss", "pg", "kl", "clip", "tis")  # forward_backward's vector
 
 
 class Trainer:
@@ -155,10 +155,6 @@ class Trainer:
                                                         / agree[checked, 1]).min())
         return out
 
-    def forward_backward_step(self, mb: MicroBatch, global_tokens: float) -> torch.Tensor:
-        return forward_backward(self.policy, mb, global_tokens, self.cfg.loss,
-                                self.dist.world_size, replay=self.cfg.model.r3)
-
     def train_step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
         samples = self.collect_rollouts(step)
@@ -172,7 +168,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             global_tokens = max(all_reduce_scalar(sum(mb.num_loss_tokens for mb in mini)), 1.0)
             for mb in mini:
-                sums += self.forward_backward_step(mb, global_tokens)
+                sums += forward_backward(self.policy, mb, global_tokens, self.cfg.loss,
+                                         self.dist.world_size, replay=self.cfg.model.r3)
             sink_norm = self.sink_grad_norm()
             grad_norm = clip_gradients(self.policy, self.cfg.optim.max_grad_norm)
             norms = torch.stack([grad_norm.float().to(norms.device), sink_norm.to(norms.device)])
