@@ -71,6 +71,8 @@ class EngineForwardContext(DSV4Context):
         self._gather_rows = torch.cat([torch.arange(r * m, r * m + s) for r, s in
                                        enumerate(self._shards)]).to(dev)
         self.dp_offset = sum(self.dp_tokens[:dp_rank])
+        # this forward's pool slots and its context's, on the device once for every layer
+        self._slots, self._context_slots = self.plan.slots.to(dev), self.plan.context_slots.to(dev)
         self._layout_window()
         # a decode forward's page table and seq_lens, on the device once for every layer
         self._decode_tables = None
@@ -111,7 +113,7 @@ class EngineForwardContext(DSV4Context):
             at += tail + n
         empty = torch.zeros(0, dtype=torch.long)
         # pool slots of each sequence's window rows (context positions -> slots)
-        self._window_slots = self.plan.context_slots.to(dev)[torch.cat(cache_rows or [empty])]
+        self._window_slots = self._context_slots[torch.cat(cache_rows or [empty]).to(dev)]
         self._query_rows = torch.cat(query_rows or [empty]).to(dev)
         self._window_cu = cu_of(lens, dev)
         self.window_size = window
@@ -160,8 +162,8 @@ class EngineForwardContext(DSV4Context):
     def cached_rows(self, name: str, new_rows: torch.Tensor) -> torch.Tensor:
         """Writes this forward's rows of a cached quantity; returns every sequence's rows for
         positions [0, seq_len), packed by context_bounds."""
-        self.pool.write(name, self.plan.slots.to(new_rows.device), new_rows)
-        return self.pool.gather(name, self.plan.context_slots.to(new_rows.device))
+        self.pool.write(name, self._slots, new_rows)
+        return self.pool.gather(name, self._context_slots)
 
     def attend(self, layer_id: int, q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor,
                window: int, scale: float, comp_kv: torch.Tensor | None,
@@ -170,7 +172,7 @@ class EngineForwardContext(DSV4Context):
         built on the host from the plan and the picks come from the model's own indexer, so the
         dispatch's value checks (a device sync each on CUDA) are left out."""
         name = f"layers.{layer_id}.kv"
-        self.pool.write(name, self.plan.slots.to(kv.device), kv)
+        self.pool.write(name, self._slots, kv)
         n = self.plan.num_tokens
         if n == 0:
             return q.new_zeros(q.shape)

@@ -69,9 +69,11 @@ def _context_compressed(attn: nn.Module, hooks: "ModelHooks"):
             x = ctx.cached_rows(f"layers.{layer_id}.attn_x", x)
         if layer_id in cfg.index_source_layer_ids:
             q_lora = ctx.cached_rows(f"layers.{layer_id}.q_lora", q_lora)
+        # context_positions are 0..seq_len-1 per sequence by construction (_layout_window)
         entries, selected = low_ratio_entries(cfg, layer_id, attn, x, q_lora,
                                               ctx.context_positions, ctx.context_bounds,
-                                              ctx.context_shared, ctx.serving_numerics)
+                                              ctx.context_shared, ctx.serving_numerics,
+                                              check_positions=False)
         mine = selected.new_full((ctx.positions.shape[0], selected.shape[1]), -1)
         mine[:ctx.plan.num_tokens] = selected[ctx.new_context_rows]
         return entries, mine
