@@ -39,10 +39,13 @@ def _cache(seq_lens, page_size, dim, dtype, spare_pages=3):
     return cache, table
 
 
-def _check(seq_lens, heads, dim, idx, dtype, tiles=None, sinks=True, page_size=8, comp_rows=40):
+def _check(seq_lens, heads, dim, idx, dtype, tiles=None, sinks=True, page_size=8, comp_rows=40,
+           head_major_q=False):
     lens = torch.tensor(seq_lens, device=DEVICE)
     cache, table = _cache(seq_lens, page_size, dim, dtype)
     q = (torch.randn(len(seq_lens), heads, dim, device=DEVICE) * 0.5).to(dtype)
+    if head_major_q:  # the same values in [H, B, D] memory: a non-contiguous [B, H, D] view
+        q = q.transpose(0, 1).contiguous().transpose(0, 1)
     sink = torch.randn(heads, device=DEVICE) if sinks else None
     comp = torch.randn(comp_rows, dim, device=DEVICE).to(dtype) if idx is not None else None
     if idx is not None:
@@ -95,6 +98,11 @@ def test_decode_public_entry_default_tiles(seed, page_size):
     picks = [[c if c < n // 4 else -1 for c in range(16)] for n in LENS]
     _check(LENS, 4, 32, picks, torch.bfloat16, page_size=page_size)
     _check(LENS, 4, 32, PICKS, torch.float32, sinks=False, page_size=page_size)
+
+
+def test_decode_takes_a_non_contiguous_q(seed):
+    """The output is written [B, H, D]-contiguous whatever q's strides are."""
+    _check(LENS, 4, 32, PICKS, torch.float32, head_major_q=True)
 
 
 def test_decode_empty_pool_and_no_keys_without_sink(seed):

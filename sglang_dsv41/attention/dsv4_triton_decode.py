@@ -211,10 +211,10 @@ def dsv4_decode_triton(q, kv_cache, page_table, seq_lens, sinks, window, scale, 
     dsv4_decode; sinks fp32 or None."""
     batch, heads, dim = q.shape
     tiles = tiles or default_tiles(heads)
+    q = q.contiguous()  # before out: empty_like keeps a non-contiguous q's strides
     out = torch.empty_like(q)
     if batch == 0:
         return out
-    q = q.contiguous()
     kv = kv_cache.reshape(-1, dim)
     comp, cidx, sel_end = selection_or_empty(comp_kv, comp_idx, batch, dim, kv_cache)
     lens = seq_lens.to(torch.int32).contiguous()

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import dot_precision, interpreting, to_dtype
+from .triton_common import dot_precision, to_dtype
 
 
 @triton.jit
@@ -67,7 +67,7 @@ def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     bd = triton.next_power_of_2(d)
     bh = max(1, min(triton.next_power_of_2(h), 4096 // bd))
     grid = (t, triton.cdiv(h, bh))
-    prec = "widen" if interpreting() else dot_precision(x.dtype)
+    prec = dot_precision(x.dtype)
     _rope_kernel[grid](x3, cos, sin, out, h, d, d - 2 * p, p, x3.stride(0), x3.stride(1),
                        -1.0 if negate_sin else 1.0, BH=bh, BD=bd,
                        BP=triton.next_power_of_2(p), DOT_PREC=prec, num_warps=4,
