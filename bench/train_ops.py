@@ -182,6 +182,7 @@ def fused_kernels(args) -> None:
                                            grad_sum),
              "weighted_stream_sum triton": (weighted_stream_sum_fused, (streams, pre),
                                             grad_sum)}
+
     def outputs(fn, inputs, grad, dtype=None):
         """-> (leaves, [out, input grads...] in float64)."""
         leaves = [(x if dtype is None else x.to(dtype)).clone().requires_grad_(True)
@@ -193,13 +194,16 @@ def fused_kernels(args) -> None:
     def rel(got, ref):
         return ", ".join(f"{((a - b).norm() / b.norm()).item():.1e}" for a, b in zip(got, ref))
 
-    outs = {}
+    outs, times = {}, {}  # times: fwd+bwd us; the torch rows come first, the baselines
     for name, (fn, inputs, grad) in cases.items():
         leaves, outs[name] = outputs(fn, inputs, grad)
         exact = outputs(cases[name.replace("triton", "torch")][0], inputs, grad, torch.float64)[1]
         fwd = median_us(lambda: fn(*leaves), grad, leaves, False, args.repeats)
         both = median_us(lambda: fn(*leaves), grad, leaves, True, args.repeats)
-        print(f"{name:28s} fwd {fwd:7.1f} us  fwd+bwd {both:7.1f} us  rel. diff (out, grads) vs "
+        base = name.replace("triton", "torch")
+        times[name] = both
+        print(f"{name:28s} fwd {fwd:7.1f} us  fwd+bwd {both:7.1f} us "
+              f"({times[base] / both:.2f}x the torch expression's)  rel. diff (out, grads) vs "
               f"torch: {rel(outs[name], outs[name.replace('triton', 'torch')])}; vs float64: "
               f"{rel(outs[name], exact)}", flush=True)
 
@@ -257,7 +261,7 @@ def grouped_proj(args) -> None:
              "mm per group": MmPerGroup.apply,
              "bmm group-major copies": BmmGroupMajor.apply,
              "_grouped_mm 3d": grouped_mm_3d}
-    ref = None
+    ref, main_us = None, None
     for name, fn in [item for _ in range(args.rounds) for item in cands.items()]:
         o = o0.clone().requires_grad_(True)
         w = w0.clone().requires_grad_(True)
@@ -273,8 +277,11 @@ def grouped_proj(args) -> None:
         times = {phase: median_us(lambda: fn(o.view(t, g, i), w).reshape(t, g * r), grad,
                                   (o, w), phase == "fwd+bwd", args.repeats)
                  for phase in ("fwd", "fwd+bwd")}
+        if fn is GroupedProjection.apply:  # the baseline, measured again each round
+            main_us = times["fwd+bwd"]
         print(f"{name:34s} fwd {times['fwd']:7.1f} us  fwd+bwd "
-              f"{times['fwd+bwd']:7.1f} us  rel. diff vs main: out {errs[0]:.1e} "
+              f"{times['fwd+bwd']:7.1f} us ({main_us / times['fwd+bwd']:.2f}x main's)  "
+              f"rel. diff vs main: out {errs[0]:.1e} "
               f"d o {errs[1]:.1e} d w {errs[2]:.1e}", flush=True)
 
 
