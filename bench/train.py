@@ -137,6 +137,7 @@ def time_steps(step, args, device, profile_label: str | None) -> tuple[float, in
             sync(device)
         print_profile(prof, profile_label, args.steps, device, args.trace_dir)
         print(host_syncs(step, device), flush=True)
+        print(host_python_profile(step, device, args.trace_dir), flush=True)
     return sorted(times)[len(times) // 2], peak
 
 
@@ -169,6 +170,30 @@ def print_profile(prof, label: str, steps: int, device, trace_dir: str | None) -
     if trace_dir:
         os.makedirs(trace_dir, exist_ok=True)
         prof.export_chrome_trace(os.path.join(trace_dir, label.replace(" ", "_") + ".json"))
+
+
+def host_python_profile(step, device, stats_dir: str | None = None, top: int = 30) -> str:
+    """One more step under cProfile: the Python functions the host spends its time in (self
+    time, then cumulative), which is what a host-bound step is made of. cProfile slows each
+    call alike, so read the shares, not the absolute times."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    step()
+    sync(device)
+    prof.disable()
+    if stats_dir:  # for pstats: callers of a hot function, e.g. who casts dtypes
+        os.makedirs(stats_dir, exist_ok=True)
+        prof.dump_stats(os.path.join(stats_dir, "host_step.pstats"))
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out).strip_dirs()
+    for key in ("tottime", "cumulative"):
+        out.write(f"--- host Python profile of one step, top {top} by {key} ---\n")
+        stats.sort_stats(key).print_stats(top)
+    return out.getvalue()
 
 
 def host_syncs(step, device) -> str:
@@ -508,7 +533,8 @@ def main(argv=None) -> int:
                    help="print the top ops (torch.profiler) of ours on the preset at this "
                    "--seqs item")
     p.add_argument("--trace-dir", default=None,
-                   help="with --profile-seq: also write the profile's Chrome trace here")
+                   help="with --profile-seq: also write the profile's Chrome trace and the "
+                   "host Python profile (host_step.pstats) here")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="device bf16 peak for MFU (default: known GPUs; none on CPU)")
     args = p.parse_args(argv)

@@ -13,6 +13,11 @@ projection fastest, and what the model's Triton kernels of its torch paths cost 
   python bench/train_ops.py fused [--tokens 4096 --dim 1024]
       CUDA: mHC's write-back and weighted stream sum, torch expressions vs the Triton kernels
       (forward, forward + backward, relative differences to torch and to float64).
+  python bench/train_ops.py norm [--tokens 4096 --repeats 200]
+      CUDA: the model's RMSNorm (torch's fused kernels) vs the plain fp32 expression under
+      autograd, bf16 input with an fp32 and a bf16 weight: host time per forward + backward
+      (a wall time equal to it means the host, not the GPU, bounds the loop), how many outputs
+      differ and the gradients' relative differences.
   python bench/train_ops.py parity [--preset small --seq 1024 --device cuda]
       one step's gradients: bf16 with those Triton kernels, bf16 with the torch expressions,
       fp32 (the reference); relative differences of each pair.
@@ -285,6 +290,57 @@ def grouped_proj(args) -> None:
               f"d o {errs[1]:.1e} d w {errs[2]:.1e}", flush=True)
 
 
+def rms_norm(args) -> None:
+    import time
+
+    from sglang_dsv41.model.dsv4.norm import RMSNorm
+
+    def plain(x, w, eps):
+        h = x.float()
+        return (w.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+    print("rows  dim  weight    path    host us  wall us   (per forward + backward, "
+          "clone of x included)")
+    for dim in (1024, 512):
+        for wdtype in (torch.float32, torch.bfloat16):
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            x0 = torch.randn(args.tokens, dim, device="cuda", generator=gen,
+                             dtype=torch.bfloat16) * 3
+            grad = torch.randn(args.tokens, dim, device="cuda", generator=gen,
+                               dtype=torch.bfloat16)
+            norm = RMSNorm(dim, 1e-6).to("cuda", wdtype)
+            with torch.no_grad():
+                norm.weight.copy_(1 + 0.1 * torch.randn(dim, device="cuda", generator=gen))
+            outs = {}
+            for name, fn in (("plain", lambda x: plain(x, norm.weight, 1e-6)), ("ours", norm)):
+                def once():
+                    x = x0.clone().requires_grad_(True)
+                    y = fn(x)
+                    y.backward(grad)
+                    return x, y
+                for _ in range(3):
+                    once()
+                norm.weight.grad = None
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(args.repeats):
+                    once()
+                    norm.weight.grad = None
+                host = (time.perf_counter() - t0) / args.repeats
+                torch.cuda.synchronize()
+                wall = (time.perf_counter() - t0) / args.repeats
+                x, y = once()
+                outs[name] = (y.detach().float(), x.grad.float(), norm.weight.grad.float())
+                norm.weight.grad = None
+                print(f"{args.tokens:5d} {dim:4d}  {str(wdtype)[6:]:8s}  {name:6s} "
+                      f"{host * 1e6:8.1f} {wall * 1e6:8.1f}")
+            (y0, dx0, dw0), (y1, dx1, dw1) = outs["plain"], outs["ours"]
+            rel = lambda a, b: ((a - b).norm() / a.norm()).item()  # noqa: E731
+            print(f"    outputs differing from plain: {(y0 != y1).float().mean().item():.2e} "
+                  f"(max |diff| {(y0 - y1).abs().max().item():.3g}); rel. error dx "
+                  f"{rel(dx0, dx1):.1e}, d weight {rel(dw0, dw1):.1e}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
@@ -303,13 +359,16 @@ def main(argv=None) -> int:
     ms.add_argument("--tokens", type=int, default=4096)
     ms.add_argument("--dim", type=int, default=1024)
     ms.add_argument("--repeats", type=int, default=20)
+    nm = sub.add_parser("norm")
+    nm.add_argument("--tokens", type=int, default=4096)
+    nm.add_argument("--repeats", type=int, default=200)
     pa = sub.add_parser("parity")
     pa.add_argument("--preset", default="small")
     pa.add_argument("--seq", type=int, default=1024)
     pa.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
     {"sources": sources, "grouped-proj": grouped_proj, "fused": fused_kernels,
-     "parity": parity}[args.cmd](args)
+     "norm": rms_norm, "parity": parity}[args.cmd](args)
     return 0
 
 

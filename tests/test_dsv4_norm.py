@@ -45,3 +45,31 @@ def test_rms_norm_matches_autograd(shape, dtype, wdtype):
     torch.testing.assert_close(dx, ref_dx, rtol=tol, atol=tol)
     torch.testing.assert_close(dw, ref_dw, rtol=tol, atol=tol * shape[0])
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's fused RMSNorm backward is CUDA-only")
+@pytest.mark.parametrize("dtype, wdtype", [(torch.float32, torch.float32),
+                                           (torch.bfloat16, torch.float32),
+                                           (torch.bfloat16, torch.bfloat16)])
+def test_rms_norm_cuda_fused_matches_plain(dtype, wdtype):
+    """On CUDA the norm runs torch's fused kernels: the plain expression's values up to fp32
+    rounding of the row statistics, and autograd's gradients."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x0 = (torch.randn(300, 1024, generator=gen, device="cuda") * 3).to(dtype)
+    w0 = (torch.rand(1024, generator=gen, device="cuda") + 0.5).to(wdtype)
+    grad = torch.randn(300, 1024, generator=gen, device="cuda").to(dtype)
+    norm = RMSNorm(1024, 1e-6).to("cuda", wdtype)
+    with torch.no_grad():
+        norm.weight.copy_(w0)
+    x = x0.clone().requires_grad_(True)
+    out = norm(x)
+    out.backward(grad)
+    xr, wr = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+    ref = _plain(xr, wr, 1e-6)
+    ref.backward(grad)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    assert x.grad.dtype == dtype and norm.weight.grad.dtype == wdtype
+    torch.testing.assert_close(x.grad, xr.grad, rtol=tol, atol=tol)
+    torch.testing.assert_close(norm.weight.grad, wr.grad, rtol=tol, atol=tol * 300)
+

@@ -107,3 +107,25 @@ def test_bench_train_under_torchrun_two_ranks():
     refused = subprocess.run(run + ["--transformers", "eager"], env=env, capture_output=True,
                              text=True, timeout=100)
     assert refused.returncode != 0 and "pass --transformers none --no-twin" in refused.stderr
+
+
+@pytest.mark.timeout(150)
+def test_bench_train_profile_prints_and_saves_the_host_profile(tmp_path):
+    """--profile-seq: the torch.profiler tables, then one step under cProfile, printed and (with
+    --trace-dir) saved for pstats: the host functions a host-bound step is made of."""
+    import pstats
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    code = RUN.format(tests=os.path.join(ROOT, "tests"),
+                      bench=os.path.join(ROOT, "bench", "train.py"))
+    out = subprocess.run([sys.executable, "-c", code, "--preset", "tiny", "--seqs", "32",
+                          "--steps", "1", "--warmup", "0", "--transformers", "none", "--no-twin",
+                          "--profile-seq", "32", "--trace-dir", str(tmp_path)],
+                         env=env, capture_output=True, text=True, timeout=140)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for title in ("top ops by self_cpu_time_total", "host Python profile of one step, top 30 "
+                  "by tottime", "host Python profile of one step, top 30 by cumulative"):
+        assert title in out.stdout, out.stdout[-2000:]
+    stats = pstats.Stats(str(tmp_path / "host_step.pstats"))
+    assert any(func[2] == "forward_backward" for func in stats.stats), "trainer step not profiled"

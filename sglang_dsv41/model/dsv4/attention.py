@@ -20,7 +20,7 @@ from torch import nn
 
 from .compressor import Compressor, Indexer, all_visible_index
 from .config import DSV4Config
-from .context import DSV4Context
+from .context import DSV4Context, rank_part
 from .kv_numerics import kv_cache_round_trip, served_window_kv
 from .mhc import unweighted_rms_norm
 from .norm import RMSNorm
@@ -100,9 +100,9 @@ class Attention(nn.Module):
         t, d = x.shape[0], self.head_dim
         groups = ctx.attn_group_range(self.o_groups)
         per_group = self.n_heads // self.o_groups
-        heads = slice(groups.start * per_group, groups.stop * per_group)
+        heads = range(groups.start * per_group, groups.stop * per_group)
         q_lora = self.q_norm(self.wq_a(x))
-        wq_b = self.wq_b.weight[heads.start * d:heads.stop * d]
+        wq_b = rank_part(self.wq_b.weight, 0, range(heads.start * d, heads.stop * d))
         q = torch.nn.functional.linear(q_lora, wq_b).view(t, -1, d)
         if self.cfg.q_head_norm:
             q = unweighted_rms_norm(q, self.eps)
@@ -113,11 +113,11 @@ class Attention(nn.Module):
         entries, selected = self.compressed(x, q_lora, ctx)
         if ctx.serving_numerics and entries is not None:  # read back from SGLang's fp8 cache
             entries = kv_cache_round_trip(entries, self.cfg.qk_rope_head_dim)
-        o = ctx.attend(self.layer_id, q, kv, self.attn_sink[heads], self.window, self.scale,
-                       entries, selected)
+        o = ctx.attend(self.layer_id, q, kv, rank_part(self.attn_sink, 0, heads), self.window,
+                       self.scale, entries, selected)
         o = apply_rope(o, ctx.positions, self.freqs, inverse=True)
         rank = self.wo_a.weight.shape[0] // self.o_groups
-        wo_a = self.wo_a.weight.view(self.o_groups, rank, -1)[groups.start:groups.stop]
+        wo_a = rank_part(self.wo_a.weight.view(self.o_groups, rank, -1), 0, groups)
         o = GroupedProjection.apply(o.reshape(t, len(groups), -1), wo_a.to(o.dtype))
-        wo_b = self.wo_b.weight[:, groups.start * rank:groups.stop * rank]
+        wo_b = rank_part(self.wo_b.weight, 1, range(groups.start * rank, groups.stop * rank))
         return ctx.attn_reduce(torch.nn.functional.linear(o.flatten(1), wo_b))

@@ -119,6 +119,8 @@ class DSV4Config:
              f"scoring_func {self.scoring_func!r} unknown")
         need(0 < self.num_experts_per_tok <= self.n_routed_experts,
              "num_experts_per_tok must be in [1, n_routed_experts]")
+        need(self.n_routed_experts < 1 << 15,
+             "n_routed_experts must be below 32768 (the MoE sorts expert ids as int16)")
         need(0 <= self.num_hash_layers <= self.num_hidden_layers, "num_hash_layers out of range")
         need(len(self.engram_num_embeddings) in (0, len(self.engram_layer_ids)),
              "engram_num_embeddings needs one entry per engram layer")

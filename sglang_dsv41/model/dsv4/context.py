@@ -28,6 +28,16 @@ def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def rank_part(t: torch.Tensor, dim: int, part: range) -> torch.Tensor:
+    """t's indices ``part`` along ``dim`` (this rank's heads or experts, from the context's
+    sharding hooks); t itself when that is all of it. Even a full slice has a backward that
+    zero-fills a gradient the size of the whole weight and copies into it: two kernels and two
+    passes over the weight per slice, for nothing when the rank holds everything."""
+    if part.start == 0 and part.stop == t.shape[dim]:
+        return t
+    return t.narrow(dim, part.start, len(part))
+
+
 @dataclass
 class DSV4Context:
     cu_seqlens: torch.Tensor            # int32 [B+1] boundaries of the packed sequences

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import DSV4Config
-from .context import DSV4Context
+from .context import DSV4Context, rank_part
 from .names import expert_names, join_experts, split_experts
 from .v41 import renormalize_topk_weights, sqrtsoftplus_log1p
 
@@ -143,6 +143,26 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return torch.cat(parts) if parts else x.new_zeros(0, w.shape[-1])
 
 
+class _GatherRows(torch.autograd.Function):
+    """rows[index] for distinct indices (a permutation of the rows, or some of them under
+    expert parallelism). The backward writes each gradient row back to its one source row: one
+    index_put without accumulation, where indexing's own backward accumulates (a sort and about
+    sixteen kernels a layer on CUDA). Deterministic either way: no row is written twice."""
+
+    @staticmethod
+    def forward(ctx, rows, index):
+        ctx.save_for_backward(index)
+        ctx.n_rows = rows.shape[0]
+        return rows.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        index, = ctx.saved_tensors
+        full = index.shape[0] == ctx.n_rows  # a permutation: every row is written
+        out = grad.new_empty if full else grad.new_zeros
+        return out(ctx.n_rows, *grad.shape[1:]).index_put_((index,), grad), None
+
+
 class MoE(nn.Module):
     """``grouped``: every expert in two grouped GEMMs (tokens sorted by expert); off, the plain
     per-expert loop (the reference the grouped path is tested against)."""
@@ -192,17 +212,18 @@ class MoE(nn.Module):
         if len(experts) != len(self.experts):  # expert parallel: this rank's experts only
             slots = torch.nonzero((local >= 0) & (local < len(experts))).squeeze(1)
             local = local[slots]
-        sorted_ids, order = torch.sort(local, stable=True)
+        # 16-bit keys: a radix sort makes one pass per byte of key (8 for int64).
+        sorted_ids, order = torch.sort(local.to(torch.int16), stable=True)
         # Group ends by binary search in the sorted ids: bincount on CUDA reads the ids' max
         # back to the host (a sync per layer); this stays on the device.
-        bounds = torch.arange(1, len(experts) + 1, device=local.device, dtype=local.dtype)
+        bounds = torch.arange(1, len(experts) + 1, device=local.device, dtype=torch.int16)
         offs = torch.searchsorted(sorted_ids, bounds, out_int32=True)
         # [T*k, H] broadcast of each token to its k slots, then gathered in expert order.
         rows = x[:, None, :].expand(n_tok, k, x.shape[-1]).reshape(n_tok * k, x.shape[-1])
         slot_order = order if slots is None else slots[order]
-        rows = rows[slot_order]
-        w13 = self.experts.w13[experts.start:experts.stop]  # [E, 2I, H], a view
-        w2 = self.experts.w2[experts.start:experts.stop]    # [E, H, I]
+        rows = _GatherRows.apply(rows, slot_order)
+        w13 = rank_part(self.experts.w13, 0, experts)  # [E, 2I, H]
+        w2 = rank_part(self.experts.w2, 0, experts)    # [E, H, I]
         gate, up = grouped_mm(rows, w13.transpose(1, 2), offs).chunk(2, dim=-1)
         y = grouped_mm(swiglu(gate, up, self.limit), w2.transpose(1, 2), offs)
         if slots is None:

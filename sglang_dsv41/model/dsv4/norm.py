@@ -17,31 +17,58 @@ class RMSNorm(nn.Module):
         return _RMSNorm.apply(x, self.weight, self.eps)
 
 
+def _fused(x: torch.Tensor) -> bool:
+    # torch's fused RMSNorm kernels: one kernel each way, but the backward is CUDA-only.
+    return x.is_cuda
+
+
 class _RMSNorm(torch.autograd.Function):
     """The plain expression's values, ``(w.float() * x.float() * rstd).to(x.dtype)``, with a
     hand-written backward: dx = rstd * (g w - y mean(g w y)), dw = sum(g y), y = x rstd.
     Autograd would run about twenty kernels through eight nodes a norm (61 norms a step of the
     small preset: host time in a host-bound step) and keep two fp32 copies of x; this keeps x in
-    its own dtype and one fp32 rstd per row, and recomputes y. A Triton kernel each way measured
-    slower on an H200 (bench/results/train_h200.txt, run L): its launch costs more host time."""
+    its own dtype and one fp32 rstd per row, and recomputes y. On CUDA both directions are
+    torch's fused RMSNorm kernels (one kernel each way; they compute in fp32 and round once):
+    on x and the weight as they are when both have one dtype (FSDP hands the weight over in
+    bf16), else on their fp32 upcasts. Their own row reduction gives the plain expression's
+    values up to fp32 rounding (one bf16 ulp on about 3 in a million outputs on an H200), at
+    about a third of the host time (bench/results/train_h200.txt, run P). A Triton kernel each
+    way measured slower (run L): its launch costs more host time than it saves."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        h = x.float()
-        rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        if _fused(x):
+            # The kernel computes in fp32 whatever its dtype and rounds once at the end, but
+            # takes one dtype: an fp32 weight (or fp64 x) makes both fp32 first.
+            native = x.dtype == weight.dtype and x.dtype != torch.float64
+            h, w = (x, weight) if native else (x.float(), weight.float())
+            y, rstd = torch.ops.aten._fused_rms_norm(h, [h.shape[-1]], w, eps)
+        else:
+            h, w = x.float(), weight.float()
+            rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+            y = w * (h * rstd)
         ctx.save_for_backward(x, weight, rstd)
-        return (weight.float() * (h * rstd)).to(x.dtype)
+        return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, rstd = ctx.saved_tensors
-        g = grad.float()
+        need_x, need_w = ctx.needs_input_grad[:2]
+        if _fused(x):
+            native = x.dtype == weight.dtype == grad.dtype and x.dtype != torch.float64
+            g, h, w = ((grad, x, weight) if native
+                       else (grad.float(), x.float(), weight.float()))
+            d_x, d_w = torch.ops.aten._fused_rms_norm_backward(
+                g, h, [h.shape[-1]], rstd, w, [need_x, need_w])
+            return (d_x.to(x.dtype) if need_x else None,
+                    d_w.to(weight.dtype) if need_w else None, None)
+        g, w = grad.float(), weight.float()
         y = x.float() * rstd  # not in place: x.float() is x itself when x is fp32
         d_x = d_w = None
-        if ctx.needs_input_grad[1]:
+        if need_w:
             d_w = (g * y).reshape(-1, y.shape[-1]).sum(0).to(weight.dtype)
-        if ctx.needs_input_grad[0]:
-            gw = g * weight.float()
+        if need_x:
+            gw = g * w
             mean_gwy = (gw * y).mean(-1, keepdim=True)
             d_x = gw.addcmul_(y, mean_gwy, value=-1.0).mul_(rstd).to(x.dtype)
         return d_x, d_w, None
