@@ -294,23 +294,19 @@ def profile_module(total=4096, rows=30):
         torch.cuda.empty_cache()
 
 
-def profile(total=4096, core_only=False):
-    """Kernel time split of one CSA and HCA core forward+backward, then of our attention module."""
+def profile(total=4096):
+    """Kernel time split of one CSA and one HCA core forward+backward (the module's split:
+    profile_module)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    runs = [("CSA core", lambda: ours_core(*core_inputs("CSA", total)), 9),
-            ("HCA core", lambda: ours_core(*core_inputs("HCA", total)), 9)]
-    if not core_only:
-        runs += [("CSA our module", lambda: our_module_runner("CSA", total), 25),
-                 ("sliding our module", lambda: our_module_runner("sliding", total), 12)]
-    for what, make, rows in runs:
-        run = make()
+    for kind in ("CSA", "HCA"):
+        run = ours_core(*core_inputs(kind, total))
         run()
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             run()
             torch.cuda.synchronize()
-        print(f"# {what}, {total} tokens", flush=True)
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows),
+        print(f"# {kind} core, {total} tokens", flush=True)
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=9),
               flush=True)
 
 
@@ -455,7 +451,7 @@ if __name__ == "__main__":
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536])
     parser.add_argument("--no-decode", action="store_true")
     parser.add_argument("--core-only", action="store_true",
-                        help="table and profile: the attention core rows only, no module")
+                        help="table and --profile: the attention core only, not the module")
     parser.add_argument("--only-decode", action="store_true")
     parser.add_argument("--decode-sweep", action="store_true")
     parser.add_argument("--decode-compile", action="store_true",
@@ -475,7 +471,9 @@ if __name__ == "__main__":
         if args.sweep is not None:
             sweep(args.sweep or sorted(SWEEP_TRIALS))
         if args.profile:
-            profile(core_only=args.core_only)
+            profile()
+            if not args.core_only:
+                profile_module()
         if args.decode_sweep:
             decode_sweep()
     elif args.only_decode:

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .norm import rms_norm_input_grad
+
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
@@ -62,11 +64,8 @@ class _HcMix(torch.autograd.Function):
         grad_fn = (grad.t() @ y).to(fn.dtype) if ctx.needs_input_grad[1] else None
         grad_streams = None
         if ctx.needs_input_grad[0]:
-            # y = x * rstd, rstd = (mean(x^2) + eps)^-1/2: dx = rstd * (dy - y * mean(dy * y))
-            dy = grad @ fn.float()
-            mean_dy_y = torch.bmm(dy.unsqueeze(1), y.unsqueeze(2)).squeeze(2) / y.shape[1]
-            dy.addcmul_(y, mean_dy_y, value=-1.0).mul_(rstd)
-            grad_streams = dy.view(streams.shape).to(streams.dtype)
+            dx = rms_norm_input_grad(grad @ fn.float(), y, rstd)
+            grad_streams = dx.view(streams.shape).to(streams.dtype)
         return grad_streams, grad_fn, None
 
 

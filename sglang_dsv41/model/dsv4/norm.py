@@ -17,6 +17,15 @@ class RMSNorm(nn.Module):
         return _RMSNorm.apply(x, self.weight, self.eps)
 
 
+def rms_norm_input_grad(dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """The input gradient of y = x * rstd, rstd = (mean(x^2) + eps)^-1/2, from dy = dL/dy (fp32,
+    overwritten): rstd * (dy - y mean(dy y)), the mean a batched dot per row (no [.., D]
+    temporary). The torch path of RMSNorm's and of mHC's mix backward."""
+    d = y.shape[-1]
+    dot = torch.bmm(dy.reshape(-1, 1, d), y.reshape(-1, d, 1)).view(*y.shape[:-1], 1)
+    return dy.addcmul_(y, dot / d, value=-1.0).mul_(rstd)
+
+
 def _fused(x: torch.Tensor) -> bool:
     # torch's fused RMSNorm kernels: one kernel each way, but the backward is CUDA-only.
     return x.is_cuda
@@ -68,7 +77,5 @@ class _RMSNorm(torch.autograd.Function):
         if need_w:
             d_w = (g * y).reshape(-1, y.shape[-1]).sum(0).to(weight.dtype)
         if need_x:
-            gw = g * w
-            mean_gwy = (gw * y).mean(-1, keepdim=True)
-            d_x = gw.addcmul_(y, mean_gwy, value=-1.0).mul_(rstd).to(x.dtype)
+            d_x = rms_norm_input_grad(g * w, y, rstd).to(x.dtype)
         return d_x, d_w, None
