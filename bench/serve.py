@@ -5,9 +5,13 @@ Starts ``python -m sglang_dsv41.launch_server`` itself for each layout, then pri
    (tp=1 dp=1; tp=2 dp=2 attn_tp=1; tp=4 dp=2 attn_tp=2, all with DP attention when dp > 1);
 2. the prefix-cache hit ratio (sum cached_tokens / sum prompt_tokens) of a multi-turn workload
    (sessions of several turns, each turn's prompt = the previous prompt + output + new user
-   tokens) dispatched pinned (routed_dp_rank fixed per session) vs round robin.
+   tokens) dispatched pinned (routed_dp_rank fixed per session) vs round robin;
+3. the decode time per token of one request at several context lengths (tp=1): a request of
+   1 + --decode-tokens new tokens minus one of 1, each on its own fresh prompt (no prefix hit),
+   median of 3; how a decode step's cost grows with the context.
 
     python bench/serve.py [--requests 32] [--concurrency 8] [--sessions 8] [--turns 4]
+    python bench/serve.py --decode-only [--decode-contexts 256,1024,3072]
 """
 
 from __future__ import annotations
@@ -79,6 +83,23 @@ async def multi_turn(url: str, dp_size: int, sessions: int, turns: int, pinned: 
     return cached / prompt, cached, prompt
 
 
+async def decode_ms_per_token(url: str, context: int, new_tokens: int,
+                              rng: random.Random) -> float:
+    async def timed(max_new: int) -> float:
+        ids = [rng.randrange(256) for _ in range(context)]
+        t0 = time.perf_counter()
+        out = await post(http, {"input_ids": ids, "sampling_params": {
+            "max_new_tokens": max_new, "ignore_eos": True, "temperature": 0}})
+        if out["meta_info"]["cached_tokens"]:
+            raise RuntimeError("a decode-timing prompt hit the prefix cache")
+        return time.perf_counter() - t0
+
+    async with httpx.AsyncClient(base_url=url, timeout=1200) as http:
+        await timed(2)  # warm-up
+        diffs = sorted([await timed(1 + new_tokens) - await timed(1) for _ in range(3)])
+    return diffs[1] / new_tokens * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model-path", default="tiny")
@@ -89,7 +110,26 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--decode-contexts", default="256,1024,3072",
+                    help="context lengths of the decode-time table (tp=1)")
+    ap.add_argument("--decode-tokens", type=int, default=16)
+    ap.add_argument("--decode-only", action="store_true", help="only the decode-time table")
     opts = ap.parse_args()
+    contexts = [int(c) for c in opts.decode_contexts.split(",") if c]
+    decode_rows = []
+    with ServerProcess(["--model-path", opts.model_path, "--page-size", str(opts.page_size),
+                        "--tp-size", "1"], startup_timeout=300) as server:
+        for context in contexts:
+            ms = asyncio.run(decode_ms_per_token(server.url, context, opts.decode_tokens,
+                                                 random.Random(context)))
+            decode_rows.append((context, ms))
+            print(f"decode at context {context}: {ms:.1f} ms/token", flush=True)
+    print(f"\ndecode time per token, one request, tp=1 ({opts.decode_tokens} tokens, greedy)")
+    print(f"{'context':>8}{'ms/token':>10}{'vs first':>10}")
+    for context, ms in decode_rows:
+        print(f"{context:>8}{ms:>10.1f}{ms / decode_rows[0][1]:>9.2f}x")
+    if opts.decode_only:
+        return
     rows, cache_rows = [], []
     for name, layout in LAYOUTS:
         ranks = int(layout[1])

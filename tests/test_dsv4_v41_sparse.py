@@ -252,6 +252,30 @@ def test_entries_and_selection_match_sglang(seed):
         assert comp_kv is shared[("v41_kv", pool.source_layer_of(i))][0]
 
 
+def test_query_starts_select_only_later_rows_as_the_full_selection_does(seed):
+    """The engine's decode asks for the selections of its new tokens only (query_starts): the
+    same entries, the same picks on those rows (the candidate blocks too), -1 before them."""
+    bounds, pos, _, _ = _batch()
+    ours, _ = _models(CFG, seed)
+    starts = [bounds[0][1] - 5, bounds[1][1] - 1]  # 5 new rows, then 1 (a decode step)
+    full, part, picked = {}, {}, False
+    for i in range(CFG.num_hidden_layers):
+        x = torch.randn(pos.shape[0], CFG.hidden_size).to(BF16)
+        q = torch.randn(pos.shape[0], CFG.q_lora_rank).to(BF16)
+        kv_full, idx_full = low_ratio_entries(CFG, i, ours[i], x, q, pos, bounds, full)
+        kv_part, idx_part = low_ratio_entries(CFG, i, ours[i], x, q, pos, bounds, part,
+                                              query_starts=starts)
+        assert torch.equal(kv_part, kv_full), f"layer {i} entries"
+        for (a, b), first in zip(bounds, starts):
+            assert torch.equal(idx_part[first:b], idx_full[first:b]), f"layer {i} picks"
+            assert (idx_part[a:first] == -1).all(), f"layer {i} scored a cached row"
+            picked |= bool((idx_full[first:b] >= 0).any())
+    assert picked  # not only empty selections
+    for (a, b), first in zip(bounds, starts):
+        assert torch.equal(part[("v41_candidates",)][first:b],
+                           full[("v41_candidates",)][first:b])
+
+
 def test_consumer_selects_only_inside_published_blocks(seed):
     bounds, pos, _, _ = _batch()
     ours, _ = _models(CFG, seed)
@@ -325,6 +349,11 @@ def test_bad_layouts_and_configs_are_refused():
     EntryLayout.build(1, pos + 1, bounds, check_positions=False)
     with pytest.raises(RuntimeError, match="has not run"):
         low_ratio_entries(CFG, 2, ours[2], x, q, pos, bounds, {})
+    for starts, match in (([0], "1 entries for 2 sequences"),
+                          ([0, bounds[0][1] - 1], r"outside its sequence's rows")):
+        with pytest.raises(ValueError, match=match):
+            low_ratio_entries(CFG, 0, ours[0], x.to(BF16), q.to(BF16), pos, bounds, {},
+                              query_starts=starts)
     with pytest.raises(ValueError, match="not an index source"):
         validate_low_ratio_config(replace(CFG, kv_source_layer_ids=[0, 1, 2]))
     with pytest.raises(ValueError, match="no index source"):

@@ -88,8 +88,10 @@ class EngineForwardContext(DSV4Context):
         self.window_size = None
         self._seq_start = [s - n for s, n in zip(plan.seq_lens, plan.extend_lens)]
         self.context_bounds, new_rows, at = [], [], 0
+        self.context_query_starts = []  # each sequence's first new row in the context
         for s, n in zip(plan.seq_lens, plan.extend_lens):
             self.context_bounds.append((at, at + s))
+            self.context_query_starts.append(at + s - n)
             new_rows.append(torch.arange(at + s - n, at + s))
             at += s
         self.context_positions = (torch.cat([torch.arange(s) for s in plan.seq_lens]).to(dev)

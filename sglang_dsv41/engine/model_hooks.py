@@ -17,7 +17,8 @@ an EngineForwardContext is active (``ModelHooks.active``):
       and indexer run from position 0). The source layers' inputs (x after attn_norm, and q_lora
       on index sources) are cached per token; each forward the layer's ``compressed`` runs the
       model's low_ratio_entries over the whole context of every sequence (EngineForwardContext
-      .context_*, its own shared dict) and keeps the rows of this forward's queries. This is
+      .context_*, its own shared dict): the entries of the whole history, the selections of
+      this forward's queries only (query_starts). This is
       an instance attribute set once at load (the model offers no context hook for it yet).
 
 The attention core itself goes through EngineForwardContext.attend (the model's hook point).
@@ -69,11 +70,13 @@ def _context_compressed(attn: nn.Module, hooks: "ModelHooks"):
             x = ctx.cached_rows(f"layers.{layer_id}.attn_x", x)
         if layer_id in cfg.index_source_layer_ids:
             q_lora = ctx.cached_rows(f"layers.{layer_id}.q_lora", q_lora)
-        # context_positions are 0..seq_len-1 per sequence by construction (_layout_window)
+        # context_positions are 0..seq_len-1 per sequence by construction (_layout_window);
+        # only this forward's tokens are scored (the selections of the cached ones are unused)
         entries, selected = low_ratio_entries(cfg, layer_id, attn, x, q_lora,
                                               ctx.context_positions, ctx.context_bounds,
                                               ctx.context_shared, ctx.serving_numerics,
-                                              check_positions=False)
+                                              check_positions=False,
+                                              query_starts=ctx.context_query_starts)
         mine = selected.new_full((ctx.positions.shape[0], selected.shape[1]), -1)
         mine[:ctx.plan.num_tokens] = selected[ctx.new_context_rows]
         return entries, mine

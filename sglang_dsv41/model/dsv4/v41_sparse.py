@@ -163,13 +163,17 @@ def low_ratio_entries(cfg: DSV4Config, layer_id: int, attn: nn.Module, x: torch.
                       q_lora: torch.Tensor, positions: torch.Tensor,
                       seq_bounds: list[tuple[int, int]],
                       shared: dict, serving_numerics: bool = False,
-                      check_positions: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                      check_positions: bool = True, query_starts: list[int] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """The compressed entries of ratio-1/2 layer ``layer_id``: ``comp_kv [C, head_dim]`` RoPE'd
     (and FP4-rounded under serving numerics) and ``comp_idx [T, index_topk]`` int32 rows of
     comp_kv each query attends, -1 = none. ``x`` is the attention input after attn_norm,
     ``q_lora`` after q_norm; ``shared`` is one forward's dict (``DSV4Context.shared``): source
     layers leave their entries and selections there for the layers after them, so call the
-    layers in order. check_positions: as EntryLayout.build's."""
+    layers in order. check_positions: as EntryLayout.build's. query_starts: per sequence, the
+    first row whose selection is wanted (an engine's new tokens after its cached context; the
+    same for every layer of one forward); the rows before it stay -1 and cost nothing, where
+    scoring them would make each decode step quadratic in the context."""
     ratio = cfg.compress_ratios[layer_id]
     if ratio not in LOW_RATIOS:
         raise ValueError(f"layer {layer_id} has compress ratio {ratio}, not 1 or 2")
@@ -204,7 +208,7 @@ def low_ratio_entries(cfg: DSV4Config, layer_id: int, attn: nn.Module, x: torch.
         with torch.no_grad():
             shared[("v41_topk", layer_id)] = _select(cfg, layer_id, indexer, x, q_lora, positions,
                                                      keys, layout, inv_freq, shared,
-                                                     serving_numerics)
+                                                     serving_numerics, query_starts)
     index_source = cfg.index_source_for(layer_id)
     if ("v41_topk", index_source) not in shared:
         raise RuntimeError(f"layer {layer_id} reads index source {index_source}, which has not "
@@ -215,9 +219,9 @@ def low_ratio_entries(cfg: DSV4Config, layer_id: int, attn: nn.Module, x: torch.
 def _select(cfg: DSV4Config, layer_id: int, indexer: V41Indexer, x: torch.Tensor,
             q_lora: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
             layout: EntryLayout, inv_freq: torch.Tensor, shared: dict,
-            serving_numerics: bool) -> torch.Tensor:
+            serving_numerics: bool, query_starts: list[int] | None = None) -> torch.Tensor:
     """Per sequence, as SGLang's torch prefill indexer (``prefill_requests`` + the full or the
-    candidate top-k + ``write_prefill``)."""
+    candidate top-k + ``write_prefill``), for its rows from query_starts[s] on (all without)."""
     ratio, T = layout.ratio, x.shape[0]
     q = indexer.wq_b(q_lora).view(T, indexer.n_heads, indexer.head_dim)
     q = apply_rope(q, positions, inv_freq)
@@ -235,9 +239,16 @@ def _select(cfg: DSV4Config, layer_id: int, indexer: V41Indexer, x: torch.Tensor
         longest = max(((b - a) // ratio for a, b in layout.token_bounds), default=0)
         width = min(cfg.candidate_topk_blocks, -(-longest // cfg.candidate_block_size))
         table = torch.full((T, width), -1, dtype=torch.int32, device=x.device)
+    if query_starts is not None and len(query_starts) != len(layout.token_bounds):
+        raise ValueError(f"query_starts has {len(query_starts)} entries for "
+                         f"{len(layout.token_bounds)} sequences")
     for s, (a, b) in enumerate(layout.token_bounds):
         start = layout.entry_start[s]
-        for c0, c1 in query_chunks(a, b, (b - a) // ratio, indexer.n_heads):
+        first = a if query_starts is None else query_starts[s]
+        if not a <= first <= b:
+            raise ValueError(f"query_starts[{s}] = {first} is outside its sequence's rows "
+                             f"[{a}, {b}]")
+        for c0, c1 in query_chunks(first, b, (b - a) // ratio, indexer.n_heads):
             # Positions are 0..n-1 (EntryLayout.build): the chunk's last query sees the most
             # entries. A row's picks do not depend on the masked tail (stable_topk), so scoring
             # only the entries the chunk sees picks what the whole sequence's scores pick.
