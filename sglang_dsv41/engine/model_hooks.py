@@ -71,7 +71,7 @@ def _context_compressed(attn: nn.Module, hooks: "ModelHooks"):
         if layer_id in cfg.index_source_layer_ids:
             q_lora = ctx.cached_rows(f"layers.{layer_id}.q_lora", q_lora)
         # context_positions are 0..seq_len-1 per sequence by construction (_layout_window);
-        # only this forward's tokens are scored (the selections of the cached ones are unused)
+        # only this forward's tokens are projected and scored (the cached ones' picks are unused)
         entries, selected = low_ratio_entries(cfg, layer_id, attn, x, q_lora,
                                               ctx.context_positions, ctx.context_bounds,
                                               ctx.context_shared, ctx.serving_numerics,

@@ -26,6 +26,8 @@ What SGLang 0.5.23 computes (``layers/attention/dsv4/dsv41_sparse.py``, the torc
 
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass
 
 import torch
@@ -172,8 +174,8 @@ def low_ratio_entries(cfg: DSV4Config, layer_id: int, attn: nn.Module, x: torch.
     layers leave their entries and selections there for the layers after them, so call the
     layers in order. check_positions: as EntryLayout.build's. query_starts: per sequence, the
     first row whose selection is wanted (an engine's new tokens after its cached context; the
-    same for every layer of one forward); the rows before it stay -1 and cost nothing, where
-    scoring them would make each decode step quadratic in the context."""
+    same for every layer of one forward); the rows before it stay -1 and are neither projected
+    nor scored, which would make each decode step quadratic in the context."""
     ratio = cfg.compress_ratios[layer_id]
     if ratio not in LOW_RATIOS:
         raise ValueError(f"layer {layer_id} has compress ratio {ratio}, not 1 or 2")
@@ -223,10 +225,28 @@ def _select(cfg: DSV4Config, layer_id: int, indexer: V41Indexer, x: torch.Tensor
     """Per sequence, as SGLang's torch prefill indexer (``prefill_requests`` + the full or the
     candidate top-k + ``write_prefill``), for its rows from query_starts[s] on (all without)."""
     ratio, T = layout.ratio, x.shape[0]
-    q = indexer.wq_b(q_lora).view(T, indexer.n_heads, indexer.head_dim)
-    q = apply_rope(q, positions, inv_freq)
+    if query_starts is None:
+        query_starts = [a for a, _ in layout.token_bounds]
+    if len(query_starts) != len(layout.token_bounds):
+        raise ValueError(f"query_starts has {len(query_starts)} entries for "
+                         f"{len(layout.token_bounds)} sequences")
+    for s, ((a, b), first) in enumerate(zip(layout.token_bounds, query_starts)):
+        if not a <= first <= b:
+            raise ValueError(f"query_starts[{s}] = {first} is outside its sequence's rows "
+                             f"[{a}, {b}]")
+    # The queries are projected for the asked rows only (an engine's decode: one row of a long
+    # context); row r of sequence s is row r + base[s] of q and weights.
+    spans = [(first, b) for first, (_, b) in zip(query_starts, layout.token_bounds)]
+    base, x_q, pos_q = [0] * len(spans), x, positions
+    if sum(b - first for first, b in spans) < T:
+        base = [at - first for at, (first, _) in
+                zip(itertools.accumulate((b - f for f, b in spans), initial=0), spans)]
+        rows = torch.cat([torch.arange(first, b, device=x.device) for first, b in spans])
+        q_lora, x_q, pos_q = q_lora[rows], x[rows], positions[rows]
+    q = indexer.wq_b(q_lora).view(-1, indexer.n_heads, indexer.head_dim)
+    q = apply_rope(q, pos_q, inv_freq)
     q = fake_quant_fp4(q) if serving_numerics else q
-    weights = indexer.weights_proj(x) * indexer.head_weight_scale
+    weights = indexer.weights_proj(x_q) * indexer.head_weight_scale
     lens = (positions.to(torch.int64) + 1) // ratio
     out = torch.full((T, indexer.topk), -1, dtype=torch.int32, device=x.device)
     cand = cfg.candidate_source_layer_id
@@ -239,15 +259,8 @@ def _select(cfg: DSV4Config, layer_id: int, indexer: V41Indexer, x: torch.Tensor
         longest = max(((b - a) // ratio for a, b in layout.token_bounds), default=0)
         width = min(cfg.candidate_topk_blocks, -(-longest // cfg.candidate_block_size))
         table = torch.full((T, width), -1, dtype=torch.int32, device=x.device)
-    if query_starts is not None and len(query_starts) != len(layout.token_bounds):
-        raise ValueError(f"query_starts has {len(query_starts)} entries for "
-                         f"{len(layout.token_bounds)} sequences")
     for s, (a, b) in enumerate(layout.token_bounds):
-        start = layout.entry_start[s]
-        first = a if query_starts is None else query_starts[s]
-        if not a <= first <= b:
-            raise ValueError(f"query_starts[{s}] = {first} is outside its sequence's rows "
-                             f"[{a}, {b}]")
+        start, first, r0 = layout.entry_start[s], query_starts[s], base[s]
         for c0, c1 in query_chunks(first, b, (b - a) // ratio, indexer.n_heads):
             # Positions are 0..n-1 (EntryLayout.build): the chunk's last query sees the most
             # entries. A row's picks do not depend on the masked tail (stable_topk), so scoring
@@ -257,9 +270,9 @@ def _select(cfg: DSV4Config, layer_id: int, indexer: V41Indexer, x: torch.Tensor
                 continue
             lens_c = lens[c0:c1]
             cols = torch.arange(lc, device=x.device)
-            scores = torch.einsum("bhd,nd->bhn", q[c0:c1], keys[start:start + lc])
+            scores = torch.einsum("bhd,nd->bhn", q[c0 + r0:c1 + r0], keys[start:start + lc])
             # Out of place: selective checkpointing caches the einsum's bmm output.
-            scores = (scores.relu() * weights[c0:c1].unsqueeze(-1)).sum(dim=1).float()
+            scores = (scores.relu() * weights[c0 + r0:c1 + r0].unsqueeze(-1)).sum(dim=1).float()
             scores = scores.masked_fill(cols[None, :] >= lens_c[:, None], -torch.inf)
             k = min(indexer.topk, lc)
             if consumes:
