@@ -27,7 +27,6 @@ What SGLang 0.5.23 computes (``layers/attention/dsv4/dsv41_sparse.py``, the torc
 from __future__ import annotations
 
 import itertools
-
 from dataclasses import dataclass
 
 import torch
