@@ -129,3 +129,28 @@ def test_bench_train_profile_prints_and_saves_the_host_profile(tmp_path):
         assert title in out.stdout, out.stdout[-2000:]
     stats = pstats.Stats(str(tmp_path / "host_step.pstats"))
     assert any(func[2] == "forward_backward" for func in stats.stats), "trainer step not profiled"
+
+
+@pytest.mark.timeout(180)
+def test_ab_train_alternates_two_trees(tmp_path):
+    """bench/ab_train.py: a revision archived into a tree, then A B A B runs of bench/train.py
+    (here the same tree twice, on CPU): every run's step time, medians and their ratio; a tree
+    without bench/train.py is refused before anything runs."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    ab = [sys.executable, os.path.join(ROOT, "bench", "ab_train.py")]
+    prep = subprocess.run(ab + ["--prepare", "HEAD", "--out-dir", str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert prep.returncode == 0, prep.stderr[-2000:]
+    tree = prep.stdout.split()[-1]
+    assert os.path.isfile(os.path.join(tree, "bench", "train.py"))
+    out = subprocess.run(ab + [tree, tree, "--rounds", "2", "--", "--preset", "tiny", "--seqs",
+                               "32", "--steps", "1", "--warmup", "0", "--transformers", "none",
+                               "--no-twin"], env=env, capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rounds = [line for line in out.stdout.splitlines() if line.startswith("round ")]
+    assert len(rounds) == 4 and all(float(line.split()[-2]) > 0 for line in rounds), rounds
+    assert "B / A (medians): " in out.stdout
+    refused = subprocess.run(ab + [tree, str(tmp_path), "--rounds", "1"], env=env,
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "has no bench/train.py" in refused.stderr
