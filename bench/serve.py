@@ -115,7 +115,14 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--decode-only", action="store_true", help="only the decode-time table")
     opts = ap.parse_args()
-    contexts = [int(c) for c in opts.decode_contexts.split(",") if c]
+    try:
+        contexts = [int(c) for c in opts.decode_contexts.split(",") if c]
+    except ValueError:
+        ap.error(f"--decode-contexts {opts.decode_contexts!r}: a comma list of token counts")
+    if not contexts or min(contexts) < 1:
+        ap.error(f"--decode-contexts {opts.decode_contexts!r}: at least one count, each >= 1")
+    if opts.decode_tokens < 1:
+        ap.error(f"--decode-tokens {opts.decode_tokens}: at least 1")
     decode_rows = []
     with ServerProcess(["--model-path", opts.model_path, "--page-size", str(opts.page_size),
                         "--tp-size", "1"], startup_timeout=300) as server:

@@ -26,3 +26,16 @@ def test_bench_serve_decode_table_on_cpu():
     # a difference of two timings: finite, its sign left to the machine's noise at 2 tokens
     assert set(rows) == {48, 96} and all(map(math.isfinite, rows.values())), out.stdout[-1500:]
     assert "throughput" not in out.stdout  # --decode-only skips the layouts
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, message", [
+    (["--decode-contexts", "64,abc"], "a comma list of token counts"),
+    (["--decode-contexts", "0"], "each >= 1"),
+    (["--decode-tokens", "0"], "--decode-tokens 0: at least 1"),
+])
+def test_bench_serve_refuses_bad_flags_before_starting_a_server(args, message):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "serve.py"), *args],
+                         env=env, capture_output=True, text=True, timeout=50, cwd=ROOT)
+    assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
