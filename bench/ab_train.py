@@ -53,6 +53,7 @@ def step_ms(stdout: str) -> float:
 
 
 def run(tree: str, bench_args: list[str]) -> float:
+    tree = os.path.abspath(tree)  # the run's working directory is the tree itself
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [tree, env.get("PYTHONPATH")]))
     out = subprocess.run([sys.executable, os.path.join(tree, "bench", "train.py"), *bench_args],

@@ -134,7 +134,7 @@ def test_bench_train_profile_prints_and_saves_the_host_profile(tmp_path):
 @pytest.mark.timeout(180)
 def test_ab_train_alternates_two_trees(tmp_path):
     """bench/ab_train.py: a revision archived into a tree, then A B A B runs of bench/train.py
-    (here the same tree twice, on CPU): every run's step time, medians and their ratio; a tree
+    (here the same tree twice, once by a relative path, on CPU): every run's step time, medians and their ratio; a tree
     without bench/train.py is refused before anything runs."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
@@ -144,9 +144,11 @@ def test_ab_train_alternates_two_trees(tmp_path):
     assert prep.returncode == 0, prep.stderr[-2000:]
     tree = prep.stdout.split()[-1]
     assert os.path.isfile(os.path.join(tree, "bench", "train.py"))
-    out = subprocess.run(ab + [tree, tree, "--rounds", "2", "--", "--preset", "tiny", "--seqs",
-                               "32", "--steps", "1", "--warmup", "0", "--transformers", "none",
-                               "--no-twin"], env=env, capture_output=True, text=True, timeout=170)
+    # The second tree named relative to the caller's directory (each run's is its tree's).
+    out = subprocess.run(ab + [tree, os.path.relpath(tree, tmp_path), "--rounds", "2", "--",
+                               "--preset", "tiny", "--seqs", "32", "--steps", "1", "--warmup",
+                               "0", "--transformers", "none", "--no-twin"], env=env,
+                         cwd=tmp_path, capture_output=True, text=True, timeout=170)
     assert out.returncode == 0, out.stderr[-3000:]
     rounds = [line for line in out.stdout.splitlines() if line.startswith("round ")]
     assert len(rounds) == 4 and all(float(line.split()[-2]) > 0 for line in rounds), rounds
@@ -154,3 +156,19 @@ def test_ab_train_alternates_two_trees(tmp_path):
     refused = subprocess.run(ab + [tree, str(tmp_path), "--rounds", "1"], env=env,
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode != 0 and "has no bench/train.py" in refused.stderr
+
+
+def test_host_threads_reports_the_busy_main_thread():
+    """bench/host_threads.py runs a command, samples its threads and reports the main thread
+    (here a 1.5 s busy loop) as the busiest; it passes the command's exit status on and refuses
+    a missing command."""
+    tool = [sys.executable, os.path.join(ROOT, "bench", "host_threads.py")]
+    spin = "import time, sys\nt = time.time()\nwhile time.time() - t < 1.5: pass\nsys.exit(3)"
+    out = subprocess.run(tool + ["--every", "0.2", "--", sys.executable, "-c", spin],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3, out.stderr[-2000:]
+    rows = [line.split() for line in out.stdout.splitlines() if "(main)" in line]
+    assert len(rows) == 1 and float(rows[0][2]) > 0.5, out.stdout
+    assert "main thread busiest in" in out.stdout
+    refused = subprocess.run(tool, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "give the command" in refused.stderr

@@ -92,7 +92,7 @@ def on_world_of_one(body, queue) -> None:
 
 def holder_calls_and_grads(mesh, sample):
     """Per policy, the calls each fp32 holder gets in one forward + backward (FSDP2 unshards
-    through them) and every gradient."""
+    through them), every gradient and the number of FSDP groups the holders form."""
     from trainer_bridge.config import ModelConfig
     from trainer_bridge.parallelize import Fp32Params
     from trainer_bridge.policy import build_policy
@@ -102,9 +102,11 @@ def holder_calls_and_grads(mesh, sample):
         policy = build_policy(ModelConfig(model_path="tiny", activation_checkpointing=policy_name),
                               mesh, torch.device("cpu"))
         calls: dict[str, int] = {}
+        states = set()
         for name, m in policy.model.named_modules():
             if isinstance(m, Fp32Params):
                 calls[name] = 0
+                states.add(id(m._get_fsdp_state()))
                 m.register_forward_pre_hook(
                     lambda _m, _a, name=name: calls.__setitem__(name, calls[name] + 1))
         mb = pack([sample], policy.routed_layers, use_routing=False)
@@ -112,7 +114,7 @@ def holder_calls_and_grads(mesh, sample):
         (-(res.logprobs * mb.loss_mask).sum()).backward()
         grads = {n: p.grad.full_tensor().numpy().copy()
                  for n, p in policy.model.named_parameters() if p.grad is not None}
-        out[policy_name] = (calls, grads)
+        out[policy_name] = (calls, grads, len(states))
     return out
 
 
@@ -120,10 +122,11 @@ def holder_calls_and_grads(mesh, sample):
 def test_checkpointed_layers_reuse_unsharded_fp32_params():
     (out,) = run_spawned(on_world_of_one, [(holder_calls_and_grads,)], timeout=110)
     assert isinstance(out, dict), out
-    base_calls, base_grads = out["none"]
+    base_calls, base_grads, groups = out["none"]
     assert len(base_calls) > 8 and set(base_calls.values()) == {1}, base_calls
+    assert groups == 1  # every layer's holders in one FSDP group
     for policy_name in ("layer", "selective"):
-        calls, grads = out[policy_name]
+        calls, grads, _ = out[policy_name]
         # One call each, in the forward: the recompute hands the unsharded tensors over itself.
         assert calls == base_calls, (policy_name, calls)
         assert grads.keys() == base_grads.keys()

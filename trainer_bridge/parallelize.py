@@ -1,9 +1,10 @@
 """parallelize_policy: FSDP2 for DSV4ForCausalLM, which itself knows nothing of it.
 
 Groups (torchtitan's order: every decoder layer, then ``[norm, head, hc_head_*]``, root last):
-- per layer, fp32 groups (param_dtype fp32) for what must be computed in fp32: the MoE router
-  (``ffn.gate``: weight and its fp32 correction bias, frozen for RL), the mHC parameters
-  (``hc_attn_*``, ``hc_ffn_*``) and the attention sinks (``attn.attn_sink``);
+- fp32 groups (param_dtype fp32) for what must be computed in fp32: per layer the MoE router
+  (``ffn.gate``: weight and its fp32 correction bias, frozen for RL); one group for every
+  layer's mHC parameters (``hc_attn_*``, ``hc_ffn_*``) and attention sinks
+  (``attn.attn_sink``), gathered once a step and kept so until the backward has ended;
 - one compute-dtype group per decoder layer for everything else (attention, compressors,
   indexer, the routed experts' two stacks ``ffn.experts.w13``/``w2``, Engram's wkv/q/k);
 - ``[norm, head, hc_head_*]`` in fp32 when lm_head_fp32 (RL needs an fp32 head), else the
@@ -11,7 +12,7 @@ Groups (torchtitan's order: every decoder layer, then ``[norm, head, hc_head_*]`
 Master weights are fp32 everywhere (a group needs one original dtype); the policy casts to the
 compute dtype for the forward and reduces gradients in fp32. The sinks and mHC parameters are
 bare parameters of the attention, the layer and the model, so they move into an ``Fp32Params``
-child (``<owner>.fp32_params.<name>``) that is its own fp32 group; a forward pre-hook hands the
+child (``<owner>.fp32_params.<name>``) of that fp32 group; a forward pre-hook hands the
 unsharded fp32 tensors back to the owner under their own names. They are never in
 ``ignored_params`` (that would skip their gradient reduction). Frozen tables (Engram's
 ``engram.embed.*`` and ``ffn.gate.tid2eid``) are buffers: never sharded, never in the
@@ -25,7 +26,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
@@ -67,18 +67,21 @@ class Fp32Params(nn.Module):
 
 
 def _give_params(owner: nn.Module, args) -> None:
-    """Hand the holder's unsharded parameters to ``owner`` under their own names. Only the
-    first use in an iteration goes through FSDP (it unshards them; reshard_after_forward=False
-    keeps them so until the root's post-backward callback). Later uses, e.g. a checkpointed
-    layer's recompute in the backward, take the unsharded tensors directly: calling FSDP there
-    made the holder the forward root again, and torch 2.11's root pre-forward on CUDA indexes
-    the moved arguments of this no-argument call (IndexError "args_tuple[0]"); under selective
+    """Hand the holder's unsharded parameters to ``owner`` under their own names. In a forward
+    every holder is called through FSDP, once: the first call unshards the one group that all
+    holders share (reshard_after_forward=False keeps it so until the root's post-backward
+    callback), the others find it unsharded, and the group sees each of its modules run as
+    FSDP expects of a grouped ``fully_shard``. A recompute in the backward (activation
+    checkpointing) takes the unsharded tensors directly: calling FSDP there made the holder
+    the forward root again, and torch 2.11's root pre-forward on CUDA indexes the moved
+    arguments of this no-argument call (IndexError "args_tuple[0]"); under selective
     checkpointing the extra call is also an op sequence the forward did not have."""
     holder = getattr(owner, FP32_HOLDER)
-    params = holder._parameters
-    if any(isinstance(p, DTensor) for p in params.values()):  # sharded: unshard through FSDP
-        params = holder()
-    owner.__dict__.update(params)
+    owner.__dict__.update(holder._parameters if _in_backward() else holder())
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
 
 
 def _take_params(owner: nn.Module, args, output) -> None:
@@ -182,7 +185,7 @@ def checkpoint_layer(layer: nn.Module, policy: str) -> None:
     def run(*args, **kwargs):
         # The recompute runs outside the layer's module call: its fp32 holder's pre-hook has
         # not handed the mHC parameters back (the attention's runs, it is a module call).
-        if hasattr(layer, FP32_HOLDER):
+        if hasattr(layer, FP32_HOLDER) and _in_backward():
             _give_params(layer, args)
         return inner(*args, **kwargs)
 
@@ -236,11 +239,14 @@ def parallelize_policy(model: DSV4ForCausalLM, mesh: DeviceMesh, *,
     # Called in a pre-hook, used through the owner's forward and backward: a holder stays
     # unsharded until its post-backward (the root's final callback) reshards it.
     held = dict(mesh=mesh, reshard_after_forward=False, offload_policy=offload)
+    # Every layer's fp32 holders form one group: one all-gather and one reduce-scatter a step
+    # for all of them, not two of each per layer (FSDP's per-group host work, about 1 ms of a
+    # host-bound step's CPU per group on an H200, bench/results/train_h200.txt).
+    holders = [h for layer in model.layers for owner in (layer, layer.attn)
+               if (h := move_fp32_params(owner)) is not None]
+    if holders:
+        fully_shard(holders, mp_policy=fp32, **held)
     for layer in model.layers:
-        for owner in (layer, layer.attn):
-            holder = move_fp32_params(owner)
-            if holder is not None:
-                fully_shard(holder, mp_policy=fp32, **held)
         fully_shard(layer.ffn.gate, mp_policy=router, **kw)
         # Sharded over experts, a stack's local shard cannot be cut into per-expert views.
         layer.ffn.experts.per_expert_state_dict = False
