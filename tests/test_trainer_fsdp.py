@@ -161,3 +161,37 @@ def test_fp32_groups_frozen_tables_and_weight_push(results):
     # above still names them per expert.
     layer3 = {n for n in dtypes if n.startswith("layers.3.ffn.experts.")}
     assert layer3 == {"layers.3.ffn.experts.w13", "layers.3.ffn.experts.w2"}
+
+
+def router_placement(mesh, sample):
+    """Per freeze_router: whether each layer's gate weight is sharded by FSDP, its dtype,
+    whether it got a gradient, and the logprobs of one forward."""
+    from trainer_bridge.config import ModelConfig
+    from trainer_bridge.policy import build_policy
+
+    out = {}
+    for frozen in (True, False):
+        policy = build_policy(ModelConfig(model_path=PRESET, freeze_router=frozen), mesh,
+                              torch.device("cpu"))
+        mb = pack([sample], policy.routed_layers, use_routing=False)
+        res = policy.forward(mb, replay=False)
+        (-(res.logprobs * mb.loss_mask).sum()).backward()
+        gates = [layer.ffn.gate.weight for layer in policy.model.layers]
+        out[frozen] = ([hasattr(w, "full_tensor") for w in gates], {str(w.dtype) for w in gates},
+                       [w.grad is not None for w in gates], res.logprobs.detach().numpy())
+    return out
+
+
+def test_frozen_router_is_replicated_trained_router_sharded():
+    """A frozen router (RL's default) stays out of FSDP: every rank holds it whole in fp32 and
+    there is no group to gather for it each step; a trained one is its own fp32 group and gets
+    a gradient. Both compute the same logprobs."""
+    from test_trainer_long_context import on_world_of_one
+
+    (out,) = run_spawned(on_world_of_one, [(router_placement,)], timeout=110)
+    assert isinstance(out, dict), out
+    sharded, dtypes, has_grad, frozen_logps = out[True]
+    assert not any(sharded) and dtypes == {"torch.float32"} and not any(has_grad)
+    sharded, dtypes, has_grad, trained_logps = out[False]
+    assert all(sharded) and dtypes == {"torch.float32"} and all(has_grad)
+    np.testing.assert_allclose(frozen_logps, trained_logps, rtol=0, atol=1e-6)

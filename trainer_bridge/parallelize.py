@@ -1,10 +1,12 @@
 """parallelize_policy: FSDP2 for DSV4ForCausalLM, which itself knows nothing of it.
 
 Groups (torchtitan's order: every decoder layer, then ``[norm, head, hc_head_*]``, root last):
-- fp32 groups (param_dtype fp32) for what must be computed in fp32: per layer the MoE router
-  (``ffn.gate``: weight and its fp32 correction bias, frozen for RL); one group for every
+- fp32 groups (param_dtype fp32) for what must be computed in fp32: one group for every
   layer's mHC parameters (``hc_attn_*``, ``hc_ffn_*``) and attention sinks
-  (``attn.attn_sink``), gathered once a step and kept so until the backward has ended;
+  (``attn.attn_sink``), gathered once a step and kept so until the backward has ended; per
+  layer the MoE router (``ffn.gate.weight``; its fp32 correction bias is a buffer) when it is
+  trained; a frozen router (RL's default) is no group at all: FSDP ignores it, every rank holds
+  it whole in fp32;
 - one compute-dtype group per decoder layer for everything else (attention, compressors,
   indexer, the routed experts' two stacks ``ffn.experts.w13``/``w2``, Engram's wkv/q/k);
 - ``[norm, head, hc_head_*]`` in fp32 when lm_head_fp32 (RL needs an fp32 head), else the
@@ -247,13 +249,19 @@ def parallelize_policy(model: DSV4ForCausalLM, mesh: DeviceMesh, *,
     if holders:
         fully_shard(holders, mp_policy=fp32, **held)
     for layer in model.layers:
-        fully_shard(layer.ffn.gate, mp_policy=router, **kw)
+        gate = layer.ffn.gate
+        # A frozen router (model.freeze_router, RL's default) stays out of FSDP: replicated in
+        # fp32 on every rank (it gets no gradient to reduce), no group to gather every step;
+        # the gate casts its input to the weight's dtype itself.
+        frozen_router = {gate.weight} if not gate.weight.requires_grad else None
+        if frozen_router is None:
+            fully_shard(gate, mp_policy=router, **kw)
         # Sharded over experts, a stack's local shard cannot be cut into per-expert views.
         layer.ffn.experts.per_expert_state_dict = False
         if mesh.size() > 1:  # one rank: no collective to keep in step
             layer.register_forward_hook(_touch_every_parameter)
         checkpoint_layer(layer, activation_checkpointing)
-        fully_shard(layer, mp_policy=low, **kw)
+        fully_shard(layer, mp_policy=low, ignored_params=frozen_router, **kw)
     hc_head = move_fp32_params(model)  # V4's hc_head_*; V4.1 has none (mhc_combine)
     extra = [hc_head] if hc_head is not None else []
     if lm_head_fp32:

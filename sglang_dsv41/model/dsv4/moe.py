@@ -50,7 +50,10 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> expert ids [T, k] int64, weights [T, k] fp32."""
-        scores = route_scores(F.linear(x, self.weight).float(), self.scoring, self.v41_gate)
+        # x in the weight's dtype: a trainer keeps the router's weight in fp32 (its logits fp32)
+        # while the layer computes in bf16; the same dtype elsewhere.
+        scores = route_scores(F.linear(x.to(self.weight.dtype), self.weight).float(),
+                              self.scoring, self.v41_gate)
         if self.is_hash:
             ids = self.tid2eid[input_ids].long()
         else:
