@@ -39,20 +39,34 @@ def prepare(revs: list[str], out_dir: str) -> list[str]:
     return trees
 
 
-def step_ms(stdout: str) -> float:
-    """The step time of the first "ours" row bench/train.py printed (a live row or the table's;
-    the memory-plan lines also start with "ours" and are skipped)."""
-    for line in stdout.splitlines():
-        fields = line.split()
-        if line.startswith("ours ") and "memory plan" not in line and len(fields) >= 7:
-            try:
-                return float(fields[-5])
-            except ValueError:
-                continue  # an OOM row
+def column_end(header: str, name: str) -> int | None:
+    """Where the right-aligned column ``name`` of bench/train.py's fixed-width table ends (its
+    values end there too), or None when the header lacks it."""
+    at = header.find(name)
+    return None if at < 0 else at + len(name)
+
+
+def ours_times(stdout: str) -> tuple[float, float | None]:
+    """(step ms, host ms) of the first "ours" row bench/train.py printed (a live row or the
+    table's; the memory-plan lines also start with "ours" and are skipped). Columns are read
+    where the table's header puts them, so an older tree's output without "host ms" still
+    gives its step time (host None)."""
+    lines = stdout.splitlines()
+    header = next((line for line in lines if line.startswith("run ") and "step ms" in line), "")
+    step_end, host_end = column_end(header, "step ms"), column_end(header, "host ms")
+    for line in lines:
+        if not line.startswith("ours ") or "memory plan" in line or step_end is None:
+            continue
+        try:
+            step = float(line[:step_end].split()[-1])
+        except ValueError:
+            continue  # an OOM row
+        host = float(line[:host_end].split()[-1]) if host_end is not None else None
+        return step, host
     raise ValueError("bench/train.py printed no step time of ours:\n" + stdout[-2000:])
 
 
-def run(tree: str, bench_args: list[str]) -> float:
+def run(tree: str, bench_args: list[str]) -> tuple[float, float | None]:
     tree = os.path.abspath(tree)  # the run's working directory is the tree itself
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [tree, env.get("PYTHONPATH")]))
@@ -60,7 +74,7 @@ def run(tree: str, bench_args: list[str]) -> float:
                          cwd=tree, env=env, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"bench/train.py in {tree} failed:\n{out.stderr[-3000:]}")
-    return step_ms(out.stdout)
+    return ours_times(out.stdout)
 
 
 def main(argv=None) -> int:
@@ -86,17 +100,25 @@ def main(argv=None) -> int:
         if not os.path.isfile(os.path.join(tree, "bench", "train.py")):
             p.error(f"{tree} has no bench/train.py (prepare it with --prepare)")
     times: dict[str, list[float]] = {tree: [] for tree in args.trees}
+    hosts: dict[str, list[float | None]] = {tree: [] for tree in args.trees}
     for r in range(args.rounds):
         for tree in args.trees:
-            times[tree].append(run(tree, bench_args))
-            print(f"round {r + 1} {tree}: {times[tree][-1]:.1f} ms", flush=True)
+            step, host = run(tree, bench_args)
+            times[tree].append(step)
+            hosts[tree].append(host)
+            shown = "" if host is None else f", host {host:.1f} ms"
+            print(f"round {r + 1} {tree}: {step:.1f} ms{shown}", flush=True)
     print(f"\nbench/train.py {' '.join(bench_args)}; {args.rounds} runs each, alternated")
-    print(f"{'tree':<40}{'median ms':>10}{'min':>9}{'max':>9}  runs")
-    for tree, ts in times.items():
-        print(f"{tree:<40}{statistics.median(ts):>10.1f}{min(ts):>9.1f}{max(ts):>9.1f}  "
-              + " ".join(f"{t:.1f}" for t in ts))
-    a, b = (statistics.median(times[t]) for t in args.trees)
-    print(f"B / A (medians): {b / a:.3f}")
+    for what, table in (("step", times), ("host", hosts)):
+        if any(v is None for vals in table.values() for v in vals):
+            print("(no host ms: a tree's bench/train.py does not print it)")
+            break
+        print(f"{what + ' ms: tree':<40}{'median':>10}{'min':>9}{'max':>9}  runs")
+        for tree, ts in table.items():
+            print(f"{tree:<40}{statistics.median(ts):>10.1f}{min(ts):>9.1f}{max(ts):>9.1f}  "
+                  + " ".join(f"{t:.1f}" for t in ts))
+        a, b = (statistics.median(table[t]) for t in args.trees)
+        print(f"B / A ({what} ms medians): {b / a:.3f}")
     return 0
 
 

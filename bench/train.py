@@ -114,18 +114,21 @@ def free(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def time_steps(step, args, device, profile_label: str | None) -> tuple[float, int]:
-    """Median seconds of ``args.steps`` steps after ``args.warmup``; peak bytes. With a
-    ``profile_label``, then ``args.steps`` more steps under torch.profiler (not timed) and one
-    under CUDA sync debugging."""
-    times = []
+def time_steps(step, args, device, profile_label: str | None) -> tuple[float, int, float]:
+    """Median seconds of ``args.steps`` steps after ``args.warmup``; peak bytes; the median CPU
+    seconds of the calling (main) thread per step. With a ``profile_label``, then
+    ``args.steps`` more steps under torch.profiler (not timed) and one under CUDA sync
+    debugging."""
+    times, host = [], []
     for i in range(args.warmup + args.steps):
         sync(device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         step()
+        c1 = time.thread_time()  # before the sync: its wait is not host work
         sync(device)
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
+            host.append(c1 - c0)
     peak = memory(device)[1]
     if profile_label:
         acts = [torch.profiler.ProfilerActivity.CPU]
@@ -138,7 +141,7 @@ def time_steps(step, args, device, profile_label: str | None) -> tuple[float, in
         print_profile(prof, profile_label, args.steps, device, args.trace_dir)
         print(host_syncs(step, device), flush=True)
         print(host_python_profile(step, device, args.trace_dir), flush=True)
-    return sorted(times)[len(times) // 2], peak
+    return sorted(times)[len(times) // 2], peak, sorted(host)[len(host) // 2]
 
 
 # Runtime calls that start work on the GPU, and those that make the host wait for it.
@@ -573,8 +576,8 @@ def main(argv=None) -> int:
 
     def measure(runner, label, seq, profile):
         try:
-            step_s, peak_b = time_steps(runner.stepper(seq, args.micro_batches), args, device,
-                                        f"{label} @ {seq}" if profile else None)
+            step_s, peak_b, host_s = time_steps(runner.stepper(seq, args.micro_batches), args,
+                                                device, f"{label} @ {seq}" if profile else None)
         except torch.OutOfMemoryError:
             if info.world_size > 1:
                 raise  # the other ranks may not have run out: a retry would hang them
@@ -584,7 +587,7 @@ def main(argv=None) -> int:
         if isinstance(runner, Ours) and seq == biggest:
             plans.append(f"{label} @ {seq}: " + runner.memory_plan(peak_b))
         free(device)
-        return step_s, peak_b
+        return step_s, peak_b, host_s
 
     policies = list(dict.fromkeys([args.checkpointing, "selective", "layer"]))
     shortest = min(s.length for s in seqs)
@@ -646,9 +649,11 @@ def main(argv=None) -> int:
           f"median of {args.steps} steps after {args.warmup} warm-up; seq, "
           f"tokens/s, attn TFLOP and peak GiB are per GPU (each rank steps its own batch of the "
           f"shape); MFU = 6 x active x tokens / step / {peak} TFLOP/s; attn TFLOP = attention "
-          f"FLOPs per step (not in MFU)")
+          f"FLOPs per step (not in MFU); host ms = the main thread's CPU time per step (median): "
+          f"the host work a host-bound step waits for, without the time the host's scheduler "
+          f"or hypervisor takes away from it")
     print(f"{'run':<48} {'seq':>9} {'step ms':>9} {'tokens/s':>9} {'MFU':>6} "
-          f"{'attn TFLOP':>10} {'peak GiB':>8}")
+          f"{'attn TFLOP':>10} {'peak GiB':>8} {'host ms':>8}")
     for row in rows:
         print_row(row, peak, args.micro_batches)
     for seq in seqs:
@@ -669,13 +674,13 @@ def print_row(row, peak, micro_batches: int, flush=False) -> None:
     if r == "OOM":
         print(f"{label:<48} {str(seq):>9} {'OOM':>9}", flush=flush)
         return
-    step_s, peak_b = r
+    step_s, peak_b, host_s = r
     tokens = seq.tokens * micro_batches
     mfu = (f"{100 * 6 * active_params(c) * tokens / step_s / 1e12 / peak:.1f}%" if peak
            else "n/a")
     print(f"{label:<48} {str(seq):>9} {1e3 * step_s:9.1f} {tokens / step_s:9.0f} {mfu:>6} "
           f"{micro_batches * seq.n * attention_flops(c, seq.length) / 1e12:10.2f} "
-          f"{peak_b / GiB:8.2f}",
+          f"{peak_b / GiB:8.2f} {1e3 * host_s:8.1f}",
           flush=flush)
 
 

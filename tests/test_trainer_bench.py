@@ -32,13 +32,15 @@ def test_bench_train_runs_on_cpu():
     errors = [float(x.rstrip(",")) for x in check.split()[-5::2]]
     assert len(errors) == 3 and max(errors) < 1e-5, check
     table = lines[next(i for i, line in enumerate(lines) if line.startswith("run ")) + 1:]
-    rows = {(" ".join(line.split()[:-6]), line.split()[-6]): line.split()[-5:] for line in table
+    rows = {(" ".join(line.split()[:-7]), line.split()[-7]): line.split()[-6:] for line in table
             if line.startswith(("ours", "transformers")) and "memory plan" not in line}
     # 2x32: two sequences packed in ours' micro-batch, a batch of two for transformers
     assert set(rows) == {(label, seq) for seq in ("64", "2x32") for label in (
         "ours tiny ac=none", "transformers tiny-v4 experts=eager", "ours tiny-v4 ac=none")}, rows
-    for step_ms, tokens_per_s, *_ in rows.values():
+    for step_ms, tokens_per_s, *_, host_ms in rows.values():
+        # host ms: the main thread's CPU time of a step, within the step's wall time
         assert float(step_ms) > 0 and float(tokens_per_s) > 0
+        assert 0 < float(host_ms) <= 1.05 * float(step_ms) + 0.5, (step_ms, host_ms)
     for seq in ("64", "2x32"):
         assert any(line.startswith(f"speed-up at {seq}: ours tiny ac=none") for line in lines)
     assert any("memory plan: fp32 master weights" in line for line in lines)
@@ -69,7 +71,7 @@ def test_bench_train_runs_with_activation_checkpointing(policy):
                if line.startswith(f"ours tiny ac={policy} ") and "memory plan" not in line)
     # one warm-up and one timed step (the memory plan's probes run on CUDA only)
     assert "policy forwards 4" in out.stdout.splitlines()[-1], out.stdout[-500:]
-    step_ms, tokens_per_s = float(row.split()[-5]), float(row.split()[-4])
+    step_ms, tokens_per_s = float(row.split()[-6]), float(row.split()[-5])
     assert tokens_per_s * step_ms / 1e3 == pytest.approx(2 * 64, rel=0.02), row
 
 
@@ -103,7 +105,7 @@ def test_bench_train_under_torchrun_two_ranks():
     assert out.stdout.count("cpu x 2, 1 micro-batch(es)") == 1, out.stdout[-2000:]
     rows = [line for line in out.stdout.splitlines()
             if line.startswith("ours tiny ac=none ") and "memory plan" not in line]
-    assert len(rows) == 2 and float(rows[0].split()[-4]) > 0, rows  # printed live + table
+    assert len(rows) == 2 and float(rows[0].split()[-5]) > 0, rows  # printed live + table
     refused = subprocess.run(run + ["--transformers", "eager"], env=env, capture_output=True,
                              text=True, timeout=100)
     assert refused.returncode != 0 and "pass --transformers none --no-twin" in refused.stderr
@@ -151,8 +153,10 @@ def test_ab_train_alternates_two_trees(tmp_path):
                          cwd=tmp_path, capture_output=True, text=True, timeout=170)
     assert out.returncode == 0, out.stderr[-3000:]
     rounds = [line for line in out.stdout.splitlines() if line.startswith("round ")]
-    assert len(rounds) == 4 and all(float(line.split()[-2]) > 0 for line in rounds), rounds
-    assert "B / A (medians): " in out.stdout
+    # "round 1 TREE: 12.3 ms, host 11.8 ms"
+    assert len(rounds) == 4 and all(float(line.split()[-5]) > 0 < float(line.split()[-2])
+                                    for line in rounds), rounds
+    assert "B / A (step ms medians): " in out.stdout and "B / A (host ms medians): " in out.stdout
     refused = subprocess.run(ab + [tree, str(tmp_path), "--rounds", "1"], env=env,
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode != 0 and "has no bench/train.py" in refused.stderr
@@ -172,3 +176,34 @@ def test_host_threads_reports_the_busy_main_thread():
     assert "main thread busiest in" in out.stdout
     refused = subprocess.run(tool, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "give the command" in refused.stderr
+
+
+def test_ab_train_reads_columns_where_the_header_puts_them():
+    """bench/ab_train.py reads the step and host times of the first "ours" row by the table
+    header's columns: an OOM row and the memory-plan lines are skipped, and an older tree's
+    table without "host ms" still gives its step time."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ab_train", os.path.join(ROOT, "bench",
+                                                                           "ab_train.py"))
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    head = (f"{'run':<48} {'seq':>9} {'step ms':>9} {'tokens/s':>9} {'MFU':>6} "
+            f"{'attn TFLOP':>10} {'peak GiB':>8}")
+
+    def row(label, step, host=None):
+        if step is None:
+            return f"{label:<48} {'4096':>9} {'OOM':>9}"
+        end = "" if host is None else f" {host:8.1f}"
+        return f"{label:<48} {'4096':>9} {step:9.1f} {4096 / step:9.0f} {'4.2%':>6} " \
+               f"{1.84:10.2f} {28.37:8.2f}{end}"
+
+    plan = "ours small ac=none @ 4096: memory plan: fp32 master weights 5.45 GiB, peak 28.37 GiB"
+    new = "\n".join([plan, row("ours small ac=selective", None), row("ours small ac=none",
+                     212.4, 187.9), head + f" {'host ms':>8}", row("ours small ac=none",
+                                                                   212.4, 187.9)])
+    assert ab.ours_times(new) == (212.4, 187.9)
+    old = "\n".join([row("ours small ac=none", 230.1), head, row("ours small ac=none", 230.1)])
+    assert ab.ours_times(old) == (230.1, None)
+    with pytest.raises(ValueError, match="no step time"):
+        ab.ours_times("\n".join([plan, head, row("ours small ac=none", None)]))
