@@ -99,25 +99,26 @@ def main(argv=None) -> int:
     for tree in args.trees:
         if not os.path.isfile(os.path.join(tree, "bench", "train.py")):
             p.error(f"{tree} has no bench/train.py (prepare it with --prepare)")
-    times: dict[str, list[float]] = {tree: [] for tree in args.trees}
-    hosts: dict[str, list[float | None]] = {tree: [] for tree in args.trees}
+    # by position, not name: the same tree may be given twice (a noise check)
+    times: list[list[float]] = [[], []]
+    hosts: list[list[float | None]] = [[], []]
     for r in range(args.rounds):
-        for tree in args.trees:
+        for i, tree in enumerate(args.trees):
             step, host = run(tree, bench_args)
-            times[tree].append(step)
-            hosts[tree].append(host)
+            times[i].append(step)
+            hosts[i].append(host)
             shown = "" if host is None else f", host {host:.1f} ms"
-            print(f"round {r + 1} {tree}: {step:.1f} ms{shown}", flush=True)
+            print(f"round {r + 1} {'AB'[i]} {tree}: {step:.1f} ms{shown}", flush=True)
     print(f"\nbench/train.py {' '.join(bench_args)}; {args.rounds} runs each, alternated")
     for what, table in (("step", times), ("host", hosts)):
-        if any(v is None for vals in table.values() for v in vals):
+        if any(v is None for vals in table for v in vals):
             print("(no host ms: a tree's bench/train.py does not print it)")
             break
         print(f"{what + ' ms: tree':<40}{'median':>10}{'min':>9}{'max':>9}  runs")
-        for tree, ts in table.items():
-            print(f"{tree:<40}{statistics.median(ts):>10.1f}{min(ts):>9.1f}{max(ts):>9.1f}  "
-                  + " ".join(f"{t:.1f}" for t in ts))
-        a, b = (statistics.median(table[t]) for t in args.trees)
+        for i, (tree, ts) in enumerate(zip(args.trees, table)):
+            print(f"{'AB'[i] + ' ' + tree:<40}{statistics.median(ts):>10.1f}{min(ts):>9.1f}"
+                  f"{max(ts):>9.1f}  " + " ".join(f"{t:.1f}" for t in ts))
+        a, b = (statistics.median(ts) for ts in table)
         print(f"B / A ({what} ms medians): {b / a:.3f}")
     return 0
 

@@ -146,16 +146,20 @@ def test_ab_train_alternates_two_trees(tmp_path):
     assert prep.returncode == 0, prep.stderr[-2000:]
     tree = prep.stdout.split()[-1]
     assert os.path.isfile(os.path.join(tree, "bench", "train.py"))
-    # The second tree named relative to the caller's directory (each run's is its tree's).
+    # The same tree twice, the second time named relative to the caller's directory (each
+    # run's is its tree's).
     out = subprocess.run(ab + [tree, os.path.relpath(tree, tmp_path), "--rounds", "2", "--",
                                "--preset", "tiny", "--seqs", "32", "--steps", "1", "--warmup",
                                "0", "--transformers", "none", "--no-twin"], env=env,
                          cwd=tmp_path, capture_output=True, text=True, timeout=170)
     assert out.returncode == 0, out.stderr[-3000:]
     rounds = [line for line in out.stdout.splitlines() if line.startswith("round ")]
-    # "round 1 TREE: 12.3 ms, host 11.8 ms"
+    # "round 1 A TREE: 12.3 ms, host 11.8 ms"
     assert len(rounds) == 4 and all(float(line.split()[-5]) > 0 < float(line.split()[-2])
                                     for line in rounds), rounds
+    assert [line.split()[2] for line in rounds] == ["A", "B", "A", "B"]
+    medians = [line for line in out.stdout.splitlines() if line.startswith(("A ", "B "))]
+    assert len(medians) == 4 and all(len(line.split()) == 2 + 3 + 2 for line in medians), medians
     assert "B / A (step ms medians): " in out.stdout and "B / A (host ms medians): " in out.stdout
     refused = subprocess.run(ab + [tree, str(tmp_path), "--rounds", "1"], env=env,
                              capture_output=True, text=True, timeout=60)
