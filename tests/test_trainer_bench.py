@@ -158,7 +158,8 @@ def test_ab_train_alternates_two_trees(tmp_path):
     assert len(rounds) == 4 and all(float(line.split()[-5]) > 0 < float(line.split()[-2])
                                     for line in rounds), rounds
     assert [line.split()[2] for line in rounds] == ["A", "B", "A", "B"]
-    medians = [line for line in out.stdout.splitlines() if line.startswith(("A ", "B "))]
+    medians = [line for line in out.stdout.splitlines()
+               if line.startswith(("A ", "B ")) and not line.startswith("B / A")]
     assert len(medians) == 4 and all(len(line.split()) == 2 + 3 + 2 for line in medians), medians
     assert "B / A (step ms medians): " in out.stdout and "B / A (host ms medians): " in out.stdout
     refused = subprocess.run(ab + [tree, str(tmp_path), "--rounds", "1"], env=env,
