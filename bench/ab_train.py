@@ -3,7 +3,8 @@
 A host-bound step's time moves with the host: on one H200 lease, five runs of the same code took
 193-285 ms (bench/results/train_h200.txt, run P). One run per tree cannot show a 10% change; this
 runs the trees in turn, A B A B ..., and prints every run, each tree's median and spread, and the
-ratio of the medians.
+ratio of the medians, for the step time and for bench/train.py's host ms (the main thread's CPU
+time a step, which the host's drift moves less when it comes from time taken away).
 
   python bench/ab_train.py --prepare REV [REV ...]
       here, with git: each revision's sglang_dsv41, trainer_bridge and bench into
