@@ -71,6 +71,33 @@ def test_chunked_prefill_padding_and_mixed_decode_equal_recompute(runner):
             req.output_ids.append(int(row.argmax()))
 
 
+def test_decode_pools_only_the_v41_groups_it_completes(runner):
+    """One request decoding alone: steps that complete no ratio-2 group (odd lengths) and steps
+    that do, each equal to a whole-sequence recompute, and each V4.1 kv source's compressor
+    projects only the rows of the groups a step completes (at most its ratio), not the history
+    (the pool keeps every entry and its index keys)."""
+    cfg = runner.model.cfg
+    seen = {}
+    hooks = [runner.model.layers[i].attn.compressor.wkv.register_forward_hook(
+        lambda m, args, out, i=i: seen.__setitem__(i, args[0].shape[0]))
+        for i in cfg.kv_source_layer_ids]
+    try:
+        r = Req("solo", [(3 * i + 2) % 256 for i in range(37)], SamplingParams(),
+                pages=list(range(236, 248)))
+        logits = forward(runner, "extend", [r], [37])
+        for step in range(4):
+            close(logits[0], recompute(runner, r.all_ids))
+            r.output_ids.append(int(logits[0].argmax()))
+            seen.clear()
+            logits = forward(runner, "decode", [r], [1])
+            for i, rows in seen.items():
+                assert rows <= cfg.compress_ratios[i], (step, i, rows)
+        close(logits[0], recompute(runner, r.all_ids))
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def test_prefix_restored_at_a_page_boundary_inside_compression_blocks(runner):
     history = [(11 * i + 5) % 256 for i in range(66)]
     first = Req("t1", history, SamplingParams(), pages=list(range(100, 117)))

@@ -161,6 +161,51 @@ class EngineForwardContext(DSV4Context):
         return mine
 
     # ---- the cache --------------------------------------------------------------------------
+    def _low_ratio_layout(self, ratio: int) -> tuple:
+        """For ratio ``ratio``'s V4.1 entries (entry j of a sequence pools its positions
+        [j * ratio, (j + 1) * ratio) and is kept at the slot of the last of them): the context
+        rows from each sequence's first group this forward completes on (a ratio-2 group may
+        start on a cached token), their bounds in those rows, the slots of the entries this
+        forward completes and of every entry, in sequence order."""
+        key = ("engine_entry_layout", ratio)
+        if key not in self.context_shared:
+            tail, bounds, new_rows, all_rows, at = [], [], [], [], 0
+            for (a, b), first in zip(self.context_bounds, self.context_query_starts):
+                length, cached = b - a, first - a
+                aligned = cached // ratio * ratio
+                tail.append(torch.arange(a + aligned, b))
+                bounds.append((at, at + length - aligned))
+                at += length - aligned
+                last = a + ratio - 1 + ratio * torch.arange(length // ratio)
+                new_rows.append(last[cached // ratio:])
+                all_rows.append(last)
+            empty, dev = torch.zeros(0, dtype=torch.long), self.positions.device
+            rows, new, every = (torch.cat(t or [empty]).to(dev) for t in (tail, new_rows, all_rows))
+            self.context_shared[key] = (rows, bounds, self._context_slots[new],
+                                        self._context_slots[every])
+        return self.context_shared[key]
+
+    def cached_entries(self, names: tuple[str, str], ratio: int, x_context: torch.Tensor,
+                       compute) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A V4.1 kv source's (entries, index keys) of every sequence's context, computed only
+        for the groups this forward completes: ``compute(x rows, EntryLayout)`` ->
+        (entries, keys or None) of those groups, written to the pool rows ``names`` and read
+        back with the cached ones. Without it a decode step would project and pool the whole
+        history again."""
+        from ..model.dsv4.v41_sparse import EntryLayout
+
+        rows, bounds, new_slots, all_slots = self._low_ratio_layout(ratio)
+        layout = EntryLayout.build(ratio, self.context_positions[rows], bounds,
+                                   check_positions=False)
+        out = []
+        for name, new in zip(names, compute(x_context[rows], layout)):
+            if new is None:
+                out.append(None)
+                continue
+            self.pool.write(name, new_slots, new)
+            out.append(self.pool.gather(name, all_slots))
+        return out[0], out[1]
+
     def cached_rows(self, name: str, new_rows: torch.Tensor) -> torch.Tensor:
         """Writes this forward's rows of a cached quantity; returns every sequence's rows for
         positions [0, seq_len), packed by context_bounds."""

@@ -98,7 +98,7 @@ class TokenRowPool:
 
     def write(self, name: str, slots: torch.Tensor, values: torch.Tensor) -> None:
         buf = self.rows[name]
-        buf[slots] = values.reshape(values.shape[0], -1).to(buf.dtype)
+        buf[slots] = values.reshape(values.shape[0], buf.shape[1]).to(buf.dtype)
 
     def gather(self, name: str, slots: torch.Tensor) -> torch.Tensor:
         return self.rows[name][slots]

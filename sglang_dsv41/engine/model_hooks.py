@@ -15,11 +15,14 @@ an EngineForwardContext is active (``ModelHooks.active``):
       reach back across a cached prefix as in SGLang's extend and decode.
   V4.1 ratio-1/2 layers  the model's low_ratio_entries needs whole sequences (its entry layout
       and indexer run from position 0). The source layers' inputs (x after attn_norm, and q_lora
-      on index sources) are cached per token; each forward the layer's ``compressed`` runs the
-      model's low_ratio_entries over the whole context of every sequence (EngineForwardContext
-      .context_*, its own shared dict): the entries of the whole history, the selections of
-      this forward's queries only (query_starts). This is
-      an instance attribute set once at load (the model offers no context hook for it yet).
+      on index sources) are cached per token, and a kv source's entries and index keys per
+      entry (at the slot of the group's last token): a forward computes those of the groups
+      its tokens complete (kv_source_entries; a ratio-2 group may start on a cached token) and
+      reads the rest (EngineForwardContext.cached_entries). The layer's ``compressed`` then
+      runs the model's low_ratio_entries over the whole context of every sequence
+      (EngineForwardContext.context_*, its own shared dict) with those entries, selecting for
+      this forward's queries only (query_starts). This is an instance attribute set once at
+      load (the model offers no context hook for it yet).
 
 The attention core itself goes through EngineForwardContext.attend (the model's hook point).
 """
@@ -38,7 +41,7 @@ from .forward_context import EngineForwardContext
 
 def cached_row_widths(model: nn.Module) -> dict[str, int]:
     """The pool's rows: one K=V latent per layer, the projections of every V4 compressor, the
-    inputs of the V4.1 source layers."""
+    inputs of the V4.1 source layers, the entries (and index keys) of the V4.1 kv sources."""
     cfg = model.cfg
     widths = {f"layers.{i}.kv": cfg.head_dim for i in range(cfg.num_hidden_layers)}
     for name, mod in model.named_modules():
@@ -49,6 +52,10 @@ def cached_row_widths(model: nn.Module) -> dict[str, int]:
         widths[f"layers.{i}.attn_x"] = cfg.hidden_size
         if i in cfg.index_source_layer_ids:
             widths[f"layers.{i}.q_lora"] = cfg.q_lora_rank
+    for i in cfg.kv_source_layer_ids:
+        widths[f"layers.{i}.v41_kv"] = cfg.head_dim
+        if i in cfg.index_source_layer_ids:   # its indexer owns the index keys
+            widths[f"layers.{i}.v41_keys"] = cfg.index_head_dim
     return widths
 
 
@@ -58,10 +65,11 @@ def _low_ratio_sources(cfg) -> list[int]:
 
 def _context_compressed(attn: nn.Module, hooks: "ModelHooks"):
     """attn.compressed for a V4.1 ratio-1/2 layer served from the cache (see the module doc)."""
-    from ..model.dsv4.v41_sparse import low_ratio_entries
+    from ..model.dsv4.v41_sparse import kv_source_entries, low_ratio_entries
 
     cfg, layer_id = attn.cfg, attn.layer_id
     plain = attn.compressed
+    names = (f"layers.{layer_id}.v41_kv", f"layers.{layer_id}.v41_keys")
 
     def compressed(x: torch.Tensor, q_lora: torch.Tensor, ctx):
         if ctx is not hooks.ctx:
@@ -70,13 +78,19 @@ def _context_compressed(attn: nn.Module, hooks: "ModelHooks"):
             x = ctx.cached_rows(f"layers.{layer_id}.attn_x", x)
         if layer_id in cfg.index_source_layer_ids:
             q_lora = ctx.cached_rows(f"layers.{layer_id}.q_lora", q_lora)
+        kv_entries = None
+        if layer_id in cfg.kv_source_layer_ids:  # the entries its tokens complete, then all
+            kv_entries = ctx.cached_entries(
+                names, attn.ratio, x,
+                lambda rows, layout: kv_source_entries(attn, rows, layout, ctx.serving_numerics))
         # context_positions are 0..seq_len-1 per sequence by construction (_layout_window);
         # only this forward's tokens are projected and scored (the cached ones' picks are unused)
         entries, selected = low_ratio_entries(cfg, layer_id, attn, x, q_lora,
                                               ctx.context_positions, ctx.context_bounds,
                                               ctx.context_shared, ctx.serving_numerics,
                                               check_positions=False,
-                                              query_starts=ctx.context_query_starts)
+                                              query_starts=ctx.context_query_starts,
+                                              kv_entries=kv_entries)
         mine = selected.new_full((ctx.positions.shape[0], selected.shape[1]), -1)
         mine[:ctx.plan.num_tokens] = selected[ctx.new_context_rows]
         return entries, mine

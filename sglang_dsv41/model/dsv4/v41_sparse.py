@@ -160,11 +160,35 @@ class EntryLayout:
         return cls(ratio, pair, positions[pair[:, 0]].to(torch.int64), starts, bounds)
 
 
+def kv_source_entries(attn: nn.Module, x: torch.Tensor, layout: EntryLayout,
+                      serving_numerics: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A kv-source layer's entries ``comp_kv [C, head_dim]`` (RoPE'd, FP4-rounded under serving
+    numerics) of ``layout``'s groups of ``x``, and the index keys ``[C, index_head_dim]`` when
+    its indexer owns them (else None). Each row is a function of its own group's tokens and
+    position alone, so a cache may hold them per entry (the engine's, model_hooks.py)."""
+    compressor, indexer = getattr(attn, "compressor", None), getattr(attn, "indexer", None)
+    if not isinstance(compressor, V41Compressor):
+        raise ValueError(f"kv source layer {attn.layer_id} has no V41Compressor")
+    inv_freq = attn.freqs  # the layer's compressed-RoPE frequencies, already on the device
+    latent = compressor.latents(x, layout)
+    comp_kv = apply_rope(latent, layout.entry_pos, inv_freq)
+    if serving_numerics:
+        comp_kv = fake_quant_compressed_kv(comp_kv)
+    keys = None
+    if indexer is not None and indexer.owns_keys:
+        with torch.no_grad():
+            keys = apply_rope(indexer.k_norm(indexer.wk(latent)), layout.entry_pos, inv_freq)
+            keys = fake_quant_fp4(keys) if serving_numerics else keys
+    return comp_kv, keys
+
+
 def low_ratio_entries(cfg: DSV4Config, layer_id: int, attn: nn.Module, x: torch.Tensor,
                       q_lora: torch.Tensor, positions: torch.Tensor,
                       seq_bounds: list[tuple[int, int]],
                       shared: dict, serving_numerics: bool = False,
-                      check_positions: bool = True, query_starts: list[int] | None = None
+                      check_positions: bool = True, query_starts: list[int] | None = None,
+                      kv_entries: tuple[torch.Tensor, torch.Tensor | None] | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """The compressed entries of ratio-1/2 layer ``layer_id``: ``comp_kv [C, head_dim]`` RoPE'd
     (and FP4-rounded under serving numerics) and ``comp_idx [T, index_topk]`` int32 rows of
@@ -174,7 +198,9 @@ def low_ratio_entries(cfg: DSV4Config, layer_id: int, attn: nn.Module, x: torch.
     layers in order. check_positions: as EntryLayout.build's. query_starts: per sequence, the
     first row whose selection is wanted (an engine's new tokens after its cached context; the
     same for every layer of one forward); the rows before it stay -1 and are neither projected
-    nor scored, which would make each decode step quadratic in the context."""
+    nor scored, which would make each decode step quadratic in the context. kv_entries: a kv
+    source's (comp_kv, keys) of every group, when the caller holds them (an engine's cache of
+    kv_source_entries); else they are computed here from x."""
     ratio = cfg.compress_ratios[layer_id]
     if ratio not in LOW_RATIOS:
         raise ValueError(f"layer {layer_id} has compress ratio {ratio}, not 1 or 2")
@@ -183,20 +209,13 @@ def low_ratio_entries(cfg: DSV4Config, layer_id: int, attn: nn.Module, x: torch.
         layout = shared[("v41_layout", ratio)] = EntryLayout.build(ratio, positions, seq_bounds,
                                                                      check_positions)
     inv_freq = attn.freqs  # the layer's compressed-RoPE frequencies, already on the device
-    compressor, indexer = getattr(attn, "compressor", None), getattr(attn, "indexer", None)
+    indexer = getattr(attn, "indexer", None)
     if layer_id in cfg.kv_source_layer_ids:
-        if not isinstance(compressor, V41Compressor):
-            raise ValueError(f"kv source layer {layer_id} has no V41Compressor")
-        latent = compressor.latents(x, layout)
-        comp_kv = apply_rope(latent, layout.entry_pos, inv_freq)
-        if serving_numerics:
-            comp_kv = fake_quant_compressed_kv(comp_kv)
-        keys = None
-        if indexer is not None and indexer.owns_keys:
-            with torch.no_grad():
-                keys = apply_rope(indexer.k_norm(indexer.wk(latent)), layout.entry_pos, inv_freq)
-                keys = fake_quant_fp4(keys) if serving_numerics else keys
-        shared[("v41_kv", layer_id)] = (comp_kv, keys)
+        shared[("v41_kv", layer_id)] = (kv_entries if kv_entries is not None else
+                                        kv_source_entries(attn, x, layout, serving_numerics))
+    elif kv_entries is not None:
+        raise ValueError(f"layer {layer_id} is no kv source: it reads layer "
+                         f"{cfg.kv_source_for(layer_id)}'s entries, kv_entries is for that one")
     source = cfg.kv_source_for(layer_id)
     if ("v41_kv", source) not in shared:
         raise RuntimeError(f"layer {layer_id} reads kv source {source}, which has not run in "
