@@ -71,13 +71,19 @@ def test_chunked_prefill_padding_and_mixed_decode_equal_recompute(runner):
             req.output_ids.append(int(row.argmax()))
 
 
-def test_decode_pools_only_the_v41_groups_it_completes(runner):
+def test_decode_pools_only_the_v41_groups_it_completes(runner, monkeypatch):
     """One request decoding alone: steps that complete no ratio-2 group (odd lengths) and steps
     that do, each equal to a whole-sequence recompute, and each V4.1 kv source's compressor
     projects only the rows of the groups a step completes (at most its ratio), not the history
-    (the pool keeps every entry and its index keys)."""
+    (the pool keeps every entry and its index keys). Under serving numerics no step rounds the
+    V4.1 entries of the history to fp8 again: they are stored as the attention reads them."""
+    from sglang_dsv41.model.dsv4 import kv_numerics
+
     cfg = runner.model.cfg
-    seen = {}
+    seen, rounded = {}, []
+    quantize = kv_numerics.quantize_kv_rows
+    monkeypatch.setattr(kv_numerics, "quantize_kv_rows",
+                        lambda kv, *a, **k: (rounded.append(kv.shape[0]), quantize(kv, *a, **k))[1])
     hooks = [runner.model.layers[i].attn.compressor.wkv.register_forward_hook(
         lambda m, args, out, i=i: seen.__setitem__(i, args[0].shape[0]))
         for i in cfg.kv_source_layer_ids]
@@ -89,9 +95,14 @@ def test_decode_pools_only_the_v41_groups_it_completes(runner):
             close(logits[0], recompute(runner, r.all_ids))
             r.output_ids.append(int(logits[0].argmax()))
             seen.clear()
+            rounded.clear()
             logits = forward(runner, "decode", [r], [1])
             for i, rows in seen.items():
                 assert rows <= cfg.compress_ratios[i], (step, i, rows)
+            # this step's window row and new entries, the CSA layer's 9-10 pooled entries (V4
+            # compressors still pool and round their history); the ratio-1 entries are 38+
+            assert bool(rounded) == runner.serving_numerics and max(rounded, default=0) < 16, \
+                (step, rounded)
         close(logits[0], recompute(runner, r.all_ids))
     finally:
         for h in hooks:

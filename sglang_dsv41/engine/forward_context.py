@@ -185,26 +185,38 @@ class EngineForwardContext(DSV4Context):
                                         self._context_slots[every])
         return self.context_shared[key]
 
-    def cached_entries(self, names: tuple[str, str], ratio: int, x_context: torch.Tensor,
-                       compute) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A V4.1 kv source's (entries, index keys) of every sequence's context, computed only
-        for the groups this forward completes: ``compute(x rows, EntryLayout)`` ->
-        (entries, keys or None) of those groups, written to the pool rows ``names`` and read
-        back with the cached ones. Without it a decode step would project and pool the whole
-        history again."""
+    def cached_entries(self, layer_id: int, ratio: int, x_context: torch.Tensor, compute,
+                       rope_dim: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """V4.1 kv source ``layer_id``'s (entries, index keys) of every sequence's context,
+        computed only for the groups this forward completes: ``compute(x rows, EntryLayout)``
+        -> (entries, keys or None) of those groups, written to the pool and read back with the
+        cached ones. Without it a decode step would project and pool the whole history again.
+        Under serving numerics the entries are stored as the attention reads them back from
+        SGLang's fp8 cache (rounded once, here; compressed_as_read hands them over as they are)
+        rather than rounded again for every layer that reads them, every step."""
+        from ..model.dsv4.kv_numerics import kv_cache_round_trip
         from ..model.dsv4.v41_sparse import EntryLayout
 
         rows, bounds, new_slots, all_slots = self._low_ratio_layout(ratio)
         layout = EntryLayout.build(ratio, self.context_positions[rows], bounds,
                                    check_positions=False)
+        entries, keys = compute(x_context[rows], layout)
+        if self.serving_numerics:
+            entries = kv_cache_round_trip(entries, rope_dim)
+            self.context_shared[("engine_entries_as_read", layer_id)] = True
         out = []
-        for name, new in zip(names, compute(x_context[rows], layout)):
-            if new is None:
-                out.append(None)
-                continue
-            self.pool.write(name, new_slots, new)
-            out.append(self.pool.gather(name, all_slots))
+        for name, new in ((f"layers.{layer_id}.v41_kv", entries),
+                          (f"layers.{layer_id}.v41_keys", keys)):
+            if new is not None:
+                self.pool.write(name, new_slots, new)
+            out.append(None if new is None else self.pool.gather(name, all_slots))
         return out[0], out[1]
+
+    def compressed_as_read(self, source_layer: int, entries: torch.Tensor,
+                           rope_dim: int) -> torch.Tensor:
+        if self.context_shared.get(("engine_entries_as_read", source_layer)):
+            return entries  # cached_entries stored them so
+        return super().compressed_as_read(source_layer, entries, rope_dim)
 
     def cached_rows(self, name: str, new_rows: torch.Tensor) -> torch.Tensor:
         """Writes this forward's rows of a cached quantity; returns every sequence's rows for

@@ -69,7 +69,6 @@ def _context_compressed(attn: nn.Module, hooks: "ModelHooks"):
 
     cfg, layer_id = attn.cfg, attn.layer_id
     plain = attn.compressed
-    names = (f"layers.{layer_id}.v41_kv", f"layers.{layer_id}.v41_keys")
 
     def compressed(x: torch.Tensor, q_lora: torch.Tensor, ctx):
         if ctx is not hooks.ctx:
@@ -81,8 +80,9 @@ def _context_compressed(attn: nn.Module, hooks: "ModelHooks"):
         kv_entries = None
         if layer_id in cfg.kv_source_layer_ids:  # the entries its tokens complete, then all
             kv_entries = ctx.cached_entries(
-                names, attn.ratio, x,
-                lambda rows, layout: kv_source_entries(attn, rows, layout, ctx.serving_numerics))
+                layer_id, attn.ratio, x,
+                lambda rows, layout: kv_source_entries(attn, rows, layout, ctx.serving_numerics),
+                cfg.qk_rope_head_dim)
         # context_positions are 0..seq_len-1 per sequence by construction (_layout_window);
         # only this forward's tokens are projected and scored (the cached ones' picks are unused)
         entries, selected = low_ratio_entries(cfg, layer_id, attn, x, q_lora,

@@ -21,7 +21,7 @@ from torch import nn
 from .compressor import Compressor, Indexer, all_visible_index
 from .config import DSV4Config
 from .context import DSV4Context, rank_part
-from .kv_numerics import kv_cache_round_trip, served_window_kv
+from .kv_numerics import served_window_kv
 from .mhc import unweighted_rms_norm
 from .norm import RMSNorm
 from .rope import apply_rope, layer_inv_freq
@@ -112,7 +112,9 @@ class Attention(nn.Module):
               else apply_rope(self.kv_norm(kv), ctx.positions, self.freqs))
         entries, selected = self.compressed(x, q_lora, ctx)
         if ctx.serving_numerics and entries is not None:  # read back from SGLang's fp8 cache
-            entries = kv_cache_round_trip(entries, self.cfg.qk_rope_head_dim)
+            source = (self.cfg.kv_source_for(self.layer_id) if self.ratio in (1, 2)
+                      else self.layer_id)
+            entries = ctx.compressed_as_read(source, entries, self.cfg.qk_rope_head_dim)
         o = ctx.attend(self.layer_id, q, kv, rank_part(self.attn_sink, 0, heads), self.window,
                        self.scale, entries, selected)
         o = apply_rope(o, ctx.positions, self.freqs, inverse=True)

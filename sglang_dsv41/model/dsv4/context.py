@@ -107,6 +107,15 @@ class DSV4Context:
                               None if comp_kv is None else comp_kv.to(q.dtype), comp_idx,
                               backend=self.attention_backend, check_values=False)
 
+    def compressed_as_read(self, source_layer: int, entries: torch.Tensor,
+                           rope_dim: int) -> torch.Tensor:
+        """Serving numerics: the compressed entries of layer ``source_layer`` (the layer itself,
+        or a V4.1 reader's kv source) as SGLang's attention reads them back from its fp8 cache.
+        A runtime with a cache may hand back rows it rounded once, when it stored them."""
+        from .kv_numerics import kv_cache_round_trip
+
+        return kv_cache_round_trip(entries, rope_dim)
+
     # ---- R3 ---------------------------------------------------------------------------------
     def replayed_routing(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None if self.routing_replay is None else self.routing_replay.get(layer_id)
