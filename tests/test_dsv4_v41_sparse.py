@@ -254,18 +254,30 @@ def test_entries_and_selection_match_sglang(seed):
 
 def test_query_starts_select_only_later_rows_as_the_full_selection_does(seed):
     """The engine's decode asks for the selections of its new tokens only (query_starts): the
-    same entries, the same picks on those rows (the candidate blocks too), -1 before them."""
+    same entries, the same picks on those rows (the candidate blocks too), -1 before them; and
+    the same given x and q_lora of the asked rows alone with the kv sources' entries handed in
+    (what the engine passes: it reads no cached input row). An index source refuses row counts
+    that fit neither."""
     bounds, pos, _, _ = _batch()
     ours, _ = _models(CFG, seed)
     starts = [bounds[0][1] - 5, bounds[1][1] - 1]  # 5 new rows, then 1 (a decode step)
-    full, part, picked = {}, {}, False
+    asked = torch.cat([torch.arange(first, b) for first, (_, b) in zip(starts, bounds)])
+    full, part, rows_only, picked = {}, {}, {}, False
     for i in range(CFG.num_hidden_layers):
         x = torch.randn(pos.shape[0], CFG.hidden_size).to(BF16)
         q = torch.randn(pos.shape[0], CFG.q_lora_rank).to(BF16)
         kv_full, idx_full = low_ratio_entries(CFG, i, ours[i], x, q, pos, bounds, full)
         kv_part, idx_part = low_ratio_entries(CFG, i, ours[i], x, q, pos, bounds, part,
                                               query_starts=starts)
-        assert torch.equal(kv_part, kv_full), f"layer {i} entries"
+        held = full.get(("v41_kv", i)) if i in CFG.kv_source_layer_ids else None
+        kv_rows, idx_rows = low_ratio_entries(CFG, i, ours[i], x[asked], q[asked], pos, bounds,
+                                              rows_only, query_starts=starts, kv_entries=held)
+        assert torch.equal(kv_part, kv_full) and torch.equal(kv_rows, kv_full), f"layer {i}"
+        assert torch.equal(idx_rows, idx_part), f"layer {i} picks from the asked rows alone"
+        if i in CFG.index_source_layer_ids:  # the layers that read x and q_lora here
+            with pytest.raises(ValueError, match="rows"):
+                low_ratio_entries(CFG, i, ours[i], x[:-1], q[:-1], pos, bounds,
+                                  dict(rows_only), query_starts=starts, kv_entries=held)
         for (a, b), first in zip(bounds, starts):
             assert torch.equal(idx_part[first:b], idx_full[first:b]), f"layer {i} picks"
             assert (idx_part[a:first] == -1).all(), f"layer {i} scored a cached row"

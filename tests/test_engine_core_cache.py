@@ -76,14 +76,21 @@ def test_decode_pools_only_the_v41_groups_it_completes(runner, monkeypatch):
     that do, each equal to a whole-sequence recompute, and each V4.1 kv source's compressor
     projects only the rows of the groups a step completes (at most its ratio), not the history
     (the pool keeps every entry and its index keys). Under serving numerics no step rounds the
-    V4.1 entries of the history to fp8 again: they are stored as the attention reads them."""
+    V4.1 entries of the history to fp8 again: they are stored as the attention reads them. The
+    V4.1 layers read no cached input rows but a ratio-2 pair's first (the indexers take this
+    forward's rows only), and the pool keeps inputs only for the ratio-2 kv sources."""
     from sglang_dsv41.model.dsv4 import kv_numerics
 
     cfg = runner.model.cfg
-    seen, rounded = {}, []
+    assert {n for n in runner.pool.rows if n.endswith(("attn_x", "q_lora"))} == {
+        f"layers.{i}.attn_x" for i in cfg.kv_source_layer_ids if cfg.compress_ratios[i] == 2}
+    seen, rounded, gathered = {}, [], []
     quantize = kv_numerics.quantize_kv_rows
     monkeypatch.setattr(kv_numerics, "quantize_kv_rows",
                         lambda kv, *a, **k: (rounded.append(kv.shape[0]), quantize(kv, *a, **k))[1])
+    gather = runner.pool.gather
+    monkeypatch.setattr(runner.pool, "gather", lambda name, slots: (
+        gathered.append((name, slots.shape[0])), gather(name, slots))[1])
     hooks = [runner.model.layers[i].attn.compressor.wkv.register_forward_hook(
         lambda m, args, out, i=i: seen.__setitem__(i, args[0].shape[0]))
         for i in cfg.kv_source_layer_ids]
@@ -96,7 +103,10 @@ def test_decode_pools_only_the_v41_groups_it_completes(runner, monkeypatch):
             r.output_ids.append(int(logits[0].argmax()))
             seen.clear()
             rounded.clear()
+            gathered.clear()
             logits = forward(runner, "decode", [r], [1])
+            inputs = [(name, rows) for name, rows in gathered if name.endswith("attn_x")]
+            assert inputs and all(rows <= 2 for _, rows in inputs), (step, inputs)
             for i, rows in seen.items():
                 assert rows <= cfg.compress_ratios[i], (step, i, rows)
             # this step's window row and new entries, the CSA layer's 9-10 pooled entries (V4

@@ -185,12 +185,14 @@ class EngineForwardContext(DSV4Context):
                                         self._context_slots[every])
         return self.context_shared[key]
 
-    def cached_entries(self, layer_id: int, ratio: int, x_context: torch.Tensor, compute,
+    def cached_entries(self, layer_id: int, ratio: int, x_new: torch.Tensor, compute,
                        rope_dim: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """V4.1 kv source ``layer_id``'s (entries, index keys) of every sequence's context,
         computed only for the groups this forward completes: ``compute(x rows, EntryLayout)``
         -> (entries, keys or None) of those groups, written to the pool and read back with the
         cached ones. Without it a decode step would project and pool the whole history again.
+        ``x_new``: the layer input of this forward's tokens; a ratio-2 pair that starts on a
+        cached token takes that token's input from the pool (``layers.N.attn_x``).
         Under serving numerics the entries are stored as the attention reads them back from
         SGLang's fp8 cache (rounded once, here; compressed_as_read hands them over as they are)
         rather than rounded again for every layer that reads them, every step."""
@@ -200,7 +202,13 @@ class EngineForwardContext(DSV4Context):
         rows, bounds, new_slots, all_slots = self._low_ratio_layout(ratio)
         layout = EntryLayout.build(ratio, self.context_positions[rows], bounds,
                                    check_positions=False)
-        entries, keys = compute(x_context[rows], layout)
+        if ratio == 1:  # the rows are this forward's own
+            x_rows = x_new
+        else:
+            name = f"layers.{layer_id}.attn_x"
+            self.pool.write(name, self._slots[:x_new.shape[0]], x_new)
+            x_rows = self.pool.gather(name, self._context_slots[rows])
+        entries, keys = compute(x_rows, layout)
         if self.serving_numerics:
             entries = kv_cache_round_trip(entries, rope_dim)
             self.context_shared[("engine_entries_as_read", layer_id)] = True

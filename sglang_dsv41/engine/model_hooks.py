@@ -48,19 +48,13 @@ def cached_row_widths(model: nn.Module) -> dict[str, int]:
         if isinstance(mod, Compressor):
             widths[f"{name}.wkv"] = mod.wkv.out_features
             widths[f"{name}.wgate"] = mod.wgate.out_features
-    for i in _low_ratio_sources(cfg):
-        widths[f"layers.{i}.attn_x"] = cfg.hidden_size
-        if i in cfg.index_source_layer_ids:
-            widths[f"layers.{i}.q_lora"] = cfg.q_lora_rank
     for i in cfg.kv_source_layer_ids:
         widths[f"layers.{i}.v41_kv"] = cfg.head_dim
         if i in cfg.index_source_layer_ids:   # its indexer owns the index keys
             widths[f"layers.{i}.v41_keys"] = cfg.index_head_dim
+        if cfg.compress_ratios[i] == 2:  # a pair may start on a cached token: its input
+            widths[f"layers.{i}.attn_x"] = cfg.hidden_size
     return widths
-
-
-def _low_ratio_sources(cfg) -> list[int]:
-    return sorted(set(cfg.kv_source_layer_ids) | set(cfg.index_source_layer_ids))
 
 
 def _context_compressed(attn: nn.Module, hooks: "ModelHooks"):
@@ -73,10 +67,9 @@ def _context_compressed(attn: nn.Module, hooks: "ModelHooks"):
     def compressed(x: torch.Tensor, q_lora: torch.Tensor, ctx):
         if ctx is not hooks.ctx:
             return plain(x, q_lora, ctx)
-        if layer_id in cfg.kv_source_layer_ids or layer_id in cfg.index_source_layer_ids:
-            x = ctx.cached_rows(f"layers.{layer_id}.attn_x", x)
-        if layer_id in cfg.index_source_layer_ids:
-            q_lora = ctx.cached_rows(f"layers.{layer_id}.q_lora", q_lora)
+        # this forward's real rows: each sequence's new tokens, in the context's order
+        n = ctx.plan.num_tokens
+        x, q_lora = x[:n], q_lora[:n]
         kv_entries = None
         if layer_id in cfg.kv_source_layer_ids:  # the entries its tokens complete, then all
             kv_entries = ctx.cached_entries(
@@ -84,7 +77,8 @@ def _context_compressed(attn: nn.Module, hooks: "ModelHooks"):
                 lambda rows, layout: kv_source_entries(attn, rows, layout, ctx.serving_numerics),
                 cfg.qk_rope_head_dim)
         # context_positions are 0..seq_len-1 per sequence by construction (_layout_window);
-        # only this forward's tokens are projected and scored (the cached ones' picks are unused)
+        # only this forward's tokens are projected and scored (the cached ones' picks are
+        # unused), so x and q_lora are this forward's rows alone
         entries, selected = low_ratio_entries(cfg, layer_id, attn, x, q_lora,
                                               ctx.context_positions, ctx.context_bounds,
                                               ctx.context_shared, ctx.serving_numerics,

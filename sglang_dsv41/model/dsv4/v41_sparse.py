@@ -200,7 +200,9 @@ def low_ratio_entries(cfg: DSV4Config, layer_id: int, attn: nn.Module, x: torch.
     same for every layer of one forward); the rows before it stay -1 and are neither projected
     nor scored, which would make each decode step quadratic in the context. kv_entries: a kv
     source's (comp_kv, keys) of every group, when the caller holds them (an engine's cache of
-    kv_source_entries); else they are computed here from x."""
+    kv_source_entries); else they are computed here from x. With query_starts and kv_entries
+    (or on a layer that is no kv source), x and q_lora may hold only the asked rows: an engine
+    then reads no cached row of them."""
     ratio = cfg.compress_ratios[layer_id]
     if ratio not in LOW_RATIOS:
         raise ValueError(f"layer {layer_id} has compress ratio {ratio}, not 1 or 2")
@@ -211,6 +213,9 @@ def low_ratio_entries(cfg: DSV4Config, layer_id: int, attn: nn.Module, x: torch.
     inv_freq = attn.freqs  # the layer's compressed-RoPE frequencies, already on the device
     indexer = getattr(attn, "indexer", None)
     if layer_id in cfg.kv_source_layer_ids:
+        if kv_entries is None and x.shape[0] != positions.shape[0]:
+            raise ValueError(f"kv source {layer_id} computes its entries from x: x needs every "
+                             f"one of the {positions.shape[0]} rows, not {x.shape[0]}")
         shared[("v41_kv", layer_id)] = (kv_entries if kv_entries is not None else
                                         kv_source_entries(attn, x, layout, serving_numerics))
     elif kv_entries is not None:
@@ -241,8 +246,9 @@ def _select(cfg: DSV4Config, layer_id: int, indexer: V41Indexer, x: torch.Tensor
             layout: EntryLayout, inv_freq: torch.Tensor, shared: dict,
             serving_numerics: bool, query_starts: list[int] | None = None) -> torch.Tensor:
     """Per sequence, as SGLang's torch prefill indexer (``prefill_requests`` + the full or the
-    candidate top-k + ``write_prefill``), for its rows from query_starts[s] on (all without)."""
-    ratio, T = layout.ratio, x.shape[0]
+    candidate top-k + ``write_prefill``), for its rows from query_starts[s] on (all without).
+    x and q_lora hold every row of the forward, or only those query rows (in order)."""
+    ratio, T = layout.ratio, positions.shape[0]
     if query_starts is None:
         query_starts = [a for a, _ in layout.token_bounds]
     if len(query_starts) != len(layout.token_bounds):
@@ -255,12 +261,18 @@ def _select(cfg: DSV4Config, layer_id: int, indexer: V41Indexer, x: torch.Tensor
     # The queries are projected for the asked rows only (an engine's decode: one row of a long
     # context); row r of sequence s is row r + base[s] of q and weights.
     spans = [(first, b) for first, (_, b) in zip(query_starts, layout.token_bounds)]
+    asked = sum(b - first for first, b in spans)
+    if x.shape[0] not in (T, asked) or q_lora.shape[0] != x.shape[0]:
+        raise ValueError(f"x / q_lora have {x.shape[0]} / {q_lora.shape[0]} rows: every one of "
+                         f"the {T} rows, or the {asked} asked ones")
     base, x_q, pos_q = [0] * len(spans), x, positions
-    if sum(b - first for first, b in spans) < T:
+    if asked < T:
         base = [at - first for at, (first, _) in
                 zip(itertools.accumulate((b - f for f, b in spans), initial=0), spans)]
         rows = torch.cat([torch.arange(first, b, device=x.device) for first, b in spans])
-        q_lora, x_q, pos_q = q_lora[rows], x[rows], positions[rows]
+        pos_q = positions[rows]
+        if x.shape[0] == T:
+            q_lora, x_q = q_lora[rows], x[rows]
     q = indexer.wq_b(q_lora).view(-1, indexer.n_heads, indexer.head_dim)
     q = apply_rope(q, pos_q, inv_freq)
     q = fake_quant_fp4(q) if serving_numerics else q
