@@ -10,8 +10,8 @@ time a step, which the host's drift moves less when it comes from time taken awa
       here, with git: each revision's sglang_dsv41, trainer_bridge and bench into
       build/ab/<short sha> (carry build/ab to a GPU machine: its git may be stale)
   python bench/ab_train.py TREE_A TREE_B [--rounds 4] -- [bench/train.py arguments]
-      anywhere: bench/train.py of each tree with that tree first on PYTHONPATH; the step time of
-      the first "ours" row of each run
+      anywhere: bench/train.py of each tree with that tree first on PYTHONPATH; the step and
+      host times of the first "ours" row of each run
 """
 
 from __future__ import annotations

@@ -257,7 +257,8 @@ def test_query_starts_select_only_later_rows_as_the_full_selection_does(seed):
     same entries, the same picks on those rows (the candidate blocks too), -1 before them; and
     the same given x and q_lora of the asked rows alone with the kv sources' entries handed in
     (what the engine passes: it reads no cached input row). An index source refuses row counts
-    that fit neither."""
+    that fit neither, a kv source computing its entries needs every row, and entries handed to
+    a layer that is no kv source are refused."""
     bounds, pos, _, _ = _batch()
     ours, _ = _models(CFG, seed)
     starts = [bounds[0][1] - 5, bounds[1][1] - 1]  # 5 new rows, then 1 (a decode step)
@@ -278,6 +279,14 @@ def test_query_starts_select_only_later_rows_as_the_full_selection_does(seed):
             with pytest.raises(ValueError, match="rows"):
                 low_ratio_entries(CFG, i, ours[i], x[:-1], q[:-1], pos, bounds,
                                   dict(rows_only), query_starts=starts, kv_entries=held)
+        if i in CFG.kv_source_layer_ids:  # its entries from x: every row, or handed in
+            with pytest.raises(ValueError, match="needs every one"):
+                low_ratio_entries(CFG, i, ours[i], x[asked], q[asked], pos, bounds,
+                                  dict(rows_only), query_starts=starts)
+        else:  # kv_entries belong to the kv source
+            with pytest.raises(ValueError, match="is no kv source"):
+                low_ratio_entries(CFG, i, ours[i], x, q, pos, bounds, dict(full),
+                                  kv_entries=full[("v41_kv", CFG.kv_source_for(i))])
         for (a, b), first in zip(bounds, starts):
             assert torch.equal(idx_part[first:b], idx_full[first:b]), f"layer {i} picks"
             assert (idx_part[a:first] == -1).all(), f"layer {i} scored a cached row"

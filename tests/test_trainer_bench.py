@@ -170,7 +170,7 @@ def test_ab_train_alternates_two_trees(tmp_path):
 def test_host_threads_reports_the_busy_main_thread():
     """bench/host_threads.py runs a command, samples its threads and reports the main thread
     (here a 1.5 s busy loop) as the busiest; it passes the command's exit status on and refuses
-    a missing command."""
+    a missing command and a sampling interval that is not positive."""
     tool = [sys.executable, os.path.join(ROOT, "bench", "host_threads.py")]
     spin = "import time, sys\nt = time.time()\nwhile time.time() - t < 1.5: pass\nsys.exit(3)"
     out = subprocess.run(tool + ["--every", "0.2", "--", sys.executable, "-c", spin],
@@ -181,6 +181,9 @@ def test_host_threads_reports_the_busy_main_thread():
     assert "main thread busiest in" in out.stdout
     refused = subprocess.run(tool, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "give the command" in refused.stderr
+    refused = subprocess.run(tool + ["--every", "0", "--", sys.executable, "-c", "pass"],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--every 0.0: must be > 0" in refused.stderr
 
 
 def test_ab_train_reads_columns_where_the_header_puts_them():

@@ -163,10 +163,13 @@ class EngineForwardContext(DSV4Context):
     # ---- the cache --------------------------------------------------------------------------
     def _low_ratio_layout(self, ratio: int) -> tuple:
         """For ratio ``ratio``'s V4.1 entries (entry j of a sequence pools its positions
-        [j * ratio, (j + 1) * ratio) and is kept at the slot of the last of them): the context
-        rows from each sequence's first group this forward completes on (a ratio-2 group may
-        start on a cached token), their bounds in those rows, the slots of the entries this
-        forward completes and of every entry, in sequence order."""
+        [j * ratio, (j + 1) * ratio) and is kept at the slot of the last of them), once a
+        forward for every kv source of that ratio: the context rows from each sequence's first
+        group this forward completes on (a ratio-2 group may start on a cached token), the
+        EntryLayout of those groups, the slots of the entries this forward completes and of
+        every entry, in sequence order."""
+        from ..model.dsv4.v41_sparse import EntryLayout
+
         key = ("engine_entry_layout", ratio)
         if key not in self.context_shared:
             tail, bounds, new_rows, all_rows, at = [], [], [], [], 0
@@ -181,7 +184,9 @@ class EngineForwardContext(DSV4Context):
                 all_rows.append(last)
             empty, dev = torch.zeros(0, dtype=torch.long), self.positions.device
             rows, new, every = (torch.cat(t or [empty]).to(dev) for t in (tail, new_rows, all_rows))
-            self.context_shared[key] = (rows, bounds, self._context_slots[new],
+            layout = EntryLayout.build(ratio, self.context_positions[rows], bounds,
+                                       check_positions=False)
+            self.context_shared[key] = (rows, layout, self._context_slots[new],
                                         self._context_slots[every])
         return self.context_shared[key]
 
@@ -197,11 +202,8 @@ class EngineForwardContext(DSV4Context):
         SGLang's fp8 cache (rounded once, here; compressed_as_read hands them over as they are)
         rather than rounded again for every layer that reads them, every step."""
         from ..model.dsv4.kv_numerics import kv_cache_round_trip
-        from ..model.dsv4.v41_sparse import EntryLayout
 
-        rows, bounds, new_slots, all_slots = self._low_ratio_layout(ratio)
-        layout = EntryLayout.build(ratio, self.context_positions[rows], bounds,
-                                   check_positions=False)
+        rows, layout, new_slots, all_slots = self._low_ratio_layout(ratio)
         if ratio == 1:  # the rows are this forward's own
             x_rows = x_new
         else:

@@ -14,15 +14,15 @@ an EngineForwardContext is active (``ModelHooks.active``):
   EngramHasher  receives each sequence's preceding tokens (plan.engram_history), so n-grams
       reach back across a cached prefix as in SGLang's extend and decode.
   V4.1 ratio-1/2 layers  the model's low_ratio_entries needs whole sequences (its entry layout
-      and indexer run from position 0). The source layers' inputs (x after attn_norm, and q_lora
-      on index sources) are cached per token, and a kv source's entries and index keys per
+      and indexer run from position 0). A kv source's entries and index keys are cached per
       entry (at the slot of the group's last token): a forward computes those of the groups
-      its tokens complete (kv_source_entries; a ratio-2 group may start on a cached token) and
-      reads the rest (EngineForwardContext.cached_entries). The layer's ``compressed`` then
-      runs the model's low_ratio_entries over the whole context of every sequence
-      (EngineForwardContext.context_*, its own shared dict) with those entries, selecting for
-      this forward's queries only (query_starts). This is an instance attribute set once at
-      load (the model offers no context hook for it yet).
+      its tokens complete (kv_source_entries) and reads the rest (EngineForwardContext
+      .cached_entries); a ratio-2 group may start on a cached token, whose input (x after
+      attn_norm) is the only input row cached. The layer's ``compressed`` then runs the
+      model's low_ratio_entries over the whole context of every sequence (EngineForwardContext
+      .context_*, its own shared dict) with those entries and this forward's own x and q_lora
+      rows, selecting for this forward's queries only (query_starts). This is an instance
+      attribute set once at load (the model offers no context hook for it yet).
 
 The attention core itself goes through EngineForwardContext.attend (the model's hook point).
 """
@@ -41,7 +41,7 @@ from .forward_context import EngineForwardContext
 
 def cached_row_widths(model: nn.Module) -> dict[str, int]:
     """The pool's rows: one K=V latent per layer, the projections of every V4 compressor, the
-    inputs of the V4.1 source layers, the entries (and index keys) of the V4.1 kv sources."""
+    entries (and index keys) of the V4.1 kv sources and the inputs of the ratio-2 ones."""
     cfg = model.cfg
     widths = {f"layers.{i}.kv": cfg.head_dim for i in range(cfg.num_hidden_layers)}
     for name, mod in model.named_modules():
@@ -86,7 +86,7 @@ def _context_compressed(attn: nn.Module, hooks: "ModelHooks"):
                                               query_starts=ctx.context_query_starts,
                                               kv_entries=kv_entries)
         mine = selected.new_full((ctx.positions.shape[0], selected.shape[1]), -1)
-        mine[:ctx.plan.num_tokens] = selected[ctx.new_context_rows]
+        mine[:n] = selected[ctx.new_context_rows]
         return entries, mine
 
     return compressed
