@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -172,7 +173,9 @@ def print_profile(prof, label: str, steps: int, device, trace_dir: str | None) -
         print(table.table(sort_by=key, row_limit=25, max_name_column_width=60))
     if trace_dir:
         os.makedirs(trace_dir, exist_ok=True)
-        prof.export_chrome_trace(os.path.join(trace_dir, label.replace(" ", "_") + ".json"))
+        # letters, digits, - _ . only: "ours small ac=none @ 4096" -> ours_small_ac_none_4096
+        name = "_".join(re.sub(r"[^A-Za-z0-9_.-]+", " ", label).split())
+        prof.export_chrome_trace(os.path.join(trace_dir, name + ".json"))
 
 
 def host_python_profile(step, device, stats_dir: str | None = None, top: int = 30) -> str:

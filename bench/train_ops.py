@@ -13,6 +13,11 @@ projection fastest, and what the model's Triton kernels of its torch paths cost 
   python bench/train_ops.py fused [--tokens 4096 --dim 1024]
       CUDA: mHC's write-back and weighted stream sum, torch expressions vs the Triton kernels
       (forward, forward + backward, relative differences to torch and to float64).
+  python bench/train_ops.py hc-weights [--tokens 4096,65536]
+      CUDA: mHC's fused weights kernels (pre, post, Sinkhorn comb) forward and forward +
+      backward, device time a call (the sums that make one loss of the three outputs
+      included), and the gradients' relative error against mhc._hc_weights in float64. Run it
+      with an older tree first on PYTHONPATH to time that tree's kernels with this script.
   python bench/train_ops.py norm [--tokens 4096 --repeats 200]
       CUDA: the model's RMSNorm (torch's fused kernels) vs the plain fp32 expression under
       autograd, bf16 input with an fp32 and a bf16 weight: host time per forward + backward
@@ -58,10 +63,10 @@ def ours_step(preset: str, seq: int, dtype: torch.dtype, device: torch.device,
 
 def parity(args) -> None:
     """One step's loss and gradients (no optimizer) in bf16 with the Triton kernels of the
-    model's torch paths (mHC write-back and weighted sum; CUDA only), in bf16
+    model's torch paths (mHC mix, write-back and weighted sum; CUDA only), in bf16
     with their torch expressions, and in fp32 (the accuracy reference), same weights and batch.
     On the CPU both bf16 runs take the torch expressions: the bf16-vs-fp32 floor only."""
-    from sglang_dsv41.model.dsv4 import mhc_streams_triton
+    from sglang_dsv41.model.dsv4 import hc_mix_triton, mhc, mhc_streams_triton
 
     device = torch.device(args.device)
 
@@ -77,7 +82,9 @@ def parity(args) -> None:
     step = ours_step(args.preset, args.seq, torch.bfloat16, device, optimizer=False)
     runs["triton bf16"] = loss_and_gradients(step)
     # mhc's dispatch asks supports() at each call: "no" sends it down the torch expressions
-    with mock.patch.object(mhc_streams_triton, "supports", lambda hc: False):
+    # and mhc.hc_mix imports hc_mix_fused at each call: the torch Function instead
+    with mock.patch.object(mhc_streams_triton, "supports", lambda hc: False), \
+            mock.patch.object(hc_mix_triton, "hc_mix_fused", mhc._HcMix.apply):
         runs["torch bf16"] = loss_and_gradients(step)
     # The accuracy reference: the same weights and batch computed in fp32 (torch expressions).
     runs["fp32"] = loss_and_gradients(ours_step(args.preset, args.seq, torch.float32, device,
@@ -211,6 +218,39 @@ def fused_kernels(args) -> None:
               f"({times[base] / both:.2f}x the torch expression's)  rel. diff (out, grads) vs "
               f"torch: {rel(outs[name], outs[name.replace('triton', 'torch')])}; vs float64: "
               f"{rel(outs[name], exact)}", flush=True)
+
+
+def hc_weights_kernels(args) -> None:
+    from sglang_dsv41.model.dsv4 import hc_weights_triton, mhc
+
+    dev, hc, iters, eps = torch.device("cuda"), 4, 20, 1e-6
+    print(f"hc_weights from {hc_weights_triton.__file__}", flush=True)
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        gen = torch.Generator().manual_seed(tokens)
+        n = (2 + hc) * hc
+        inputs = [torch.randn(tokens, n, generator=gen) * 2, torch.randn(n, generator=gen) * 0.5,
+                  torch.rand(3, generator=gen) + 0.5]
+        grads = [torch.randn(tokens, hc, generator=gen), torch.randn(tokens, hc, generator=gen),
+                 torch.randn(tokens, hc, hc, generator=gen)]
+
+        def loss(fn, leaves, gs):
+            return sum((o * g).sum() for o, g in zip(fn(*leaves, hc, iters, eps), gs))
+
+        leaves = [x.to(dev).requires_grad_(True) for x in inputs]
+        gs = [g.to(dev) for g in grads]
+        run = lambda: loss(hc_weights_triton.hc_weights_fused, leaves, gs)  # noqa: E731
+        one = torch.ones((), device=dev)
+        fwd = median_us(run, one, leaves, False, args.repeats)
+        both = median_us(run, one, leaves, True, args.repeats)
+        for leaf in leaves:
+            leaf.grad = None
+        run().backward()
+        exact = [x.double().requires_grad_(True) for x in inputs]
+        loss(mhc._hc_weights, exact, [g.double() for g in grads]).backward()
+        err = ", ".join(f"{((a.grad.cpu().double() - b.grad).norm() / b.grad.norm()).item():.1e}"
+                        for a, b in zip(leaves, exact))
+        print(f"hc_weights T {tokens:6d}: fwd {fwd:8.1f} us  fwd+bwd {both:8.1f} us  rel. error "
+              f"of d mix, d base, d scale vs float64: {err}", flush=True)
 
 
 class MmPerGroup(torch.autograd.Function):
@@ -361,6 +401,9 @@ def main(argv=None) -> int:
     ms.add_argument("--tokens", type=int, default=4096)
     ms.add_argument("--dim", type=int, default=1024)
     ms.add_argument("--repeats", type=int, default=20)
+    hw = sub.add_parser("hc-weights")
+    hw.add_argument("--tokens", default="4096,65536")
+    hw.add_argument("--repeats", type=int, default=20)
     nm = sub.add_parser("norm")
     nm.add_argument("--tokens", type=int, default=4096)
     nm.add_argument("--repeats", type=int, default=200)
@@ -370,7 +413,7 @@ def main(argv=None) -> int:
     pa.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
     {"sources": sources, "grouped-proj": grouped_proj, "fused": fused_kernels,
-     "norm": rms_norm, "parity": parity}[args.cmd](args)
+     "hc-weights": hc_weights_kernels, "norm": rms_norm, "parity": parity}[args.cmd](args)
     return 0
 
 

@@ -4,8 +4,10 @@ by test_sglang_plugins.py; a case prints ``OK <json>`` on success and raises oth
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 
@@ -14,6 +16,9 @@ from sglang_cpu import (import_sglang, install_torchvision_shim,  # noqa: E402
                         write_tiny_model)
 
 install_torchvision_shim()  # before anything imports torchvision (through transformers)
+# A case that runs past its time gets SIGUSR1 before it is killed: every thread's stack goes to
+# stderr, which the test prints (where a hung case waits, not only its last log line).
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 import torch  # noqa: E402
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sglang_dsv41.attention.rope_triton import rope_triton
-from sglang_dsv41.model.dsv4.rope import _with_rotated_tail, apply_rope, inv_freq
+from sglang_dsv41.model.dsv4.rope import _with_rotated_tail, apply_rope, inv_freq, rope_table
 
 
 def rope_by_autograd(x, positions, freqs, inverse):
@@ -41,6 +41,12 @@ def test_rope_gradient_is_autograds_bit_for_bit(dtype, shape, inverse):
     # The head channels pass through; the rope channels really rotate.
     assert torch.equal(out[..., :-64], x[..., :-64])
     assert not torch.equal(out[..., -64:], x[..., -64:])
+    # One table of the positions' angles serves both directions (the attention's q, kv and
+    # output de-rotation share it), with the same bits and gradients.
+    shared = x.clone().requires_grad_()
+    out_shared = apply_rope(shared, positions, freqs, inverse, table=rope_table(positions, freqs))
+    out_shared.backward(grad)
+    assert torch.equal(out_shared, want) and torch.equal(shared.grad, ref.grad)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1" and
@@ -63,3 +69,33 @@ def test_triton_rope_is_the_torch_path_bit_for_bit(dtype, negate_sin):
         got = rope_triton(x.to(device), cos.to(device), sin.to(device), negate_sin)
         assert got.is_contiguous() and got.dtype == dtype
         assert torch.equal(got.cpu(), want)
+
+
+def test_a_forward_computes_each_rope_table_once_and_its_layers_share_them():
+    """The context keeps one table per frequency set for a forward; that is right only because
+    every layer of a kind has the same frequencies, which this checks on the real layer list."""
+    from sglang_dsv41.attention.dsv4_reference import sequence_first_rows
+    from sglang_dsv41.model.dsv4 import get_preset
+    from sglang_dsv41.model.dsv4.context import DSV4Context
+    from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM
+
+    cfg = get_preset("tiny")
+    model = DSV4ForCausalLM(cfg)
+    kinds = {}
+    for layer in model.layers:
+        kinds.setdefault(layer.attn.ratio > 0, []).append(layer.attn.freqs)
+    assert set(kinds) == {True, False}
+    for freqs in kinds.values():
+        assert all(torch.equal(f, freqs[0]) for f in freqs)
+    assert not torch.equal(kinds[True][0], kinds[False][0])
+
+    ctx = DSV4Context.packed([5, 3])
+    for compressed, freqs in kinds.items():
+        table = ctx.rope_table(freqs[0], compressed)
+        assert ctx.rope_table(freqs[-1], compressed) is table
+        want = rope_table(ctx.positions, freqs[0])
+        assert torch.equal(table[0], want[0]) and torch.equal(table[1], want[1])
+    assert ctx.rope_table(kinds[True][0], True) is not ctx.rope_table(kinds[False][0], False)
+    assert ctx.first_rows is ctx.first_rows
+    assert ctx.first_rows.tolist() == [0] * 5 + [5] * 3
+    assert torch.equal(ctx.first_rows, sequence_first_rows(ctx.cu_seqlens, 8))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -41,9 +42,16 @@ def finish_case(proc: subprocess.Popen, timeout: float = 150) -> tuple[dict, str
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        raise AssertionError(f"case timed out:\n{err[-3000:]}")
+        proc.send_signal(signal.SIGUSR1)  # the case dumps its threads' stacks (faulthandler)
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        else:
+            proc.kill()
+        raise AssertionError(f"case timed out after {timeout} s; its stderr, ending with every "
+                             f"thread's stack:\n{err[-12000:]}")
     lines = [ln for ln in out.splitlines() if ln.startswith("OK ")]
     assert proc.returncode == 0 and lines, f"case failed ({proc.returncode}):\n{err[-4000:]}"
     return json.loads(lines[-1][3:]), err

@@ -131,6 +131,43 @@ def test_bench_train_profile_prints_and_saves_the_host_profile(tmp_path):
         assert title in out.stdout, out.stdout[-2000:]
     stats = pstats.Stats(str(tmp_path / "host_step.pstats"))
     assert any(func[2] == "forward_backward" for func in stats.stats), "trainer step not profiled"
+    # the chrome trace under a plain file name (a remote machine's file transfer may refuse
+    # "=" or "@"), holding the step's phase ranges that bench/trace_gaps.py reads
+    trace = tmp_path / "ours_tiny_ac_none_32.json"
+    assert trace.exists(), sorted(p.name for p in tmp_path.iterdir())
+    assert '"trainer.backward"' in trace.read_text()
+
+
+def test_trace_gaps_reports_gpu_busy_time_within_each_phase(tmp_path):
+    """bench/trace_gaps.py: the union of device events inside each host phase range (overlaps
+    counted once, time outside the range not at all)."""
+    import json
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import trace_gaps
+
+    def x(name, cat, ts, dur):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur}
+
+    events = [x("trainer.forward", "user_annotation", 0, 100),
+              x("trainer.backward", "user_annotation", 100, 200),
+              x("k1", "kernel", 10, 30), x("k2", "kernel", 20, 30),      # overlap: 10..50
+              x("copy", "gpu_memcpy", 90, 20),                          # 10 in each phase
+              x("k3", "kernel", 150, 50), x("cpu op", "cpu_op", 0, 300)]
+    assert trace_gaps.busy_us(sorted([(10, 40), (20, 50), (90, 110)]), 0, 100) == 50
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "trace_gaps.py"),
+                          str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    rows = {ln.split()[0]: ln.split()[1:] for ln in out.stdout.splitlines()[1:-1]}
+    assert rows["trainer.forward"][:2] == ["0.1", "0.1"]      # 100 us host, 40 + 10 busy
+    assert rows["trainer.backward"][:2] == ["0.2", "0.1"]     # 200 us host, 10 + 50 busy
+    assert rows["trainer.forward"][2] == "50%" and rows["trainer.backward"][2] == "30%"
+    path.write_text(json.dumps({"traceEvents": [x("k", "kernel", 0, 5)]}))
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "trace_gaps.py"),
+                          str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "no trainer.* ranges" in out.stderr
 
 
 @pytest.mark.timeout(180)

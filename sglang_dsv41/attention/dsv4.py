@@ -68,19 +68,23 @@ def _check(q, kv, sinks, cu_seqlens, window, comp_kv, comp_idx, check_values):
 def dsv4_attention(q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor | None,
                    cu_seqlens: torch.Tensor, window: int, scale: float,
                    comp_kv: torch.Tensor | None = None, comp_idx: torch.Tensor | None = None,
-                   backend: str | None = None, check_values: bool = True) -> torch.Tensor:
+                   backend: str | None = None, check_values: bool = True,
+                   first_rows: torch.Tensor | None = None) -> torch.Tensor:
     """The reference's contract (dsv4_reference.dsv4_attention_reference) on the chosen backend.
 
     check_values reads cu_seqlens' end and comp_idx's range back to the host (a device sync
     each on CUDA); a caller that already holds those facts on the host (the model's context:
-    its sequence bounds, its own indexer's picks) passes False and keeps the shape checks."""
+    its sequence bounds, its own indexer's picks) passes False and keeps the shape checks.
+    first_rows: sequence_first_rows(cu_seqlens, T) for the kernel, when the caller keeps it
+    for all its layers (computed here otherwise)."""
     _check(q, kv, sinks, cu_seqlens, window, comp_kv, comp_idx, check_values)
     if _resolve(q.device, backend) == "reference" or q.dtype == torch.float64:
         return dsv4_attention_reference(q, kv, sinks, cu_seqlens, window, scale, comp_kv,
                                         comp_idx)
     from .dsv4_triton_backward import dsv4_attention_triton
 
-    return dsv4_attention_triton(q, kv, sinks, cu_seqlens, window, scale, comp_kv, comp_idx)
+    return dsv4_attention_triton(q, kv, sinks, cu_seqlens, window, scale, comp_kv, comp_idx,
+                                 first_rows=first_rows)
 
 
 def dsv4_decode_reference(q, kv_cache, page_table, seq_lens, sinks, window, scale, comp_kv=None,

@@ -23,12 +23,18 @@ from __future__ import annotations
 import torch
 
 
+def sequence_first_rows(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """[T] int32: the packed row where each token's sequence starts."""
+    cu = cu_seqlens.to(torch.long)
+    t = torch.arange(total, device=cu.device)
+    return cu[torch.searchsorted(cu[1:], t, right=True)].to(torch.int32)
+
+
 def window_indices(cu_seqlens: torch.Tensor, window: int, total: int) -> torch.Tensor:
     """[T, window] packed row of each query's window keys, oldest first; -1 before the start."""
     device = cu_seqlens.device
     t = torch.arange(total, device=device)
-    seq = torch.searchsorted(cu_seqlens[1:].to(torch.long), t, right=True)
-    start = cu_seqlens.to(torch.long)[seq]
+    start = sequence_first_rows(cu_seqlens, total)
     idx = t[:, None] - torch.arange(window - 1, -1, -1, device=device)[None, :]
     return torch.where(idx >= start[:, None], idx, torch.full_like(idx, -1))
 

@@ -36,8 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .dsv4_reference import sequence_first_rows
 from .dsv4_triton_forward import (DSV4Blocks, _load_keys, default_blocks, dsv4_forward,
-                                  selection_or_empty, selection_tile, sequence_first_rows)
+                                  selection_or_empty, selection_tile)
 from .triton_common import LOG2E, dot_precision, mma, to_dtype
 
 
@@ -245,10 +246,12 @@ def _dsinks(sinks, lse, delta):
 
 class DSV4AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, sinks, comp_kv, cu_seqlens, window, scale, comp_idx, blocks):
+    def forward(ctx, q, kv, sinks, comp_kv, cu_seqlens, window, scale, comp_idx, blocks,
+                first_rows):
         total, heads, dim = q.shape
         q, kv = q.contiguous(), kv.contiguous()
-        first_rows = sequence_first_rows(cu_seqlens, total)
+        if first_rows is None:
+            first_rows = sequence_first_rows(cu_seqlens, total)
         ckv, cidx, sel_end = selection_or_empty(comp_kv, comp_idx, total, dim, kv)
         sink32 = sinks.float().contiguous() if sinks is not None else None
         out, lse = dsv4_forward(q, kv, sink32, first_rows, window, scale, ckv, cidx, sel_end,
@@ -268,12 +271,14 @@ class DSV4AttentionFunction(torch.autograd.Function):
         if dsinks is not None:
             dsinks = dsinks.to(ctx.sink_dtype)
         dcomp = dcomp[:ctx.comp_rows] if ctx.has_comp else None
-        return dq, dkv, dsinks, dcomp, None, None, None, None, None
+        return dq, dkv, dsinks, dcomp, None, None, None, None, None, None
 
 
 def dsv4_attention_triton(q, kv, sinks, cu_seqlens, window, scale, comp_kv=None, comp_idx=None,
-                          blocks: DSV4Blocks | None = None):
-    """Validated inputs -> [T, H, D]; differentiable in q, kv, sinks and comp_kv."""
+                          blocks: DSV4Blocks | None = None,
+                          first_rows: torch.Tensor | None = None):
+    """Validated inputs -> [T, H, D]; differentiable in q, kv, sinks and comp_kv. first_rows:
+    sequence_first_rows(cu_seqlens, T), int32 [T], when the caller has it."""
     blocks = blocks or default_blocks(q.shape[1])
     return DSV4AttentionFunction.apply(q, kv, sinks, comp_kv, cu_seqlens, window, scale,
-                                       comp_idx, blocks)
+                                       comp_idx, blocks, first_rows)

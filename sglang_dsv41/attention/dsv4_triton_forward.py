@@ -163,14 +163,6 @@ def selection_tile(num_sel: int, bn: int, blocks: DSV4Blocks) -> int:
     return max(16, min(bn, triton.next_power_of_2(num_sel)))
 
 
-def sequence_first_rows(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """[T] int32: the packed row where each token's sequence starts."""
-    cu = cu_seqlens.to(device=cu_seqlens.device, dtype=torch.long)
-    t = torch.arange(total, device=cu.device)
-    seq = torch.searchsorted(cu[1:], t, right=True)
-    return cu[seq].to(torch.int32)
-
-
 def selection_or_empty(comp_kv, comp_idx, total, dim, like):
     """-> (comp_kv [C>=1, D], comp_idx [T, K] int32 contiguous, sel_end [T] int32: one past each
     token's last valid pick), with a dummy row when empty."""

@@ -106,10 +106,11 @@ class Attention(nn.Module):
         q = torch.nn.functional.linear(q_lora, wq_b).view(t, -1, d)
         if self.cfg.q_head_norm:
             q = unweighted_rms_norm(q, self.eps)
-        q = apply_rope(q, ctx.positions, self.freqs)
+        table = ctx.rope_table(self.freqs, self.ratio > 0)  # q's, kv's and the output's
+        q = apply_rope(q, ctx.positions, self.freqs, table=table)
         kv = self.wkv(x)
         kv = (served_window_kv(kv, self.kv_norm, ctx.positions, self.freqs) if ctx.serving_numerics
-              else apply_rope(self.kv_norm(kv), ctx.positions, self.freqs))
+              else apply_rope(self.kv_norm(kv), ctx.positions, self.freqs, table=table))
         entries, selected = self.compressed(x, q_lora, ctx)
         if ctx.serving_numerics and entries is not None:  # read back from SGLang's fp8 cache
             source = (self.cfg.kv_source_for(self.layer_id) if self.ratio in (1, 2)
@@ -117,7 +118,7 @@ class Attention(nn.Module):
             entries = ctx.compressed_as_read(source, entries, self.cfg.qk_rope_head_dim)
         o = ctx.attend(self.layer_id, q, kv, rank_part(self.attn_sink, 0, heads), self.window,
                        self.scale, entries, selected)
-        o = apply_rope(o, ctx.positions, self.freqs, inverse=True)
+        o = apply_rope(o, ctx.positions, self.freqs, inverse=True, table=table)
         rank = self.wo_a.weight.shape[0] // self.o_groups
         wo_a = rank_part(self.wo_a.weight.view(self.o_groups, rank, -1), 0, groups)
         o = GroupedProjection.apply(o.reshape(t, len(groups), -1), wo_a.to(o.dtype))

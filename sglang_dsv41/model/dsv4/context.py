@@ -73,6 +73,24 @@ class DSV4Context:
         cu = self.cu_seqlens.tolist()
         return list(zip(cu[:-1], cu[1:]))
 
+    @functools.cached_property  # one for every layer's attention kernel, not one per layer
+    def first_rows(self) -> torch.Tensor:
+        from ...attention.dsv4_reference import sequence_first_rows
+
+        return sequence_first_rows(self.cu_seqlens, self.positions.shape[0])
+
+    def rope_table(self, freqs: torch.Tensor,
+                   compressed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """rope.rope_table(positions, freqs), once a forward for each of the two frequency sets:
+        every layer with a compressor has the same (rope.layer_inv_freq), every other layer the
+        other. A context serves one forward (its positions are that forward's)."""
+        from .rope import rope_table
+
+        tables = self.__dict__.setdefault("_rope_tables", {})
+        if compressed not in tables:
+            tables[compressed] = rope_table(self.positions, freqs)
+        return tables[compressed]
+
     # ---- sharding ---------------------------------------------------------------------------
     def attn_group_range(self, o_groups: int) -> range:
         return range(o_groups)
@@ -105,7 +123,8 @@ class DSV4Context:
                              f"{q.shape[0]} tokens")
         return dsv4_attention(q, kv, sinks, self.cu_seqlens, window, scale,
                               None if comp_kv is None else comp_kv.to(q.dtype), comp_idx,
-                              backend=self.attention_backend, check_values=False)
+                              backend=self.attention_backend, check_values=False,
+                              first_rows=self.first_rows)
 
     def compressed_as_read(self, source_layer: int, entries: torch.Tensor,
                            rope_dim: int) -> torch.Tensor:

@@ -5,9 +5,16 @@ post = 2 sigmoid(.), comb = Sinkhorn(softmax(.) + eps) over an hc x hc matrix: a
 flops per token. Eagerly that is 6 x iters tiny kernels per sublayer and twice that in the
 backward; torch.compile'd it was still ~140 kernels and ~3.4 ms of host time per sublayer and
 step (24 sublayers: ~80 ms of a 290 ms step on an H200, the step being host-bound). Here each
-program keeps a block of tokens' matrices in registers for all the iterations; the backward
-recomputes the Sinkhorn iterates it needs (O(iters^2) tiny normalizations, all in registers)
-instead of storing them, and writes per-program partial sums of the base and scale gradients,
+program keeps a block of tokens' matrices in registers for all the iterations. The backward
+runs the Sinkhorn steps forward once more, parking each step's input in a scratch buffer of its
+own program (read back only by the thread that wrote it: no barrier), then walks them back:
+2 x (2 iters - 1) normalizations. Recomputing each step's input from the start instead (the
+first version: (2 iters - 1) iters normalizations, 741 at 20 iterations) took 200 us a call at
+4k tokens on an H200, 4.8 ms of a training step's GPU time; forward + backward at 64k tokens
+went from 2243 to 1165 us (bench/train_ops.py hc-weights, bench/results/train_ops_h200.txt).
+The scratch is the forward's
+iterates of one call, [T, 2 iters - 1, hc, hc] fp32 (10 MB at 4k tokens, hc 4, 20 iterations),
+freed when the call returns. Per-program partial sums of the base and scale gradients are
 summed afterwards in a fixed order (deterministic, no atomics).
 
 Same math as mhc._hc_weights in fp32; sums over hc = 4 values may round in another order
@@ -93,7 +100,7 @@ def _hc_weights_fwd(mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T
 
 @triton.jit
 def _hc_weights_bwd(mix_ptr, base_ptr, scale_ptr, d_pre_ptr, d_post_ptr, d_comb_ptr,
-                    d_mix_ptr, d_base_part_ptr, d_scale_part_ptr, T, n_steps, hc_eps,
+                    d_mix_ptr, d_base_part_ptr, d_scale_part_ptr, steps_ptr, T, n_steps, hc_eps,
                     HC: tl.constexpr, BLOCK: tl.constexpr):
     n_mix: tl.constexpr = (2 + HC) * HC
     (t, valid, vec, mat, mat_off, pre_w, post_w, comb_w, pre_b, post_b, comb_b,
@@ -112,12 +119,17 @@ def _hc_weights_bwd(mix_ptr, base_ptr, scale_ptr, d_pre_ptr, d_post_ptr, d_comb_
     dz_post = d_post * 2 * sig * (1 - sig)
 
     p = _softmax_rows(comb_w * s_comb + comb_b[None, :, :])
-    start = p + hc_eps
-    for back in range(n_steps):  # steps n_steps-1 .. 0, each from its recomputed input
+    # This program's scratch: the input of every Sinkhorn step, [n_steps, BLOCK, HC, HC].
+    block_mat: tl.constexpr = BLOCK * HC * HC
+    local = tl.arange(0, BLOCK)[:, None, None] * (HC * HC) + (mat_off - 2 * HC)[None, :, :]
+    steps = steps_ptr + tl.program_id(0).to(tl.int64) * n_steps * block_mat + local
+    x = p + hc_eps
+    for k in range(n_steps):
+        tl.store(steps + k * block_mat, x)
+        x = _sinkhorn_step(x, k, hc_eps)
+    for back in range(n_steps):  # steps n_steps-1 .. 0, each from its stored input
         k = n_steps - 1 - back
-        x = start
-        for j in range(k):
-            x = _sinkhorn_step(x, j, hc_eps)
+        x = tl.load(steps + k * block_mat)
         if k % 2 == 0:
             g = _normalize_backward(x, g, 1, hc_eps)
         else:
@@ -165,9 +177,10 @@ class _HcWeights(torch.autograd.Function):
         d_base_part = mix32.new_empty(parts, n_mix)
         d_scale_part = mix32.new_empty(parts, 3)
         if t:
+            steps = mix32.new_empty(parts, ctx.n_steps, BLOCK_TOKENS, ctx.hc, ctx.hc)
             _hc_weights_bwd[(parts,)](mix32, base32, scale32, d_pre.float().contiguous(),
                                       d_post.float().contiguous(), d_comb.float().contiguous(),
-                                      d_mix, d_base_part, d_scale_part, t, ctx.n_steps,
+                                      d_mix, d_base_part, d_scale_part, steps, t, ctx.n_steps,
                                       ctx.hc_eps, HC=ctx.hc, BLOCK=BLOCK_TOKENS)
         mix_dtype, base_dtype, scale_dtype = ctx.dtypes
         return (d_mix.to(mix_dtype), d_base_part.sum(0).to(base_dtype),

@@ -38,7 +38,13 @@ def hc_params(owner: nn.Module, prefix: str, hc_mult: int, hidden: int, n_out: i
 
 
 def hc_mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
-    """streams [T, hc, D] -> fn @ rms_norm(flattened streams), fp32 [T, n_out]."""
+    """streams [T, hc, D] -> fn @ rms_norm(flattened streams), fp32 [T, n_out]. On CUDA one
+    Triton kernel forward and two backward (hc_mix_triton.py): the torch path's ~17 launches
+    and two fp32 copies of the streams a sublayer were host time in a host-bound step."""
+    if streams.is_cuda:
+        from .hc_mix_triton import hc_mix_fused
+
+        return hc_mix_fused(streams, fn, norm_eps)
     return _HcMix.apply(streams, fn, norm_eps)
 
 

@@ -59,14 +59,15 @@ class _Rope(torch.autograd.Function):
     gradient element is the same two fp32 products summed (IEEE addition commutes)."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin):
+    def forward(ctx, x, cos, sin, inverse: bool):
         ctx.save_for_backward(cos, sin)
-        return _with_rotated_tail(x, cos, sin)
+        ctx.inverse = inverse
+        return _with_rotated_tail(x, cos, sin, negate_sin=inverse)
 
     @staticmethod
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
-        return _with_rotated_tail(grad, cos, sin, negate_sin=True), None, None
+        return _with_rotated_tail(grad, cos, sin, negate_sin=not ctx.inverse), None, None, None
 
 
 def _with_rotated_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -84,13 +85,20 @@ def _with_rotated_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return out
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
-               inverse: bool = False) -> torch.Tensor:
-    """Rotate the last 2*len(freqs) channels of x [T, ..., D] by positions [T] (interleaved
-    pairs (2i, 2i+1)); inverse rotates by -position (the output de-rotation)."""
-    rope_dim = 2 * freqs.shape[0]
+def rope_table(positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, len(freqs)] (fp32) of the angles positions x freqs. A layer computes it
+    once a forward for all three of its rotations (q, kv, the output's de-rotation), where each
+    computed its own (five kernels a table)."""
     angles = positions.to(torch.float32)[:, None] * freqs.to(positions.device)[None, :]
-    if inverse:
-        angles = -angles
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rope_dim // 2,)
-    return _Rope.apply(x, angles.cos().view(shape), angles.sin().view(shape))
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
+               inverse: bool = False,
+               table: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Rotate the last 2*len(freqs) channels of x [T, ..., D] by positions [T] (interleaved
+    pairs (2i, 2i+1)); inverse rotates by -position (the output de-rotation). ``table``:
+    rope_table(positions, freqs), when the caller already has it."""
+    cos, sin = rope_table(positions, freqs) if table is None else table
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    return _Rope.apply(x, cos.view(shape), sin.view(shape), inverse)

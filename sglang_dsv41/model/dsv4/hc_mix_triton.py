@@ -1,0 +1,161 @@
+"""mHC's mix (mhc.hc_mix) as Triton kernels: per token, fn [n_out, hc D] times the RMS-normalized
+flattened streams, in fp32.
+
+The torch path makes an fp32 copy of the streams ([T, hc D]: 64 MiB a sublayer at 4k tokens,
+hc 4, D 1024), runs five elementwise kernels and an fp32 GEMM forward, and about ten kernels
+and a second fp32 copy backward: ~17 launches a sublayer, 24 sublayers a step of the small
+preset, whose step is host-bound. Here:
+  * forward, one program per block of tokens: one pass over its tokens' inputs accumulates
+    the sum of squares and the products with fn's rows together; the products are scaled by
+    rstd at the end (rstd (x . f) rather than (x rstd) . f: fp32 rounding differences only);
+  * d streams = rstd (g - y mean(g y)), g = grad @ fn, y = x rstd (rms_norm_input_grad's
+    formula): per block of tokens, a pass for each token's mean, a pass writing the gradient;
+  * d fn = (grad rstd)^T @ x: one program per block of fn's columns sums over every token in
+    order (no atomics: deterministic).
+Products are fp32 FMAs (input_precision "ieee"), as the torch path's fp32 GEMMs; the streams
+are read in their own dtype. The CPU keeps the torch path (mhc._HcMix), the reference the
+tests hold these kernels to under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_TOKENS = 32  # tokens a program (forward, d streams); rows a step of the d fn loop
+BLOCK_K = 64       # input columns a step
+BLOCK_FN_COLS = 32  # fn columns a program of the d fn kernel
+
+
+@triton.jit
+def _load_rows(x_ptr, t, tmask, k0, K, BK: tl.constexpr):
+    """-> (x [BT, BK] fp32 of tokens t, columns k0 + [0, BK); the column offsets)."""
+    k = k0 + tl.arange(0, BK)
+    x = tl.load(x_ptr + t[:, None].to(tl.int64) * K + k[None, :],
+                mask=tmask[:, None] & (k < K)[None, :], other=0.0)
+    return x.to(tl.float32), k
+
+
+@triton.jit
+def _fn_cols(fn_ptr, k, K, N, BN: tl.constexpr):
+    """fn [BN, BK] (rows past N zero) at columns k."""
+    n = tl.arange(0, BN)
+    return tl.load(fn_ptr + n[:, None] * K + k[None, :],
+                   mask=(n < N)[:, None] & (k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _hc_mix_fwd(x_ptr, fn_ptr, mix_ptr, rstd_ptr, T, K, N, eps, BT: tl.constexpr,
+                BK: tl.constexpr, BN: tl.constexpr):
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    tmask = t < T
+    acc = tl.zeros([BT, BN], tl.float32)
+    squares = tl.zeros([BT], tl.float32)
+    for k0 in range(0, K, BK):
+        x, k = _load_rows(x_ptr, t, tmask, k0, K, BK)
+        squares += tl.sum(x * x, axis=1)
+        acc += tl.dot(x, tl.trans(_fn_cols(fn_ptr, k, K, N, BN)), input_precision="ieee")
+    rstd = tl.rsqrt(squares / K + eps)
+    n = tl.arange(0, BN)
+    tl.store(mix_ptr + t[:, None] * N + n[None, :], acc * rstd[:, None],
+             mask=tmask[:, None] & (n < N)[None, :])
+    tl.store(rstd_ptr + t, rstd, mask=tmask)
+
+
+@triton.jit
+def _hc_mix_bwd_streams(x_ptr, fn_ptr, rstd_ptr, grad_ptr, dx_ptr, T, K, N, BT: tl.constexpr,
+                        BK: tl.constexpr, BN: tl.constexpr):
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    tmask = t < T
+    n = tl.arange(0, BN)
+    grad = tl.load(grad_ptr + t[:, None] * N + n[None, :],
+                   mask=tmask[:, None] & (n < N)[None, :], other=0.0)
+    rstd = tl.load(rstd_ptr + t, mask=tmask, other=0.0)
+    dots = tl.zeros([BT], tl.float32)  # sum_k g_k x_k
+    for k0 in range(0, K, BK):
+        x, k = _load_rows(x_ptr, t, tmask, k0, K, BK)
+        g = tl.dot(grad, _fn_cols(fn_ptr, k, K, N, BN), input_precision="ieee")
+        dots += tl.sum(g * x, axis=1)
+    # mean(g y) = rstd sum(g x) / K; d x = rstd (g - x rstd mean(g y))
+    shift = rstd * rstd * dots / K
+    for k0 in range(0, K, BK):
+        x, k = _load_rows(x_ptr, t, tmask, k0, K, BK)
+        g = tl.dot(grad, _fn_cols(fn_ptr, k, K, N, BN), input_precision="ieee")
+        dx = rstd[:, None] * (g - x * shift[:, None])
+        tl.store(dx_ptr + t[:, None].to(tl.int64) * K + k[None, :],
+                 dx.to(dx_ptr.dtype.element_ty), mask=tmask[:, None] & (k < K)[None, :])
+
+
+@triton.jit
+def _hc_mix_bwd_fn(x_ptr, rstd_ptr, grad_ptr, dfn_ptr, T, K, N, BT: tl.constexpr,
+                   BKF: tl.constexpr, BN: tl.constexpr):
+    k = tl.program_id(0) * BKF + tl.arange(0, BKF)
+    kmask = k < K
+    n = tl.arange(0, BN)
+    nmask = n < N
+    acc = tl.zeros([BN, BKF], tl.float32)
+    for t0 in range(0, T, BT):
+        t = t0 + tl.arange(0, BT)
+        tmask = t < T
+        scaled = tl.load(grad_ptr + t[:, None] * N + n[None, :],
+                         mask=tmask[:, None] & nmask[None, :], other=0.0) * \
+            tl.load(rstd_ptr + t, mask=tmask, other=0.0)[:, None]
+        x = tl.load(x_ptr + t[:, None].to(tl.int64) * K + k[None, :],
+                    mask=tmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        acc += tl.dot(tl.trans(scaled), x, input_precision="ieee")
+    tl.store(dfn_ptr + n[:, None] * K + k[None, :], acc, mask=nmask[:, None] & kmask[None, :])
+
+
+def _width(n_out: int) -> int:
+    return max(16, triton.next_power_of_2(n_out))
+
+
+class _HcMixFused(torch.autograd.Function):
+    """Saves the streams (their own dtype), fn and one fp32 rstd a token, as mhc._HcMix does."""
+
+    @staticmethod
+    def forward(ctx, streams: torch.Tensor, fn: torch.Tensor, norm_eps: float):
+        t, hc, d = streams.shape
+        x = streams.contiguous().view(t, hc * d)
+        fn32 = fn.float().contiguous()
+        k, n = hc * d, fn32.shape[0]
+        mix = x.new_empty(t, n, dtype=torch.float32)
+        rstd = x.new_empty(t, dtype=torch.float32)
+        if t:
+            _hc_mix_fwd[(triton.cdiv(t, BLOCK_TOKENS),)](
+                x, fn32, mix, rstd, t, k, n, norm_eps, BT=BLOCK_TOKENS, BK=BLOCK_K,
+                BN=_width(n))
+        ctx.save_for_backward(x, fn32, rstd)
+        ctx.shape, ctx.fn_dtype = streams.shape, fn.dtype
+        return mix
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, fn32, rstd = ctx.saved_tensors
+        t, k = x.shape
+        n = fn32.shape[0]
+        grad = grad.float().contiguous()
+        d_streams = d_fn = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.empty_like(x)
+            if t:
+                _hc_mix_bwd_streams[(triton.cdiv(t, BLOCK_TOKENS),)](
+                    x, fn32, rstd, grad, dx, t, k, n, BT=BLOCK_TOKENS, BK=BLOCK_K,
+                    BN=_width(n))
+            d_streams = dx.view(ctx.shape)
+        if ctx.needs_input_grad[1]:
+            d_fn = torch.empty_like(fn32)
+            _hc_mix_bwd_fn[(triton.cdiv(k, BLOCK_FN_COLS),)](
+                x, rstd, grad, d_fn, t, k, n, BT=BLOCK_TOKENS, BKF=BLOCK_FN_COLS, BN=_width(n))
+            d_fn = d_fn.to(ctx.fn_dtype)
+        return d_streams, d_fn, None
+
+
+def hc_mix_fused(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """mhc.hc_mix's contract: streams [T, hc, D] -> fn @ rms_norm(flattened streams), fp32
+    [T, n_out]; differentiable in streams and fn."""
+    if streams.dim() != 3 or fn.dim() != 2 or fn.shape[1] != streams.shape[1] * streams.shape[2]:
+        raise ValueError(f"hc_mix_fused: streams {tuple(streams.shape)} and fn "
+                         f"{tuple(fn.shape)}: fn must be [n_out, hc x D]")
+    return _HcMixFused.apply(streams, fn, norm_eps)
