@@ -46,7 +46,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 class SMGProcess:
-    """The router as a child process (tests, the trainer's local mode); always reaped."""
+    """The router as a child process (tests, the trainer's local mode); always reaped. Ready
+    when every worker it will route to is registered and healthy: under ``--dp-aware`` one per
+    (worker, DP rank), the DP sizes read from the workers' /get_server_info. The router's own
+    /readiness answers 200 as soon as one of them is, and new routing keys placed before the
+    others register all land on it: the likely cause (not reproduced) of a CI failure on a
+    loaded 2-core machine, 8 new sessions all placed on DP rank 0."""
 
     def __init__(self, worker_urls: list[str], port: int, extra: list[str] = (),
                  startup_timeout: float = 60.0, log_path: str | None = None):
@@ -58,18 +63,25 @@ class SMGProcess:
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         deadline = time.monotonic() + startup_timeout
+        expected, listed = None, None
         while True:
             if self.proc.poll() is not None:
                 self.stop()
                 raise RuntimeError(f"sglang-router exited with {self.proc.returncode}")
             try:
+                if expected is None:
+                    expected = _routed_workers(worker_urls, "--dp-aware" in extra)
                 if httpx.get(self.url + "/readiness", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
+                    listed = httpx.get(self.url + "/workers", timeout=1).json()["workers"]
+                    if len([w for w in listed if w.get("is_healthy")]) >= expected:
+                        return
+            except (httpx.HTTPError, ValueError, KeyError):
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise TimeoutError(f"sglang-router not ready after {startup_timeout}s")
+                seen = [(w.get("url"), w.get("is_healthy")) for w in listed or []]
+                raise TimeoutError(f"sglang-router not ready after {startup_timeout}s: "
+                                   f"expected {expected} healthy workers, listed {seen}")
             time.sleep(0.2)
 
     def stop(self) -> int | None:
@@ -88,6 +100,15 @@ class SMGProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _routed_workers(worker_urls: list[str], dp_aware: bool) -> int:
+    """How many workers the router lists once every one is registered: one per URL, or with
+    --dp-aware one per DP rank of each (its /get_server_info's dp_size)."""
+    if not dp_aware:
+        return len(worker_urls)
+    return sum(int(httpx.get(url.rstrip("/") + "/get_server_info", timeout=5).json()
+                   .get("dp_size") or 1) for url in worker_urls)
 
 
 class SMGSessionRouter(SessionRouter):
