@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang_dsv41.model.dsv4 import mhc
+from sglang_dsv41.model.dsv4 import hc_mix_triton
 from sglang_dsv41.model.dsv4.hc_mix_triton import hc_mix_fused
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and
@@ -58,3 +59,23 @@ def test_fused_mix_takes_zero_tokens_and_refuses_bad_shapes():
     assert streams.grad.shape == (0, 4, 16) and torch.equal(fn.grad, torch.zeros_like(fn))
     with pytest.raises(ValueError, match="n_out, hc x D"):
         hc_mix_fused(torch.zeros(2, 4, 16, device=DEV), torch.zeros(24, 63, device=DEV), 1e-6)
+
+
+def test_fn_gradient_summed_over_token_spans_is_exact_and_deterministic(monkeypatch):
+    """Long inputs split d fn's sum over tokens into spans (partials added in a fixed order):
+    here spans of 32 tokens, 100 tokens -> 3 spans, the last one short."""
+    monkeypatch.setattr(hc_mix_triton, "FN_TOKENS_PER_PROGRAM", 32)
+    assert hc_mix_triton.fn_spans(100) == 3 and hc_mix_triton.fn_spans(31) == 1
+    assert hc_mix_triton.fn_spans(10 ** 9) == hc_mix_triton.MAX_FN_SPANS
+    gen = torch.Generator().manual_seed(1)
+    streams = torch.randn(100, 2, 24, generator=gen)
+    fn = torch.randn(8, 48, generator=gen) * 0.1
+    grad = torch.randn(100, 8, generator=gen)
+    grads = []
+    for mix, dtype in ((plain_mix, torch.float64), (hc_mix_fused, torch.float32),
+                       (hc_mix_fused, torch.float32)):
+        f = fn.to(DEV, dtype).clone().requires_grad_(True)
+        mix(streams.to(DEV, dtype), f, 1e-6).backward(grad.to(DEV, dtype))
+        grads.append(f.grad)
+    torch.testing.assert_close(grads[1], grads[0].float(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(grads[1], grads[2])

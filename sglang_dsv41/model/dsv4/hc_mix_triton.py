@@ -10,8 +10,11 @@ preset, whose step is host-bound. Here:
     rstd at the end (rstd (x . f) rather than (x rstd) . f: fp32 rounding differences only);
   * d streams = rstd (g - y mean(g y)), g = grad @ fn, y = x rstd (rms_norm_input_grad's
     formula): per block of tokens, a pass for each token's mean, a pass writing the gradient;
-  * d fn = (grad rstd)^T @ x: one program per block of fn's columns sums over every token in
-    order (no atomics: deterministic).
+  * d fn = (grad rstd)^T @ x: one program per block of fn's columns and span of tokens sums
+    its span in order into a partial of its own; torch adds the partials in a fixed order (no
+    atomics: deterministic). One span per FN_TOKENS_PER_PROGRAM tokens (one below twice that),
+    at most MAX_FN_SPANS: a 64k-token sequence gets 16 x K / 32 programs, not the K / 32 (128
+    at hc 4, D 1024) that would each walk all 64k tokens.
 Products are fp32 FMAs (input_precision "ieee"), as the torch path's fp32 GEMMs; the streams
 are read in their own dtype. The CPU keeps the torch path (mhc._HcMix), the reference the
 tests hold these kernels to under TRITON_INTERPRET=1.
@@ -26,6 +29,8 @@ import triton.language as tl
 BLOCK_TOKENS = 32  # tokens a program (forward, d streams); rows a step of the d fn loop
 BLOCK_K = 64       # input columns a step
 BLOCK_FN_COLS = 32  # fn columns a program of the d fn kernel
+FN_TOKENS_PER_PROGRAM = 4096  # the d fn kernel's token span a program, at the least
+MAX_FN_SPANS = 32
 
 
 @triton.jit
@@ -88,14 +93,17 @@ def _hc_mix_bwd_streams(x_ptr, fn_ptr, rstd_ptr, grad_ptr, dx_ptr, T, K, N, BT: 
 
 
 @triton.jit
-def _hc_mix_bwd_fn(x_ptr, rstd_ptr, grad_ptr, dfn_ptr, T, K, N, BT: tl.constexpr,
+def _hc_mix_bwd_fn(x_ptr, rstd_ptr, grad_ptr, dfn_ptr, T, K, N, span, BT: tl.constexpr,
                    BKF: tl.constexpr, BN: tl.constexpr):
+    """Partial d fn of the tokens [s span, (s + 1) span) into dfn_ptr's slice s (span a
+    multiple of BT)."""
     k = tl.program_id(0) * BKF + tl.arange(0, BKF)
+    s = tl.program_id(1)
     kmask = k < K
     n = tl.arange(0, BN)
     nmask = n < N
     acc = tl.zeros([BN, BKF], tl.float32)
-    for t0 in range(0, T, BT):
+    for t0 in range(s * span, tl.minimum((s + 1) * span, T), BT):
         t = t0 + tl.arange(0, BT)
         tmask = t < T
         scaled = tl.load(grad_ptr + t[:, None] * N + n[None, :],
@@ -104,7 +112,14 @@ def _hc_mix_bwd_fn(x_ptr, rstd_ptr, grad_ptr, dfn_ptr, T, K, N, BT: tl.constexpr
         x = tl.load(x_ptr + t[:, None].to(tl.int64) * K + k[None, :],
                     mask=tmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
         acc += tl.dot(tl.trans(scaled), x, input_precision="ieee")
-    tl.store(dfn_ptr + n[:, None] * K + k[None, :], acc, mask=nmask[:, None] & kmask[None, :])
+    tl.store(dfn_ptr + (s.to(tl.int64) * N + n[:, None]) * K + k[None, :], acc,
+             mask=nmask[:, None] & kmask[None, :])
+
+
+def fn_spans(tokens: int) -> int:
+    """Token spans of the d fn kernel: one a FN_TOKENS_PER_PROGRAM tokens, at most
+    MAX_FN_SPANS (a function of the token count alone: the same sum order every call)."""
+    return max(1, min(MAX_FN_SPANS, tokens // FN_TOKENS_PER_PROGRAM))
 
 
 def _width(n_out: int) -> int:
@@ -145,10 +160,13 @@ class _HcMixFused(torch.autograd.Function):
                     BN=_width(n))
             d_streams = dx.view(ctx.shape)
         if ctx.needs_input_grad[1]:
-            d_fn = torch.empty_like(fn32)
-            _hc_mix_bwd_fn[(triton.cdiv(k, BLOCK_FN_COLS),)](
-                x, rstd, grad, d_fn, t, k, n, BT=BLOCK_TOKENS, BKF=BLOCK_FN_COLS, BN=_width(n))
-            d_fn = d_fn.to(ctx.fn_dtype)
+            spans = fn_spans(t)
+            span = triton.cdiv(triton.cdiv(max(t, 1), spans), BLOCK_TOKENS) * BLOCK_TOKENS
+            parts = fn32.new_empty(spans, n, k)
+            _hc_mix_bwd_fn[(triton.cdiv(k, BLOCK_FN_COLS), spans)](
+                x, rstd, grad, parts, t, k, n, span, BT=BLOCK_TOKENS, BKF=BLOCK_FN_COLS,
+                BN=_width(n))
+            d_fn = (parts[0] if spans == 1 else parts.sum(0)).to(ctx.fn_dtype)
         return d_streams, d_fn, None
 
 
