@@ -252,3 +252,16 @@ def test_ab_train_reads_columns_where_the_header_puts_them():
     assert ab.ours_times(old) == (230.1, None)
     with pytest.raises(ValueError, match="no step time"):
         ab.ours_times("\n".join([plan, head, row("ours small ac=none", None)]))
+
+
+def test_optimizer_dtensor_bench_times_both_sides():
+    """bench/optimizer_dtensor.py on CPU: the four timings, over the trainer's own optimizer."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "optimizer_dtensor.py"),
+                          "--calls", "2"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for row in ("clip_gradients (DTensor)", "clip on local shards", "AdamW.step (DTensor)",
+                "AdamW.step (plain local copies)"):
+        line = next((ln for ln in out.stdout.splitlines() if ln.startswith(row)), None)
+        assert line is not None and float(line.split()[-4]) > 0, out.stdout
