@@ -109,7 +109,8 @@ class Attention(nn.Module):
         table = ctx.rope_table(self.freqs, self.ratio > 0)  # q's, kv's and the output's
         q = apply_rope(q, ctx.positions, self.freqs, table=table)
         kv = self.wkv(x)
-        kv = (served_window_kv(kv, self.kv_norm, ctx.positions, self.freqs) if ctx.serving_numerics
+        kv = (served_window_kv(kv, self.kv_norm, ctx.positions, self.freqs, table)
+              if ctx.serving_numerics
               else apply_rope(self.kv_norm(kv), ctx.positions, self.freqs, table=table))
         entries, selected = self.compressed(x, q_lora, ctx)
         if ctx.serving_numerics and entries is not None:  # read back from SGLang's fp8 cache

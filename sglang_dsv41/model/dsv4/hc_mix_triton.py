@@ -43,6 +43,14 @@ def _load_rows(x_ptr, t, tmask, k0, K, BK: tl.constexpr):
 
 
 @triton.jit
+def _grad_rows(grad_ptr, t, tmask, N, BN: tl.constexpr):
+    """grad [BT, BN] fp32 of tokens t (columns past N zero)."""
+    n = tl.arange(0, BN)
+    return tl.load(grad_ptr + t[:, None] * N + n[None, :],
+                   mask=tmask[:, None] & (n < N)[None, :], other=0.0)
+
+
+@triton.jit
 def _fn_cols(fn_ptr, k, K, N, BN: tl.constexpr):
     """fn [BN, BK] (rows past N zero) at columns k."""
     n = tl.arange(0, BN)
@@ -73,9 +81,7 @@ def _hc_mix_bwd_streams(x_ptr, fn_ptr, rstd_ptr, grad_ptr, dx_ptr, T, K, N, BT: 
                         BK: tl.constexpr, BN: tl.constexpr):
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < T
-    n = tl.arange(0, BN)
-    grad = tl.load(grad_ptr + t[:, None] * N + n[None, :],
-                   mask=tmask[:, None] & (n < N)[None, :], other=0.0)
+    grad = _grad_rows(grad_ptr, t, tmask, N, BN)
     rstd = tl.load(rstd_ptr + t, mask=tmask, other=0.0)
     dots = tl.zeros([BT], tl.float32)  # sum_k g_k x_k
     for k0 in range(0, K, BK):
@@ -97,23 +103,20 @@ def _hc_mix_bwd_fn(x_ptr, rstd_ptr, grad_ptr, dfn_ptr, T, K, N, span, BT: tl.con
                    BKF: tl.constexpr, BN: tl.constexpr):
     """Partial d fn of the tokens [s span, (s + 1) span) into dfn_ptr's slice s (span a
     multiple of BT)."""
-    k = tl.program_id(0) * BKF + tl.arange(0, BKF)
+    k0 = tl.program_id(0) * BKF
     s = tl.program_id(1)
-    kmask = k < K
-    n = tl.arange(0, BN)
-    nmask = n < N
     acc = tl.zeros([BN, BKF], tl.float32)
     for t0 in range(s * span, tl.minimum((s + 1) * span, T), BT):
         t = t0 + tl.arange(0, BT)
         tmask = t < T
-        scaled = tl.load(grad_ptr + t[:, None] * N + n[None, :],
-                         mask=tmask[:, None] & nmask[None, :], other=0.0) * \
+        scaled = _grad_rows(grad_ptr, t, tmask, N, BN) * \
             tl.load(rstd_ptr + t, mask=tmask, other=0.0)[:, None]
-        x = tl.load(x_ptr + t[:, None].to(tl.int64) * K + k[None, :],
-                    mask=tmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        x, k = _load_rows(x_ptr, t, tmask, k0, K, BKF)
         acc += tl.dot(tl.trans(scaled), x, input_precision="ieee")
+    n = tl.arange(0, BN)
+    k = k0 + tl.arange(0, BKF)
     tl.store(dfn_ptr + (s.to(tl.int64) * N + n[:, None]) * K + k[None, :], acc,
-             mask=nmask[:, None] & kmask[None, :])
+             mask=(n < N)[:, None] & (k < K)[None, :])
 
 
 def fn_spans(tokens: int) -> int:

@@ -12,10 +12,9 @@ own program (read back only by the thread that wrote it: no barrier), then walks
 first version: (2 iters - 1) iters normalizations, 741 at 20 iterations) took 200 us a call at
 4k tokens on an H200, 4.8 ms of a training step's GPU time; forward + backward at 64k tokens
 went from 2243 to 1165 us (bench/train_ops.py hc-weights, bench/results/train_ops_h200.txt).
-The scratch is the forward's
-iterates of one call, [T, 2 iters - 1, hc, hc] fp32 (10 MB at 4k tokens, hc 4, 20 iterations),
-freed when the call returns. Per-program partial sums of the base and scale gradients are
-summed afterwards in a fixed order (deterministic, no atomics).
+The scratch is the forward's iterates of one call, [T, 2 iters - 1, hc, hc] fp32 (10 MB at 4k
+tokens, hc 4, 20 iterations), freed when the call returns. Per-program partial sums of the base
+and scale gradients are summed afterwards in a fixed order (deterministic, no atomics).
 
 Same math as mhc._hc_weights in fp32; sums over hc = 4 values may round in another order
 (last-bit differences). hc must be a power of two (the kernels' block shape).

@@ -99,9 +99,11 @@ def kv_cache_round_trip(kv: torch.Tensor, rope_dim: int,
 
 
 def served_window_kv(latent: torch.Tensor, kv_norm: torch.nn.Module, positions: torch.Tensor,
-                     freqs: torch.Tensor) -> torch.Tensor:
+                     freqs: torch.Tensor,
+                     table: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The window K=V of a layer as SGLang serves it: ``fused_k_norm_rope_flashmla`` norms and
     ropes the wkv output ``latent [T, D]`` in fp32 and quantizes those fp32 values into the cache.
-    Returned in latent's dtype; gradients flow through the fp32 norm and RoPE."""
-    kv = apply_rope(kv_norm(latent.float()), positions, freqs)
+    Returned in latent's dtype; gradients flow through the fp32 norm and RoPE. ``table``:
+    rope.rope_table(positions, freqs), when the caller has it."""
+    kv = apply_rope(kv_norm(latent.float()), positions, freqs, table=table)
     return kv_cache_round_trip(kv, 2 * freqs.shape[0]).to(latent.dtype)
