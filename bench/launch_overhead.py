@@ -62,8 +62,11 @@ def main(argv=None) -> int:
         print(f"direct launch failed: {type(e).__name__}: {e}")
     import triton
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
+    base = None  # the aten op, measured first: the yardstick of this host
     for name, fn in rows.items():
-        print(f"{name:40s} {per_call_us(fn, args.calls):7.1f} us a call", flush=True)
+        us = per_call_us(fn, args.calls)
+        base = base or us
+        print(f"{name:40s} {us:7.1f} us a call  {us / base:5.2f}x the aten op", flush=True)
     return 0
 
 

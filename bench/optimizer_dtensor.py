@@ -72,8 +72,16 @@ def main(argv=None) -> int:
                 "AdamW.step (plain local copies)": plain.step}
         print(f"{args.preset} on {device.type}: {len(params)} trained tensors with gradients, "
               f"torch {torch.__version__}")
+        times = {}
         for name, fn in rows.items():
-            print(f"{name:34s} {ms_per_call(fn, device, args.calls):8.2f} ms a call", flush=True)
+            times[name] = ms_per_call(fn, device, args.calls)
+            print(f"{name:34s} {times[name]:8.2f} ms a call", flush=True)
+        for what, dtensor, shards in (("clipping", "clip_gradients (DTensor)",
+                                       "clip on local shards"),
+                                      ("AdamW.step", "AdamW.step (DTensor)",
+                                       "AdamW.step (plain local copies)")):
+            print(f"{what}: over DTensors {times[dtensor] / times[shards]:.2f}x the local "
+                  "shards' time")
     finally:
         close_distributed()
     return 0

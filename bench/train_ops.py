@@ -16,7 +16,8 @@ projection fastest, and what the model's Triton kernels of its torch paths cost 
   python bench/train_ops.py hc-weights [--tokens 4096,65536]
       CUDA: mHC's fused weights kernels (pre, post, Sinkhorn comb) forward and forward +
       backward, device time a call (the sums that make one loss of the three outputs
-      included), and the gradients' relative error against mhc._hc_weights in float64. Run it
+      included), the gradients' relative error against mhc._hc_weights in float64, and the
+      ratio to mhc._hc_weights' torch expressions timed in the same run. Run it
       with an older tree first on PYTHONPATH to time that tree's kernels with this script.
   python bench/train_ops.py norm [--tokens 4096 --repeats 200]
       CUDA: the model's RMSNorm (torch's fused kernels) vs the plain fp32 expression under
@@ -251,6 +252,11 @@ def hc_weights_kernels(args) -> None:
                         for a, b in zip(leaves, exact))
         print(f"hc_weights T {tokens:6d}: fwd {fwd:8.1f} us  fwd+bwd {both:8.1f} us  rel. error "
               f"of d mix, d base, d scale vs float64: {err}", flush=True)
+        # the baseline of the same run: mhc's torch expressions (Sinkhorn through autograd)
+        plain = lambda: loss(mhc._hc_weights, leaves, gs)  # noqa: E731
+        torch_both = median_us(plain, one, leaves, True, args.repeats)
+        print(f"  torch _hc_weights fwd+bwd {torch_both:8.1f} us: the kernels take "
+              f"{both / torch_both:.2f}x its time", flush=True)
 
 
 class MmPerGroup(torch.autograd.Function):

@@ -265,3 +265,5 @@ def test_optimizer_dtensor_bench_times_both_sides():
                 "AdamW.step (plain local copies)"):
         line = next((ln for ln in out.stdout.splitlines() if ln.startswith(row)), None)
         assert line is not None and float(line.split()[-4]) > 0, out.stdout
+    for what in ("clipping", "AdamW.step"):  # each pair's ratio, from the same run
+        assert f"{what}: over DTensors " in out.stdout, out.stdout
