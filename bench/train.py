@@ -323,7 +323,7 @@ class Ours:
                                         self.info.world_size, replay=False)
             if optimizer:
                 with torch.profiler.record_function("trainer.optimizer"):
-                    clip_gradients(self.policy, self.optim_cfg.max_grad_norm)
+                    clip_gradients(self.opt, self.optim_cfg.max_grad_norm)
                     self.opt.step()
                     self.opt.zero_grad(set_to_none=True)
             return sums[0]

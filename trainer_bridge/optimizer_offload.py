@@ -47,6 +47,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
+from .local_shards import local
+
 OFFLOAD_MODES = ("none", "fsdp", "chunked")
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 STATE_DTYPE = torch.float32
@@ -154,15 +156,11 @@ def host_mapping(ptr: int, smaps_path: str = "/proc/self/smaps") -> dict[str, in
     return host_mappings([ptr], smaps_path)[ptr]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` wrapped as a DTensor sharded like ``param`` (plain when param is plain)."""
+def _like_param(param: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+    """``shard`` wrapped as a DTensor sharded like ``param`` (plain when param is plain)."""
     if not isinstance(param, DTensor):
-        return local
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+        return shard
+    return DTensor.from_local(shard, param.device_mesh, param.placements, run_check=False,
                               shape=param.shape, stride=param.stride())
 
 
@@ -191,7 +189,7 @@ class ChunkedHostAdamW(torch.optim.Optimizer):
         if not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             for key in STATE_KEYS:
-                host = torch.zeros(_local(p).shape, dtype=STATE_DTYPE, device="cpu")
+                host = torch.zeros(local(p).shape, dtype=STATE_DTYPE, device="cpu")
                 state[key] = _like_param(p, host)
         return state
 
@@ -214,8 +212,8 @@ class ChunkedHostAdamW(torch.optim.Optimizer):
                                  f"{sorted(('step', *STATE_KEYS))} (not an AdamW checkpoint?)")
             state["step"] = torch.tensor(float(values["step"]), dtype=torch.float32)
             for key in STATE_KEYS:
-                src = _local(values[key])
-                dst = _local(state[key])
+                src = local(values[key])
+                dst = local(state[key])
                 if src.dtype != STATE_DTYPE or src.shape != dst.shape:
                     raise ValueError(f"{name}: {key} is {src.dtype} {tuple(src.shape)}, expected "
                                      f"{STATE_DTYPE} {tuple(dst.shape)} (fp32 for every role)")
@@ -246,12 +244,12 @@ class ChunkedHostAdamW(torch.optim.Optimizer):
             live = [p for p in group["params"] if p.grad is not None]
             pieces, used = [], 0
             for p in live:
-                local = _local(p)
-                if local.device.type == "cpu" and torch.cuda.is_available() and \
+                shard = local(p)
+                if shard.device.type == "cpu" and torch.cuda.is_available() and \
                         isinstance(p, DTensor) and p.device_mesh.device_type == "cuda":
                     raise ValueError("chunked offload streams device shards: do not combine it "
                                      "with FSDP2's CPUOffloadPolicy (optimizer_offload=fsdp)")
-                state, numel, start = self._host_state(p), local.numel(), 0
+                state, numel, start = self._host_state(p), shard.numel(), 0
                 while start < numel:
                     length = min(numel - start, self.chunk_elems - used)
                     pieces.append((p, state, start, length, used))
@@ -267,18 +265,18 @@ class ChunkedHostAdamW(torch.optim.Optimizer):
 
     def _stream(self, group: dict[str, Any], pieces: list, used: int) -> None:
         """One chunk: host moments -> pinned -> device, torch's AdamW, and back."""
-        device = _local(pieces[0][0]).device
+        device = local(pieces[0][0]).device
         pinned, staging = self._buffers(device)
         for _, state, start, length, offset in pieces:
             for row, key in enumerate(STATE_KEYS):
                 pinned[row, offset:offset + length].copy_(
-                    _local(state[key]).view(-1)[start:start + length])
+                    local(state[key]).view(-1)[start:start + length])
         if staging is not pinned:
             staging[:, :used].copy_(pinned[:, :used], non_blocking=True)
         params, grads, moments, sqs, steps = [], [], [], [], []
         for p, state, start, length, offset in pieces:
-            params.append(_local(p).view(-1)[start:start + length])
-            grads.append(_local(p.grad).view(-1)[start:start + length])
+            params.append(local(p).view(-1)[start:start + length])
+            grads.append(local(p.grad).view(-1)[start:start + length])
             moments.append(staging[0, offset:offset + length])
             sqs.append(staging[1, offset:offset + length])
             # adamw() advances the step it is given; every slice of a parameter must see the
@@ -292,19 +290,8 @@ class ChunkedHostAdamW(torch.optim.Optimizer):
             pinned[:, :used].copy_(staging[:, :used])  # blocking: the host reads it next
         for _, state, start, length, offset in pieces:
             for row, key in enumerate(STATE_KEYS):
-                _local(state[key]).view(-1)[start:start + length].copy_(
+                local(state[key]).view(-1)[start:start + length].copy_(
                     pinned[row, offset:offset + length])
-
-
-def build_adamw(groups: list[dict[str, Any]], mode: str, *, lr: float,
-                betas: tuple[float, float], weight_decay: float,
-                chunk_mb: float) -> torch.optim.Optimizer:
-    """The optimizer for ``mode``: torch's AdamW (``none``: state where the shards are, on the
-    device; ``fsdp``: on the host, because FSDP2 put the shards there) or ChunkedHostAdamW."""
-    if check_mode(mode) == "chunked":
-        return ChunkedHostAdamW(groups, lr=lr, betas=betas, weight_decay=weight_decay,
-                                chunk_mb=chunk_mb)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, weight_decay=weight_decay)
 
 
 def offload_optimizer(optimizer: torch.optim.Optimizer, scheduler, mode: str, chunk_mb: float):

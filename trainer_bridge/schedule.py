@@ -9,6 +9,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from .config import OptimConfig
+from .local_shards import LocalShardAdamW
 from .parallelize import is_sink_param
 
 if TYPE_CHECKING:
@@ -46,10 +47,10 @@ def build_optimizer(policy: "Policy", cfg: OptimConfig, total_steps: int
     groups = [{"params": main, "lr": cfg.lr, "name": "main"},
               {"params": sinks, "lr": cfg.sink_lr if cfg.sink_lr is not None else cfg.lr,
                "name": "sinks", "weight_decay": 0.0}]
-    # fused: one multi-tensor kernel per step on CUDA (the per-op DTensor dispatch of foreach
-    # AdamW over every parameter is host-bound)
+    # fused: one multi-tensor kernel per step on CUDA; stepped on the local shards
+    # (local_shards.py: DTensor's per-op dispatch made the step host-bound)
     fused = all(p.is_cuda for p in main + sinks) and bool(main + sinks)
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+    opt = LocalShardAdamW(groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
                             fused=fused or None)
     sched = LambdaLR(opt, [MainLR(cfg.warmup_steps),
                            SinkWarmupLR(total_steps, cfg.sink_frozen_frac, cfg.sink_ramp_frac)])

@@ -22,6 +22,7 @@ from .config import TrainConfig
 from .dist import (all_reduce_scalar, all_reduce_tensor, close_distributed, init_distributed,
                    on_primary)
 from .envs import make_env
+from .local_shards import clip_grad_norm, global_norm
 from .loss import compute_advantages, k3_kl, ppo_loss
 from .optimizer_offload import offload_optimizer
 from .parallelize import is_sink_param
@@ -171,7 +172,7 @@ class Trainer:
                 sums += forward_backward(self.policy, mb, global_tokens, self.cfg.loss,
                                          self.dist.world_size, replay=self.cfg.model.r3)
             sink_norm = self.sink_grad_norm()
-            grad_norm = clip_gradients(self.policy, self.cfg.optim.max_grad_norm)
+            grad_norm = clip_gradients(self.optimizer, self.cfg.optim.max_grad_norm)
             norms = torch.stack([grad_norm.float().to(norms.device), sink_norm.to(norms.device)])
             self.optimizer.step()
         self.scheduler.step()
@@ -195,11 +196,11 @@ class Trainer:
         return self.syncer.sync(self.policy.model, version, self.dist.is_primary)["weight_sync_s"]
 
     def sink_grad_norm(self) -> torch.Tensor:
-        grads = [p.grad for n, p in self.policy.trainable_parameters()
-                 if is_sink_param(n) and p.grad is not None]
+        grads = [p.grad for g in self.optimizer.param_groups if g["name"] == "sinks"
+                 for p in g["params"] if p.grad is not None]
         if not grads:
             return torch.zeros((), device=self.device)
-        return torch.sqrt(sum(_full(g).float().pow(2).sum() for g in grads))
+        return global_norm(grads)
 
     def sink_grads(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) sink gradients, identical on every rank."""
@@ -298,11 +299,10 @@ def forward_backward(policy: Policy, mb: MicroBatch, global_tokens: float, loss_
                         terms.clip_frac_sum, terms.tis_sum]).double()
 
 
-def clip_gradients(policy: Policy, max_norm: float) -> torch.Tensor:
-    """Clips the trained parameters' gradients to ``max_norm`` in place -> their total norm
-    before clipping, on the device (no host sync)."""
-    return _full(torch.nn.utils.clip_grad_norm_(
-        [p for _, p in policy.trainable_parameters()], max_norm))
+def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+    """Clips the gradients of the optimizer's parameters (the trained ones) to ``max_norm`` in
+    place -> their total norm before clipping, on the device (no host sync)."""
+    return clip_grad_norm([p for g in optimizer.param_groups for p in g["params"]], max_norm)
 
 
 def _full(t: Any) -> torch.Tensor:
