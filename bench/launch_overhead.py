@@ -1,10 +1,17 @@
-"""Host time of one kernel launch from Python on this machine (CUDA): an aten op, our Triton
-RoPE wrapper (attention/rope_triton.py), the bare Triton JIT call of its kernel, and the
-compiled kernel launched directly (the JIT's argument binding, specialization key and cache
-lookup skipped). A host-bound training step pays the difference on each of its ~300 Triton
-launches (bench/results/train_h200.txt).
+"""Host time of one call from Python on this machine (CUDA), for the calls a host-bound training
+step makes many of (bench/results/train_h200.txt):
+- a kernel launch: an aten op, our Triton RoPE wrapper (attention/rope_triton.py), the bare
+  Triton JIT call of its kernel, and the compiled kernel launched directly (the JIT's argument
+  binding, specialization key and cache lookup skipped); ~300 Triton launches a step;
+- a bf16 GEMM of the model's size with torch's BLAS backend set to cuBLAS, then cuBLASLt
+  (a profiled step: aten::mm held the host a median 40 us for an 8 us launch; ~350 a step);
+- FSDP2's gradient copy-in (fsdp::chunk_cat) of one decoder layer's gradients of the small
+  preset, bf16 into an fp32 buffer: torch's kernel, then ours (trainer_bridge/fsdp_copy_in.py);
+  13 a step.
 
   python bench/launch_overhead.py [--calls 3000]
+
+Each row's ratio is to the first row of its group, measured just before it.
 """
 
 from __future__ import annotations
@@ -22,8 +29,8 @@ from sglang_dsv41.attention import rope_triton as rt  # noqa: E402
 
 
 def per_call_us(fn, calls: int) -> float:
-    """Median over 5 rounds of the host time per call (the GPU has no time to fall behind:
-    every kernel here is a few microseconds)."""
+    """Median over 5 rounds of the host time per call. Keep ``calls`` below the device's launch
+    queue (~1000) where a call's GPU work outlasts its host time: the host never waits."""
     rounds = []
     for _ in range(5):
         torch.cuda.synchronize()
@@ -33,6 +40,32 @@ def per_call_us(fn, calls: int) -> float:
         rounds.append((time.perf_counter() - t0) / calls * 1e6)
         torch.cuda.synchronize()
     return sorted(rounds)[2]
+
+
+def gemm_rows(dev) -> dict:
+    """linear of the model's size under each BLAS backend: (fn, set up before its rounds)."""
+    a = torch.randn(4096, 1024, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(1024, 1024, device=dev, dtype=torch.bfloat16)
+    return {f"linear 4096x1024 @ 1024x1024 bf16, {b}":
+            (lambda: torch.nn.functional.linear(a, w),
+             lambda b=b: torch.backends.cuda.preferred_blas_library(b))
+            for b in ("cublas", "cublaslt")}
+
+
+def copy_in_rows(dev) -> dict:
+    from sglang_dsv41.model.dsv4 import get_preset
+    from sglang_dsv41.model.dsv4.model import DecoderLayer
+    from trainer_bridge.fsdp_copy_in import chunk_cat
+
+    with torch.device("meta"):
+        layer = DecoderLayer(get_preset("small"), 1)
+    grads = [torch.randn(p.shape, device=dev, dtype=torch.bfloat16)
+             for p in layer.parameters()]
+    out = torch.empty(1, sum(g.numel() for g in grads), device=dev)
+    return {f"fsdp::chunk_cat {len(grads)} layer gradients, torch's":
+            lambda: torch._chunk_cat(grads, 0, 1, out=out),
+            f"fsdp::chunk_cat {len(grads)} layer gradients, ours":
+            lambda: chunk_cat(grads, 0, 1, out)}
 
 
 def main(argv=None) -> int:
@@ -62,11 +95,19 @@ def main(argv=None) -> int:
         print(f"direct launch failed: {type(e).__name__}: {e}")
     import triton
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
-    base = None  # the aten op, measured first: the yardstick of this host
-    for name, fn in rows.items():
-        us = per_call_us(fn, args.calls)
-        base = base or us
-        print(f"{name:40s} {us:7.1f} us a call  {us / base:5.2f}x the aten op", flush=True)
+    groups = [(rows, args.calls), (gemm_rows(dev), min(args.calls, 500)),
+              (copy_in_rows(dev), min(args.calls, 50))]
+    for group, calls in groups:
+        base = None  # the group's first row: the yardstick of this host
+        for name, fn in group.items():
+            if isinstance(fn, tuple):
+                fn, setup = fn
+                setup()
+            us = per_call_us(fn, calls)
+            base = base or us
+            print(f"{name:52s} {us:7.1f} us a call  {us / base:5.2f}x the group's first",
+                  flush=True)
+    torch.backends.cuda.preferred_blas_library("default")
     return 0
 
 

@@ -103,7 +103,8 @@ def test_resume_continues_exactly(tmp_path, offline_rollouts):
     assert_same(final, checkpoint_tensors(os.path.join(resumed, "checkpoints", "step-000004")))
     # Sink warm-up: unchanged while frozen, trained after; fp32 throughout (optimizer state too).
     # Frozen tables (Engram, tid2eid) are not in the checkpoint.
-    from trainer_bridge.parallelize import is_frozen_table, server_param_name
+    from sglang_dsv41.model.dsv4.names import is_frozen_table
+    from trainer_bridge.parallelize import server_param_name
     from trainer_bridge.policy import load_policy_model
 
     initial = load_policy_model("tiny")

@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 import torch
 
+from sglang_dsv41.model.dsv4.names import is_frozen_table
 from sglang_dsv41.tokenizer import ByteTokenizer
 from trainer_bridge.batch import Sample, pack, split_by_token_budget
 from trainer_bridge.config import LossConfig, load_config
 from trainer_bridge.envs import make_env
 from trainer_bridge.loss import compute_advantages, k3_kl, ppo_loss
-from trainer_bridge.parallelize import is_fp32_param, is_frozen_table, server_param_name
+from trainer_bridge.parallelize import is_fp32_param, server_param_name
 from trainer_bridge.schedule import SinkWarmupLR
 from trainer_bridge.trainer import routing_agreement
 

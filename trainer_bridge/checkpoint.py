@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
-from .parallelize import is_frozen_table
+from sglang_dsv41.model.dsv4.names import is_frozen_table
 
 LATEST = "latest"
 

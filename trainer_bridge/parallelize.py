@@ -34,8 +34,8 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 
 from sglang_dsv41.loader.weight_sync_group import parse_dtype
 from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM
-from sglang_dsv41.model.dsv4.names import is_frozen_table
 
+from . import fsdp_copy_in
 from .optimizer_offload import offload_policy_for
 
 FP32_HOLDER = "fp32_params"
@@ -225,6 +225,7 @@ def parallelize_policy(model: DSV4ForCausalLM, mesh: DeviceMesh, *,
     the next one's all-gather in the forward and the previous one's in the backward."""
     if reshard_after_forward is None:
         reshard_after_forward = not keep_unsharded(model, mesh, compute_dtype)
+    fsdp_copy_in.install(mesh.device_type)  # the gradients' copy-in by torch.cat (its docstring)
     for name, p in model.named_parameters():
         if p.requires_grad and p.dtype != torch.float32:
             raise ValueError(f"parameter {name} is {p.dtype}: build the trainer's model in fp32 "

@@ -25,12 +25,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from sglang_dsv41.loader.serving import cast_for_serving_
 from sglang_dsv41.loader.weight_sync_group import parse_dtype, plan_buckets
 from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM
-from sglang_dsv41.model.dsv4.names import per_expert_state, storable_state
+from sglang_dsv41.model.dsv4.names import is_frozen_table, per_expert_state, storable_state
 from sglang_dsv41.router import SessionRouter
 from sglang_dsv41.server_process import free_port
 
 from .dist import broadcast_object
-from .parallelize import is_frozen_table, server_param_name
+from .parallelize import server_param_name
+
 
 class WeightSyncError(RuntimeError):
     pass
