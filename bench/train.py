@@ -50,7 +50,7 @@ from sglang_dsv41.model.dsv4.moe import MoE  # noqa: E402
 from trainer_bridge.batch import Sample, pack  # noqa: E402
 from trainer_bridge.config import LossConfig, OptimConfig  # noqa: E402
 from trainer_bridge.dist import close_distributed, init_distributed  # noqa: E402
-from trainer_bridge.parallelize import parallelize_policy  # noqa: E402
+from trainer_bridge.parallelize import accumulates_unsharded, parallelize_policy  # noqa: E402
 from trainer_bridge.policy import ForwardState, Policy, resolve_device  # noqa: E402
 from trainer_bridge.schedule import build_optimizer  # noqa: E402
 from trainer_bridge.trainer import clip_gradients, forward_backward  # noqa: E402
@@ -283,8 +283,10 @@ class Ours:
     """Our trainer's policy on ``cfg``: built once, stepped at every sequence length."""
 
     def __init__(self, cfg: DSV4Config, info, device, attention_backend: str | None,
-                 checkpointing: str, compute_dtype: torch.dtype | None = None):
-        """compute_dtype: FSDP's parameter dtype (default bf16 on CUDA, fp32 on the CPU)."""
+                 checkpointing: str, compute_dtype: torch.dtype | None = None,
+                 accumulate: str = "auto"):
+        """compute_dtype: FSDP's parameter dtype (default bf16 on CUDA, fp32 on the CPU);
+        accumulate: the trainer's model.accumulate_unsharded (auto | on | off)."""
         t0 = time.perf_counter()
         self.cfg, self.device, self.info = cfg, device, info
         torch.manual_seed(0)
@@ -297,11 +299,15 @@ class Ours:
         dtype = compute_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         parallelize_policy(model, info.mesh, compute_dtype=dtype, lm_head_fp32=True,
                            activation_checkpointing=checkpointing)
-        self.policy = Policy(model, "bench", device, attention_backend=attention_backend)
+        self.policy = Policy(model, "bench", device, attention_backend=attention_backend,
+                             accumulate_unsharded=accumulates_unsharded(model, info.mesh, dtype,
+                                                                        accumulate))
         self.optim_cfg = OptimConfig(lr=1e-5, sink_frozen_frac=0, sink_ramp_frac=0)
         self.opt, _ = build_optimizer(self.policy, self.optim_cfg, 1)
         self.allocated_after_build = memory(device)[0]
-        print(f"built ours {checkpointing} in {time.perf_counter() - t0:.1f} s", flush=True)
+        print(f"built ours {checkpointing} in {time.perf_counter() - t0:.1f} s; micro-batches "
+              f"accumulate unsharded: {self.policy.accumulate_unsharded} (with more than one "
+              "a step: FSDP's fp32 unsharded gradients too, not in the memory plan)", flush=True)
 
     def stepper(self, shape: Shape, micro_batches: int, optimizer: bool = True):
         """One optimizer step over ``micro_batches`` micro-batches of ``shape`` per rank, with
@@ -318,7 +324,8 @@ class Ours:
         tokens = sum(float(mb.loss_mask.sum()) for mb in batches) * self.info.world_size
 
         def step():
-            for mb in batches:
+            for i, mb in enumerate(batches):
+                self.policy.micro_batch(i, len(batches))
                 sums = forward_backward(self.policy, mb, tokens, LossConfig(),
                                         self.info.world_size, replay=False)
             if optimizer:
@@ -527,6 +534,9 @@ def main(argv=None) -> int:
                    help="micro-batches of each --seqs shape per optimizer step (the trainer's "
                    "mini-batch: the AdamW step's fixed cost is shared by their tokens)")
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--accumulate", default="auto", choices=("auto", "on", "off"),
+                   help="ours: the trainer's model.accumulate_unsharded (micro-batches but the "
+                   "last add into unsharded gradients; auto: when they fit)")
     p.add_argument("--attention", default=None, help="triton | reference (default: triton on "
                    "CUDA, the torch reference on CPU)")
     p.add_argument("--checkpointing", default="none",
@@ -602,7 +612,8 @@ def main(argv=None) -> int:
         for seq in seqs:
             while True:
                 if runner is None:
-                    runner = Ours(c, info, device, args.attention, policies[ac])
+                    runner = Ours(c, info, device, args.attention, policies[ac],
+                                  accumulate=args.accumulate)
                     try:
                         plan = (runner.planned_memory(biggest.tokens, shortest, policies[ac])
                                 if shortest >= 4 else "memory plan: its two probes (half the "

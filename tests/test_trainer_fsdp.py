@@ -2,7 +2,8 @@
 hash-routed layers) in one process: logprobs, R3 replay of ids and weights on the top-k layers,
 hash layers routed from tid2eid, every gradient (sinks, mHC, compressors, indexers, experts,
 Engram wkv), fp32 groups, frozen tables outside the optimizer and the weight push, uneven
-micro-batches; the same with selective activation checkpointing (recomputed layers)."""
+micro-batches; the same with selective activation checkpointing (recomputed layers), and with
+the micro-batches accumulated unsharded (FSDP's no-sync: only the last reduces)."""
 
 from __future__ import annotations
 
@@ -54,16 +55,20 @@ def worker(rank: int, port: int, checkpointing: str, queue) -> None:
 
     try:
         info = init_distributed(torch.device("cpu"))
+        checkpointing, _, accumulate = checkpointing.partition("+")
         policy = build_policy(ModelConfig(model_path=PRESET,
-                                          activation_checkpointing=checkpointing),
+                                          activation_checkpointing=checkpointing,
+                                          accumulate_unsharded="on" if accumulate else "off"),
                               info.mesh, torch.device("cpu"))
+        assert policy.accumulate_unsharded == bool(accumulate)
         samples = rank_samples(load_policy_model(PRESET), rank)
         layers, top_k = policy.routed_layers, policy.config.num_experts_per_tok
         # Rank 0 runs both samples in one micro-batch plus a dummy; rank 1 one per micro-batch.
         mbs = ([pack(samples, layers, True, top_k), pack([], layers, True, top_k)]
                if rank == 0 else [pack([s], layers, True, top_k) for s in samples])
         logps, routed_ok = [], True
-        for mb in mbs:
+        for i, mb in enumerate(mbs):
+            policy.micro_batch(i, len(mbs))  # "+accumulate": the first adds in unsharded
             out = policy.forward(mb, replay=True, record_routing=True)
             # The server routed every position but each sequence's last.
             rows = torch.ones(mb.input_ids.shape[0], dtype=torch.bool)
@@ -93,7 +98,7 @@ def worker(rank: int, port: int, checkpointing: str, queue) -> None:
         queue.put((rank, "error", traceback.format_exc()))
 
 
-@pytest.fixture(scope="module", params=["none", "selective"])
+@pytest.fixture(scope="module", params=["none", "selective", "none+accumulate"])
 def results(request):
     port = free_port()
     out = sorted(run_spawned(worker, [(r, port, request.param) for r in range(WORLD)],

@@ -39,9 +39,14 @@ class ModelConfig:
     # Recompute activations in the backward: none, layer (each decoder layer keeps only its
     # inputs) or selective (each layer keeps its matmul outputs, recomputes the rest).
     activation_checkpointing: str = "none"
+    # Micro-batches of one optimizer step add into unsharded fp32 gradients and keep the
+    # parameters gathered; only the last reduces and reshards (FSDP's no-sync accumulation).
+    # auto: when the model's unsharded parameters and fp32 gradients fit (parallelize.py).
+    accumulate_unsharded: str = "auto"
 
     def __post_init__(self) -> None:
         _choice("model.device", self.device, ("auto", "cpu", "cuda"))
+        _choice("model.accumulate_unsharded", self.accumulate_unsharded, ("auto", "on", "off"))
         _choice("model.activation_checkpointing", self.activation_checkpointing,
                 ACTIVATION_CHECKPOINTING)
         _choice("model.compute_dtype", self.compute_dtype, ("auto", "float32", "bfloat16"))

@@ -197,14 +197,30 @@ def checkpoint_layer(layer: nn.Module, policy: str) -> None:
     layer.forward = forward
 
 
-def keep_unsharded(model: nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtype) -> bool:
-    """reshard_after_forward by memory: keep the gathered compute-dtype parameters between the
-    forward and the backward when all of them fit in KEEP_UNSHARDED_MEMORY_FRAC of the device."""
+def fits_unsharded(model: nn.Module, mesh: DeviceMesh, bytes_per_param: int) -> bool:
+    """True when ``bytes_per_param`` for every parameter of the whole (unsharded) model takes
+    at most KEEP_UNSHARDED_MEMORY_FRAC of the mesh's CUDA device (never on other devices)."""
     if mesh.device_type != "cuda":
         return False
-    need = sum(p.numel() for p in model.parameters()) * compute_dtype.itemsize
+    need = sum(p.numel() for p in model.parameters()) * bytes_per_param
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     return need <= KEEP_UNSHARDED_MEMORY_FRAC * total
+
+
+def keep_unsharded(model: nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtype) -> bool:
+    """reshard_after_forward by memory: keep the gathered compute-dtype parameters between the
+    forward and the backward when all of them fit (fits_unsharded)."""
+    return fits_unsharded(model, mesh, compute_dtype.itemsize)
+
+
+def accumulates_unsharded(model: nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtype,
+                          requested: str = "auto") -> bool:
+    """Whether an optimizer step's micro-batches accumulate unsharded (Policy.micro_batch):
+    ``on``/``off``, or by memory: the gathered compute-dtype parameters and FSDP's fp32
+    accumulated gradients (its reduce dtype) of the whole model fit (fits_unsharded)."""
+    if requested != "auto":
+        return requested == "on"
+    return fits_unsharded(model, mesh, compute_dtype.itemsize + 4)
 
 
 def compute_dtype_for(device: torch.device, requested: str = "auto") -> torch.dtype:

@@ -168,7 +168,8 @@ class Trainer:
         for mini in mini_batches:
             self.optimizer.zero_grad(set_to_none=True)
             global_tokens = max(all_reduce_scalar(sum(mb.num_loss_tokens for mb in mini)), 1.0)
-            for mb in mini:
+            for i, mb in enumerate(mini):
+                self.policy.micro_batch(i, len(mini))
                 sums += forward_backward(self.policy, mb, global_tokens, self.cfg.loss,
                                          self.dist.world_size, replay=self.cfg.model.r3)
             sink_norm = self.sink_grad_norm()
