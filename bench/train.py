@@ -307,7 +307,7 @@ class Ours:
         self.allocated_after_build = memory(device)[0]
         print(f"built ours {checkpointing} in {time.perf_counter() - t0:.1f} s; micro-batches "
               f"accumulate unsharded: {self.policy.accumulate_unsharded} (with more than one "
-              "a step: FSDP's fp32 unsharded gradients too, not in the memory plan)", flush=True)
+              "a step: FSDP's fp32 unsharded gradients too, in the memory plan)", flush=True)
 
     def stepper(self, shape: Shape, micro_batches: int, optimizer: bool = True):
         """One optimizer step over ``micro_batches`` micro-batches of ``shape`` per rank, with
@@ -377,13 +377,19 @@ class Ours:
         free(self.device)
         return [b - a for a, b in zip(points, points[1:])], rise
 
-    def planned_memory(self, seq: int, probe_seq: int, checkpointing: str) -> str:
+    def planned_memory(self, seq: int, probe_seq: int, checkpointing: str,
+                       micro_batches: int = 1) -> str:
         """The memory plan at ``seq`` tokens from steps of ``probe_seq`` // 2 and
         ``probe_seq``: each layer's retained bytes, and the backward's rise above them, are a
         fixed part (gathered parameters, the gradients) plus an O(T) part (activations, the
         chunked selection and head), fitted through the two and taken at ``seq``; plus the
-        static state (master weights, buffers, Adam state) and the largest temporaries."""
+        static state (master weights, buffers, Adam state), FSDP's unsharded fp32 gradients
+        when several micro-batches a step accumulate into them, and the largest temporaries."""
         master, trained, buffers = static_bytes(self.policy.model)
+        accumulated = 0
+        if self.policy.accumulate_unsharded and micro_batches > 1:  # the whole model's, fp32
+            accumulated = 4 * sum(p.numel() for p in self.policy.model.parameters()
+                                  if p.requires_grad)
         cfg = self.cfg
         # one chunk of fp32 logits, its log_softmax/exp and the bf16 gradient (token_logprobs)
         rows = min(seq, token_logprobs.logprob_chunk_rows(cfg.vocab_size))
@@ -414,14 +420,16 @@ class Ours:
         per_layer = ", ".join(f"{k} {b / GiB:.2f}"
                               for k, (_, b) in zip(kinds + ["norm+head"], layers))
         retained = sum(b for _, b in layers)
-        total = master + buffers + 2 * trained + retained + rise
+        total = master + buffers + 2 * trained + retained + rise + accumulated
         lines.append(f"  retained after the forward, GiB (fitted from {probe_seq // 2} and "
                      f"{probe_seq} tokens; of the sum {sum(f for f, _ in layers) / GiB:.2f} "
                      f"does not grow with T): {per_layer}; sum {retained / GiB:.2f}")
         lines.append(f"  the backward's rise above that (gradients, recompute, temporaries; "
                      f"fitted likewise, {rise_fixed / GiB:.2f} fixed): {rise / GiB:.2f} GiB")
         lines.append(f"  planned peak {total / GiB:.2f} GiB (master weights + buffers + Adam "
-                     f"state + retained + the backward's rise)")
+                     f"state + retained + the backward's rise"
+                     + (f" + {accumulated / GiB:.2f} of unsharded fp32 gradients the "
+                        f"{micro_batches} micro-batches accumulate into)" if accumulated else ")"))
         return "\n".join(lines)
 
     def zero_grad(self) -> None:
@@ -615,7 +623,8 @@ def main(argv=None) -> int:
                     runner = Ours(c, info, device, args.attention, policies[ac],
                                   accumulate=args.accumulate)
                     try:
-                        plan = (runner.planned_memory(biggest.tokens, shortest, policies[ac])
+                        plan = (runner.planned_memory(biggest.tokens, shortest, policies[ac],
+                                                      args.micro_batches)
                                 if shortest >= 4 else "memory plan: its two probes (half the "
                                 "shortest length and the shortest) need a length of at least 4")
                     except torch.OutOfMemoryError:

@@ -60,7 +60,7 @@ def build_policy(cfg: ModelConfig, mesh: DeviceMesh, device: torch.device, *,
     if not trainable:
         model.eval()
     accumulate = trainable and accumulates_unsharded(model, mesh, compute_dtype,
-                                                     cfg.accumulate_unsharded)
+                                                     cfg.accumulate_unsharded, optimizer_offload)
     return Policy(model, cfg.model_path, device, serving_numerics=cfg.serving_numerics,
                   temperature=temperature, accumulate_unsharded=accumulate)
 
