@@ -120,11 +120,12 @@ class Policy:
         self.config = model.cfg
 
     def micro_batch(self, index: int, count: int) -> None:
-        """Before the backward of micro-batch ``index`` of an optimizer step's ``count``: with
-        accumulate_unsharded only the last reduces its gradients over the ranks and reshards;
-        the others add into FSDP's unsharded fp32 gradients and keep the parameters gathered
-        for the next forward (no reduce, no re-gather: a host-bound step's FSDP hooks held the
-        host 27 ms a backward and 18 ms a forward on an H200, bench/results/train_h200.txt)."""
+        """Call before micro-batch ``index`` of an optimizer step's ``count`` (the same count on
+        every rank: build_mini_batches pads): with accumulate_unsharded only the last reduces
+        the gradients over the ranks and reshards; the others add into FSDP's unsharded fp32
+        gradients and keep the parameters gathered for the next forward (no reduce, no
+        re-gather: a host-bound step's FSDP hooks held the host 27 ms a backward and 18 ms a
+        forward on an H200, bench/results/train_h200.txt)."""
         if self.accumulate_unsharded:
             last = index == count - 1
             self.model.set_requires_gradient_sync(last)
