@@ -286,7 +286,7 @@ class Ours:
                  checkpointing: str, compute_dtype: torch.dtype | None = None,
                  accumulate: str = "auto"):
         """compute_dtype: FSDP's parameter dtype (default bf16 on CUDA, fp32 on the CPU);
-        accumulate: the trainer's model.accumulate_unsharded (auto | on | off)."""
+        accumulate: the trainer's model.accumulate_unsharded (auto | always | never)."""
         t0 = time.perf_counter()
         self.cfg, self.device, self.info = cfg, device, info
         torch.manual_seed(0)
@@ -542,7 +542,7 @@ def main(argv=None) -> int:
                    help="micro-batches of each --seqs shape per optimizer step (the trainer's "
                    "mini-batch: the AdamW step's fixed cost is shared by their tokens)")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--accumulate", default="auto", choices=("auto", "on", "off"),
+    p.add_argument("--accumulate", default="auto", choices=("auto", "always", "never"),
                    help="ours: the trainer's model.accumulate_unsharded (micro-batches but the "
                    "last add into unsharded gradients; auto: when they fit)")
     p.add_argument("--attention", default=None, help="triton | reference (default: triton on "

@@ -58,7 +58,8 @@ def worker(rank: int, port: int, checkpointing: str, queue) -> None:
         checkpointing, _, accumulate = checkpointing.partition("+")
         policy = build_policy(ModelConfig(model_path=PRESET,
                                           activation_checkpointing=checkpointing,
-                                          accumulate_unsharded="on" if accumulate else "off"),
+                                          accumulate_unsharded="always" if accumulate
+                                          else "never"),
                               info.mesh, torch.device("cpu"))
         assert policy.accumulate_unsharded == bool(accumulate)
         samples = rank_samples(load_policy_model(PRESET), rank)

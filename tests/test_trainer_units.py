@@ -182,6 +182,17 @@ def test_cli_offload_and_fp32_head_flags_reach_the_config():
         parse_args(["--preset", "tiny", "--optimizer-offload", "disk"])
 
 
+def test_accumulate_unsharded_override_values():
+    """Its values survive a command-line override (YAML would read on/off as bools)."""
+    from trainer_bridge.config import load_config
+
+    for value in ("auto", "always", "never"):
+        cfg = load_config("tiny", None, [f"model.accumulate_unsharded={value}"])
+        assert cfg.model.accumulate_unsharded == value
+    with pytest.raises(ValueError, match="accumulate_unsharded.*always"):
+        load_config("tiny", None, ["model.accumulate_unsharded=on"])
+
+
 def test_rollout_sampling_seeds_are_fixed_per_session_and_turn():
     """A step's rollouts are drawn with seeds of (run seed, session, turn), not in the order the
     server happens to receive them."""

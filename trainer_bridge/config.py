@@ -41,12 +41,14 @@ class ModelConfig:
     activation_checkpointing: str = "none"
     # Micro-batches of one optimizer step add into unsharded fp32 gradients and keep the
     # parameters gathered; only the last reduces and reshards (FSDP's no-sync accumulation).
-    # auto: when the model's unsharded parameters and fp32 gradients fit (parallelize.py).
+    # auto: when the model's unsharded parameters and fp32 gradients fit (parallelize.py);
+    # always | never (not on/off: YAML, and so a command-line override, reads those as bools).
     accumulate_unsharded: str = "auto"
 
     def __post_init__(self) -> None:
         _choice("model.device", self.device, ("auto", "cpu", "cuda"))
-        _choice("model.accumulate_unsharded", self.accumulate_unsharded, ("auto", "on", "off"))
+        _choice("model.accumulate_unsharded", self.accumulate_unsharded,
+                ("auto", "always", "never"))
         _choice("model.activation_checkpointing", self.activation_checkpointing,
                 ACTIVATION_CHECKPOINTING)
         _choice("model.compute_dtype", self.compute_dtype, ("auto", "float32", "bfloat16"))

@@ -216,11 +216,11 @@ def keep_unsharded(model: nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtyp
 def accumulates_unsharded(model: nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtype,
                           requested: str = "auto", optimizer_offload: str = "none") -> bool:
     """Whether an optimizer step's micro-batches accumulate unsharded (Policy.micro_batch):
-    ``on``/``off``, or by memory: the gathered compute-dtype parameters and FSDP's fp32
+    ``always``/``never``, or by memory: the gathered compute-dtype parameters and FSDP's fp32
     accumulated gradients (its reduce dtype) of the whole model fit (fits_unsharded), and the
     optimizer is not offloaded (asked for where the device's memory is short)."""
     if requested != "auto":
-        return requested == "on"
+        return requested == "always"
     return optimizer_offload == "none" and fits_unsharded(model, mesh,
                                                           compute_dtype.itemsize + 4)
 
