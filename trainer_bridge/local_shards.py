@@ -70,8 +70,8 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Ten
     # times the clamped coefficient, no host-side branch on the norm
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for g in grads:
-        by_device.setdefault(local(g).device, []).append(local(g))
+    for shard in map(local, grads):
+        by_device.setdefault(shard.device, []).append(shard)
     for device, shards in by_device.items():
         torch._foreach_mul_(shards, coef.to(device))
     return total
