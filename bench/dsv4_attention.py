@@ -16,7 +16,9 @@ shapes, both against transformers' DeepseekV4Attention with attn_implementation 
 "tf module" = transformers' module with our kernel registered (register_transformers_attention),
 "our module" = our model's attention module (sglang_dsv41/model/dsv4/attention.py). FLOPs count only the pairs the sparse pattern
 attends: forward 4*H*D per (query, key) pair, forward+backward 3.5x that. Eager is marked OOM
-where it runs out of memory. Decode bandwidth = bytes of keys read / time, vs a device copy.
+where it runs out of memory. Decode bandwidth = bytes moved (keys, picks, q, out) / time, vs a
+1 GiB device copy; each row also times a copy of its own bytes (read + write), the memory
+system's reference at that size.
 On a machine with an older transformers, install the 5.23 wheel into a side path first:
 `pip install --no-deps --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site:$PWD python ...`.
 """
@@ -248,6 +250,15 @@ def decode_timer(fn):
     return do_bench_cudagraph(fn, rep=50) * 1e3
 
 
+def same_bytes_copy_us(nbytes: int) -> float:
+    """GPU time (us) of a device copy that reads and writes ``nbytes`` in all (a kernel's
+    reference at its own size: one launch of this many bytes does not reach the 1 GiB copy's
+    bandwidth), timed like the kernels (decode_timer)."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    return decode_timer(lambda: dst.copy_(src))
+
+
 def decode(batch=512, seq=8192, page=64, heads=H):
     """Kernel launcher directly (dsv4_decode validates with host syncs, not timed here):
     GPU time from a CUDA graph, and the eager call (host launch cost included) next to it."""
@@ -265,12 +276,14 @@ def decode(batch=512, seq=8192, page=64, heads=H):
                                       comp if idx is not None else None, idx)
         us = decode_timer(run)
         eager_us = do_bench(run) * 1e3
-        bw = decode_bytes(q, idx) / us / 1e3
+        nbytes = decode_bytes(q, idx)
+        bw = nbytes / us / 1e3
         keys = W + (0 if idx is None else idx.shape[1])
         tflops = 4 * heads * D * keys * batch / us / 1e6
         print(f"  {kind:>7} K={keys - W:4d}: {us:8.1f} us  {bw:6.0f} GB/s  "
-              f"{100 * bw / copy_bw:5.1f}% of copy  {tflops:6.1f} TFLOP/s | eager call "
-              f"{eager_us:8.1f} us", flush=True)
+              f"{100 * bw / copy_bw:5.1f}% of copy  {tflops:6.1f} TFLOP/s | same-bytes copy "
+              f"{same_bytes_copy_us(nbytes):6.1f} us | eager call {eager_us:8.1f} us",
+              flush=True)
 
 
 def profile_module(total=4096, rows=30):
