@@ -68,8 +68,10 @@ def build(cfg: DSV4Config, mesh, device: torch.device, mode: str, chunk_mb: floa
     model = DSV4ForCausalLM(cfg)
     init_weights(model, seed=seed)
     model.to(device)
+    # FSDP in every mode, also on one GPU (one_rank's copies would change the baseline).
     parallelize_policy(model, mesh, compute_dtype=torch.float32 if device.type == "cpu"
-                       else torch.bfloat16, lm_head_fp32=lm_head_fp32, optimizer_offload=mode)
+                       else torch.bfloat16, lm_head_fp32=lm_head_fp32, optimizer_offload=mode,
+                       one_rank="fsdp")
     policy = Policy(model, "bench", device)
     optim_cfg = OptimConfig(lr=1e-3, sink_lr=2e-3, weight_decay=0.1, sink_frozen_frac=0.0,
                             sink_ramp_frac=0.5, optimizer_offload=mode, offload_chunk_mb=chunk_mb)

@@ -1,6 +1,7 @@
-"""Training-step throughput of the real model: our trainer (FSDP2 policy, mixed precision, grouped
-expert GEMMs, our sink-attention kernel, PPO loss, AdamW) vs transformers' DeepseekV4ForCausalLM
-(eager attention; eager and grouped_mm experts), same GPU, same run.
+"""Training-step throughput of the real model: our trainer (FSDP2 policy, or compute copies on one
+GPU; mixed precision, grouped expert GEMMs, our sink-attention kernel, PPO loss, AdamW) vs
+transformers' DeepseekV4ForCausalLM (eager attention; eager and grouped_mm experts), same GPU,
+same run.
 
 GPU (the real measurement): python bench/train.py --preset small --seqs 4096,16384,65536
 CPU smoke check:            python bench/train.py --preset tiny --seqs 64 --steps 2
@@ -22,7 +23,9 @@ entries): the static state, every layer's retained bytes and the backward's rise
 each measured on steps of the shortest length and its half and extrapolated linearly (all
 O(T) since the selection and the head run in chunks), and the largest temporaries.
 
-Under torchrun (FSDP over the ranks; ``torchrun --nproc-per-node 2 bench/train.py
+On one GPU ours runs as the trainer does there (``--one-rank``, the trainer's model.one_rank):
+without FSDP, on compute-dtype copies of its fp32 weights, when those fit; ``--one-rank fsdp``
+runs FSDP2 over the one rank. Under torchrun (FSDP over the ranks; ``torchrun --nproc-per-node 2 bench/train.py
 --transformers none --no-twin ...``) each rank steps its own batch of each shape, rows are
 per GPU and rank 0 prints.
 """
@@ -284,9 +287,10 @@ class Ours:
 
     def __init__(self, cfg: DSV4Config, info, device, attention_backend: str | None,
                  checkpointing: str, compute_dtype: torch.dtype | None = None,
-                 accumulate: str = "auto"):
+                 accumulate: str = "auto", one_rank: str = "auto"):
         """compute_dtype: FSDP's parameter dtype (default bf16 on CUDA, fp32 on the CPU);
-        accumulate: the trainer's model.accumulate_unsharded (auto | always | never)."""
+        accumulate: the trainer's model.accumulate_unsharded (auto | always | never);
+        one_rank: the trainer's model.one_rank (auto | fsdp | copies)."""
         t0 = time.perf_counter()
         self.cfg, self.device, self.info = cfg, device, info
         torch.manual_seed(0)
@@ -298,16 +302,20 @@ class Ours:
         model.to(device)
         dtype = compute_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         parallelize_policy(model, info.mesh, compute_dtype=dtype, lm_head_fp32=True,
-                           activation_checkpointing=checkpointing)
+                           activation_checkpointing=checkpointing, one_rank=one_rank)
+        self.copies = getattr(model, "compute_copies", None)
         self.policy = Policy(model, "bench", device, attention_backend=attention_backend,
-                             accumulate_unsharded=accumulates_unsharded(model, info.mesh, dtype,
-                                                                        accumulate))
+                             accumulate_unsharded=self.copies is None and accumulates_unsharded(
+                                 model, info.mesh, dtype, accumulate))
         self.optim_cfg = OptimConfig(lr=1e-5, sink_frozen_frac=0, sink_ramp_frac=0)
         self.opt, _ = build_optimizer(self.policy, self.optim_cfg, 1)
         self.allocated_after_build = memory(device)[0]
-        print(f"built ours {checkpointing} in {time.perf_counter() - t0:.1f} s; micro-batches "
-              f"accumulate unsharded: {self.policy.accumulate_unsharded} (with more than one "
-              "a step: FSDP's fp32 unsharded gradients too, in the memory plan)", flush=True)
+        print(f"built ours {checkpointing} in {time.perf_counter() - t0:.1f} s; "
+              + ("no FSDP on one rank: compute copies of the weights "
+                 f"({self.copies.nbytes / GiB:.2f} GiB)" if self.copies is not None else
+                 f"FSDP2; micro-batches accumulate unsharded: "
+                 f"{self.policy.accumulate_unsharded} (with more than one a step: FSDP's fp32 "
+                 "unsharded gradients too, in the memory plan)"), flush=True)
 
     def stepper(self, shape: Shape, micro_batches: int, optimizer: bool = True):
         """One optimizer step over ``micro_batches`` micro-batches of ``shape`` per rank, with
@@ -339,10 +347,15 @@ class Ours:
     def memory_plan(self, peak: int) -> str:
         master, trained, buffers = static_bytes(self.policy.model)
         return (f"memory plan: fp32 master weights {master / GiB:.2f} GiB, buffers (Engram "
-                f"tables, tid2eid) {buffers / GiB:.2f}, fp32 gradients {trained / GiB:.2f}, Adam "
-                f"state {2 * trained / GiB:.2f}; activations, gradients and workspace at the "
-                f"peak {(peak - self.allocated_after_build - 2 * trained) / GiB:.2f}; peak "
+                f"tables, tid2eid) {buffers / GiB:.2f}, {self.copies_note()}fp32 gradients "
+                f"{trained / GiB:.2f}, Adam state {2 * trained / GiB:.2f}; activations, "
+                f"gradients and workspace at the peak "
+                f"{(peak - self.allocated_after_build - 2 * trained) / GiB:.2f}; peak "
                 f"{peak / GiB:.2f} GiB")
+
+    def copies_note(self) -> str:
+        return ("" if self.copies is None else
+                f"compute copies {self.copies.nbytes / GiB:.2f} (no FSDP on one rank), ")
 
     def retained_per_layer(self, seq: int) -> tuple[list[int], int] | None:
         """Bytes each decoder layer, then the norm and head, leave allocated after one forward
@@ -399,7 +412,8 @@ class Ours:
         selection_chunk = 3 * 2 * min(compressor.SELECTION_CHUNK_PRODUCTS,
                                       seq * cfg.index_n_heads * entries)
         lines = [f"memory plan @ {seq} (ac={checkpointing}): fp32 master weights "
-                 f"{master / GiB:.2f} GiB, buffers {buffers / GiB:.2f}, fp32 gradients "
+                 f"{master / GiB:.2f} GiB, buffers {buffers / GiB:.2f}, {self.copies_note()}"
+                 f"fp32 gradients "
                  f"{trained / GiB:.2f}, Adam state {2 * trained / GiB:.2f}; largest "
                  f"temporaries: head chunk {head_chunk / GiB:.2f} (vocab {cfg.vocab_size}), "
                  f"selection chunk {selection_chunk / GiB:.2f}"]
@@ -420,14 +434,16 @@ class Ours:
         per_layer = ", ".join(f"{k} {b / GiB:.2f}"
                               for k, (_, b) in zip(kinds + ["norm+head"], layers))
         retained = sum(b for _, b in layers)
-        total = master + buffers + 2 * trained + retained + rise + accumulated
+        copies = 0 if self.copies is None else self.copies.nbytes
+        total = master + buffers + copies + 2 * trained + retained + rise + accumulated
         lines.append(f"  retained after the forward, GiB (fitted from {probe_seq // 2} and "
                      f"{probe_seq} tokens; of the sum {sum(f for f, _ in layers) / GiB:.2f} "
                      f"does not grow with T): {per_layer}; sum {retained / GiB:.2f}")
         lines.append(f"  the backward's rise above that (gradients, recompute, temporaries; "
                      f"fitted likewise, {rise_fixed / GiB:.2f} fixed): {rise / GiB:.2f} GiB")
-        lines.append(f"  planned peak {total / GiB:.2f} GiB (master weights + buffers + Adam "
-                     f"state + retained + the backward's rise"
+        lines.append(f"  planned peak {total / GiB:.2f} GiB (master weights + buffers + "
+                     + ("compute copies + " if copies else "")
+                     + "Adam state + retained + the backward's rise"
                      + (f" + {accumulated / GiB:.2f} of unsharded fp32 gradients the "
                         f"{micro_batches} micro-batches accumulate into)" if accumulated else ")"))
         return "\n".join(lines)
@@ -545,6 +561,9 @@ def main(argv=None) -> int:
     p.add_argument("--accumulate", default="auto", choices=("auto", "always", "never"),
                    help="ours: the trainer's model.accumulate_unsharded (micro-batches but the "
                    "last add into unsharded gradients; auto: when they fit)")
+    p.add_argument("--one-rank", default="auto", choices=("auto", "fsdp", "copies"),
+                   help="ours on one GPU: the trainer's model.one_rank (FSDP2, or no FSDP and "
+                        "compute-dtype copies of the weights; auto: copies when they fit)")
     p.add_argument("--attention", default=None, help="triton | reference (default: triton on "
                    "CUDA, the torch reference on CPU)")
     p.add_argument("--checkpointing", default="none",
@@ -621,7 +640,7 @@ def main(argv=None) -> int:
             while True:
                 if runner is None:
                     runner = Ours(c, info, device, args.attention, policies[ac],
-                                  accumulate=args.accumulate)
+                                  accumulate=args.accumulate, one_rank=args.one_rank)
                     try:
                         plan = (runner.planned_memory(biggest.tokens, shortest, policies[ac],
                                                       args.micro_batches)

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
 from sglang_dsv41.model.dsv4.names import is_frozen_table
 
 LATEST = "latest"
+STATELESS = "stateless_params"  # trainer_state.pt: _stateless at the save
 
 
 def step_dir(root: str, step: int) -> str:
@@ -65,7 +66,8 @@ def save_checkpoint(root: str, step: int, model: torch.nn.Module, optimizer: tor
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
     torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
     if rank == 0:
-        torch.save({"step": step, **trainer_state}, os.path.join(tmp, "trainer_state.pt"))
+        torch.save({"step": step, STATELESS: _stateless(optim_sd), **trainer_state},
+                   os.path.join(tmp, "trainer_state.pt"))
     _barrier()
     if rank == 0:
         if os.path.isdir(final):
@@ -112,12 +114,24 @@ def _trained_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
     return {k: v for k, v in model_sd.items() if not is_frozen_table(k)}, optim_sd
 
 
+def _stateless(optim_sd: dict[str, Any]) -> list[str]:
+    """Optimized parameters that have no optimizer state yet: they never had a gradient (on one
+    rank the indexers, which only select, get none; several ranks give every parameter one)."""
+    listed = [fqn for group in optim_sd["param_groups"] for fqn in group["params"]]
+    return [fqn for fqn in listed if fqn not in optim_sd["state"]]
+
+
 def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     rank: int) -> dict[str, Any]:
     """Collective. Restores model, optimizer and this rank's RNG; returns the trainer state."""
     if not _complete(path):
         raise ValueError(f"{path} is not a complete checkpoint")
+    trainer_state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+    # A fresh optimizer's state dict holds every parameter's state (DCP initialises it); those
+    # saved without any are not read, and stay without (so their first step is a first step).
     model_sd, optim_sd = _trained_state(model, optimizer)
+    for fqn in trainer_state.pop(STATELESS, []):
+        optim_sd["state"].pop(fqn, None)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
     missing = set_state_dict(model, optimizer, model_state_dict=state["model"],
@@ -130,4 +144,4 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
     if not os.path.isfile(rng_file):
         raise ValueError(f"{path} has no RNG state for rank {rank} (saved with fewer ranks?)")
     set_rng_state(torch.load(rng_file, weights_only=False))
-    return torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+    return trainer_state

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from .optimizer_offload import OFFLOAD_MODES
-from .parallelize import ACTIVATION_CHECKPOINTING
+from .parallelize import ACTIVATION_CHECKPOINTING, ONE_RANK_MODES
 
 
 @dataclass(kw_only=True)
@@ -44,11 +44,17 @@ class ModelConfig:
     # auto: when the model's unsharded parameters and fp32 gradients fit (parallelize.py);
     # always | never (not on/off: YAML, and so a command-line override, reads those as bools).
     accumulate_unsharded: str = "auto"
+    # One rank (world size 1): fsdp (FSDP2 as on many ranks) or copies (no FSDP: the fp32
+    # master weights and a compute-dtype copy of each, refreshed after each optimizer step;
+    # trainer_bridge/compute_copies.py); auto: copies on CUDA when they fit in 10% of the
+    # device and the optimizer is not offloaded.
+    one_rank: str = "auto"
 
     def __post_init__(self) -> None:
         _choice("model.device", self.device, ("auto", "cpu", "cuda"))
         _choice("model.accumulate_unsharded", self.accumulate_unsharded,
                 ("auto", "always", "never"))
+        _choice("model.one_rank", self.one_rank, ONE_RANK_MODES)
         _choice("model.activation_checkpointing", self.activation_checkpointing,
                 ACTIVATION_CHECKPOINTING)
         _choice("model.compute_dtype", self.compute_dtype, ("auto", "float32", "bfloat16"))

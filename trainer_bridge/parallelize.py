@@ -12,7 +12,9 @@ Groups (torchtitan's order: every decoder layer, then ``[norm, head, hc_head_*]`
 - ``[norm, head, hc_head_*]`` in fp32 when lm_head_fp32 (RL needs an fp32 head), else the
   compute dtype; the root (the embedding) last.
 Master weights are fp32 everywhere (a group needs one original dtype); the policy casts to the
-compute dtype for the forward and reduces gradients in fp32. The sinks and mHC parameters are
+compute dtype for the forward and reduces gradients in fp32. On one rank the model may skip FSDP
+and train through compute-dtype copies instead (``model.one_rank``, compute_copies.py), with the
+same module tree and names. The sinks and mHC parameters are
 bare parameters of the attention, the layer and the model, so they move into an ``Fp32Params``
 child (``<owner>.fp32_params.<name>``) of that fp32 group; a forward pre-hook hands the
 unsharded fp32 tensors back to the owner under their own names. They are never in
@@ -36,10 +38,14 @@ from sglang_dsv41.loader.weight_sync_group import parse_dtype
 from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM
 
 from . import fsdp_copy_in
+from .compute_copies import apply_compute_copies
 from .optimizer_offload import offload_policy_for
 
 FP32_HOLDER = "fp32_params"
 ACTIVATION_CHECKPOINTING = ("none", "layer", "selective")
+# One rank: FSDP2 (fsdp), or no FSDP and compute-dtype copies of the weights (copies,
+# compute_copies.py); auto: copies when they fit (keep_unsharded) and nothing is offloaded.
+ONE_RANK_MODES = ("auto", "fsdp", "copies")
 # Kept unsharded between forward and backward while the compute-dtype copy of every parameter
 # takes at most this fraction of the device's memory (one re-gather per layer saved).
 KEEP_UNSHARDED_MEMORY_FRAC = 0.1
@@ -61,8 +67,9 @@ def server_param_name(name: str) -> str:
 
 
 class Fp32Params(nn.Module):
-    """Owns some bare parameters of its parent so FSDP can keep them in an fp32 group; calling
-    it (in the parent's pre-hook) unshards them and returns {name: unsharded parameter}."""
+    """Owns some bare parameters of its parent so FSDP can keep them in an fp32 group (on
+    compute copies, one rank without FSDP, it keeps their names the same); calling it (in the
+    parent's pre-hook) unshards them and returns {name: unsharded parameter}."""
 
     def forward(self) -> dict[str, torch.Tensor]:
         return dict(self._parameters)
@@ -225,6 +232,31 @@ def accumulates_unsharded(model: nn.Module, mesh: DeviceMesh, compute_dtype: tor
                                                           compute_dtype.itemsize + 4)
 
 
+def uses_compute_copies(model: nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtype,
+                        one_rank: str = "auto", optimizer_offload: str = "none") -> bool:
+    """Whether ``model`` on ``mesh`` trains without FSDP, on compute-dtype copies of its fp32
+    weights (compute_copies.py): only on one rank; ``copies`` or ``fsdp``, or by memory (auto:
+    the copies of every parameter fit, keep_unsharded, and the optimizer is not offloaded,
+    which needs FSDP's offload policy)."""
+    if one_rank not in ONE_RANK_MODES:
+        raise ValueError(f"one_rank {one_rank!r}: choose from {ONE_RANK_MODES}")
+    if mesh.size() > 1 or one_rank == "fsdp":
+        return False
+    if optimizer_offload != "none":
+        if one_rank == "copies":
+            raise ValueError(f"one_rank=copies keeps every weight on the device: not with "
+                             f"optimizer offload {optimizer_offload!r} (use one_rank=fsdp)")
+        return False
+    return one_rank == "copies" or keep_unsharded(model, mesh, compute_dtype)
+
+
+def keeps_fp32(name: str, lm_head_fp32: bool) -> bool:
+    """Parameters computed in fp32 whatever the compute dtype: sinks, mHC, the router, and the
+    final norm and head when lm_head_fp32 (FSDP's fp32 groups below)."""
+    return is_fp32_param(name) or name.endswith("ffn.gate.weight") or (
+        lm_head_fp32 and name.split(".", 1)[0] in ("norm", "head"))
+
+
 def compute_dtype_for(device: torch.device, requested: str = "auto") -> torch.dtype:
     if requested == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -235,19 +267,35 @@ def parallelize_policy(model: DSV4ForCausalLM, mesh: DeviceMesh, *,
                        compute_dtype: torch.dtype, lm_head_fp32: bool = True,
                        reshard_after_forward: bool | None = None,
                        optimizer_offload: str = "none",
-                       activation_checkpointing: str = "none") -> DSV4ForCausalLM:
+                       activation_checkpointing: str = "none",
+                       one_rank: str = "auto") -> DSV4ForCausalLM:
     """Shard ``model`` (fp32 master weights, any device) in place over the 1-D ``mesh``;
     ``optimizer_offload="fsdp"`` gives every group FSDP2's CPUOffloadPolicy (shards and
     gradients on the host), the other modes keep them on the mesh's device.
     ``reshard_after_forward`` None: by memory (keep_unsharded). Each decoder layer prefetches
-    the next one's all-gather in the forward and the previous one's in the backward."""
-    if reshard_after_forward is None:
-        reshard_after_forward = not keep_unsharded(model, mesh, compute_dtype)
-    fsdp_copy_in.install(mesh.device_type)  # the gradients' copy-in by torch.cat (its docstring)
+    the next one's all-gather in the forward and the previous one's in the backward. On one
+    rank ``one_rank`` may choose compute-dtype copies instead of FSDP (uses_compute_copies)."""
     for name, p in model.named_parameters():
         if p.requires_grad and p.dtype != torch.float32:
             raise ValueError(f"parameter {name} is {p.dtype}: build the trainer's model in fp32 "
                              "(master weights); the compute dtype comes from the FSDP policy")
+    # The same module tree and state-dict names in both modes, so a DCP checkpoint of either
+    # resumes in the other (one GPU on copies, several on FSDP): the expert stacks keep their
+    # own names (weight_sync splits them once gathered), and the sink/mHC parameters live in
+    # fp32 holders (Fp32Params), which FSDP groups and the copies use as they are.
+    for layer in model.layers:
+        layer.ffn.experts.per_expert_state_dict = False
+    holders = [h for layer in model.layers for owner in (layer, layer.attn)
+               if (h := move_fp32_params(owner)) is not None]
+    hc_head = move_fp32_params(model)  # V4's hc_head_*; V4.1 has none (mhc_combine)
+    if uses_compute_copies(model, mesh, compute_dtype, one_rank, optimizer_offload):
+        for layer in model.layers:
+            checkpoint_layer(layer, activation_checkpointing)
+        apply_compute_copies(model, compute_dtype, lambda n: keeps_fp32(n, lm_head_fp32))
+        return model
+    if reshard_after_forward is None:
+        reshard_after_forward = not keep_unsharded(model, mesh, compute_dtype)
+    fsdp_copy_in.install(mesh.device_type)  # the gradients' copy-in by torch.cat (its docstring)
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
                                 cast_forward_inputs=False)
     # The router's input arrives in the compute dtype: its logits are computed in fp32.
@@ -264,8 +312,6 @@ def parallelize_policy(model: DSV4ForCausalLM, mesh: DeviceMesh, *,
     # for all of them, not two of each per layer (FSDP's host work per group, under cProfile
     # on an H200's host: 1.8 ms a reduce, 0.8 ms a pre-forward; bench/results/train_h200.txt,
     # runs O and Q).
-    holders = [h for layer in model.layers for owner in (layer, layer.attn)
-               if (h := move_fp32_params(owner)) is not None]
     if holders:
         fully_shard(holders, mp_policy=fp32, **held)
     for layer in model.layers:
@@ -276,13 +322,10 @@ def parallelize_policy(model: DSV4ForCausalLM, mesh: DeviceMesh, *,
         frozen_router = {gate.weight} if not gate.weight.requires_grad else None
         if frozen_router is None:
             fully_shard(gate, mp_policy=router, **kw)
-        # Sharded over experts, a stack's local shard cannot be cut into per-expert views.
-        layer.ffn.experts.per_expert_state_dict = False
         if mesh.size() > 1:  # one rank: no collective to keep in step
             layer.register_forward_hook(_touch_every_parameter)
         checkpoint_layer(layer, activation_checkpointing)
         fully_shard(layer, mp_policy=low, ignored_params=frozen_router, **kw)
-    hc_head = move_fp32_params(model)  # V4's hc_head_*; V4.1 has none (mhc_combine)
     extra = [hc_head] if hc_head is not None else []
     if lm_head_fp32:
         fully_shard([model.norm, model.head, *extra], mp_policy=fp32, **held)

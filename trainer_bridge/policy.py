@@ -10,6 +10,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
 from sglang_dsv41.loader.serving import load_serving_model
 from sglang_dsv41.model.dsv4.context import DSV4Context, host_to_device
@@ -17,6 +18,7 @@ from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM
 from sglang_dsv41.model.dsv4.token_logprobs import check_targets
 
 from .batch import MicroBatch
+from .compute_copies import ComputeCopies
 from .config import ModelConfig
 from .parallelize import accumulates_unsharded, compute_dtype_for, parallelize_policy
 
@@ -56,11 +58,11 @@ def build_policy(cfg: ModelConfig, mesh: DeviceMesh, device: torch.device, *,
     parallelize_policy(model, mesh, compute_dtype=compute_dtype, lm_head_fp32=cfg.lm_head_fp32,
                        optimizer_offload=optimizer_offload,
                        activation_checkpointing=cfg.activation_checkpointing if trainable
-                       else "none")
+                       else "none", one_rank=cfg.one_rank)
     if not trainable:
         model.eval()
-    accumulate = trainable and accumulates_unsharded(model, mesh, compute_dtype,
-                                                     cfg.accumulate_unsharded, optimizer_offload)
+    accumulate = trainable and isinstance(model, FSDPModule) and accumulates_unsharded(
+        model, mesh, compute_dtype, cfg.accumulate_unsharded, optimizer_offload)
     return Policy(model, cfg.model_path, device, serving_numerics=cfg.serving_numerics,
                   temperature=temperature, accumulate_unsharded=accumulate)
 
@@ -96,15 +98,18 @@ class ForwardOut:
     routed: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (ids, weights) [T, k]
     # The forward's shared entries (V4.1 source layers'), kept for checkpointed recomputes.
     state: ForwardState | None = None
+    copies: ComputeCopies | None = None  # the model's compute copies, on one rank
 
     def release(self) -> None:
         """Drops the forward's shared entries; call it once the backward is done or has failed.
         Under activation checkpointing those entries and the recompute's saved inputs hold each
         other through autograd nodes, a cycle Python's collector cannot see: a forward whose
         backward never completed (an out-of-memory step) would otherwise keep the whole
-        activation graph alive for good."""
+        activation graph alive for good. A model on compute copies gets its masters back."""
         if self.state is not None:
             self.state.clear()
+        if self.copies is not None:
+            self.copies.abandon()
 
 
 class Policy:
@@ -160,7 +165,7 @@ class Policy:
         logp = self.model(host_to_device(mb.input_ids, dev), ctx,
                           hidden_index=host_to_device(mb.hidden_index, dev),
                           targets=host_to_device(mb.targets, dev), temperature=self.temperature)
-        return ForwardOut(logp, ctx.routed, state)
+        return ForwardOut(logp, ctx.routed, state, getattr(self.model, "compute_copies", None))
 
     def trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]

@@ -1,0 +1,131 @@
+"""One rank: FSDP2's mixed precision without FSDP (torchtitan applies no FSDP on one rank either).
+
+FSDP2 over a single rank shards nothing, yet its hooks still work parameter by parameter: each
+layer's pre-forward casts and copies every parameter on its own (torch's world-size-1 path:
+a ``.to`` and a ``copy_`` each) and its post-backward copies, "reduces" and re-wraps every
+gradient. On an H200 that held the host 1.3-2.6 ms a layer in the forward and 27 ms a backward
+(bench/results/train_h200.txt, run S), in a step the host bounds.
+
+ComputeCopies gives the same numerics in a few multi-tensor kernels a step. The fp32 master
+weights stay the model's parameters (the optimizer, DCP checkpoints and weight sync see them as
+with FSDP); each parameter that FSDP would compute in the compute dtype gets a persistent
+compute-dtype copy. The root's forward pre-hook refreshes the copies when a master may have
+changed (one ``_foreach_copy_``) and puts them in the modules' place. A master changes in
+place: through an optimizer step, which a global step hook notes (torch's fused AdamW does not
+bump the tensors' version counters), or through any other in-place op (a checkpoint load),
+which bumps them. The backward's end (a callback queued by a hook on the output) copies or
+adds the copies' gradients into the masters' fp32 gradients (one flat buffer a step, as FSDP's
+reduce output) and puts the masters back; a forward without a graph puts them back at its
+end. The parameters FSDP keeps in fp32 (sinks, mHC, the router, the head when lm_head_fp32)
+are used as they are.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+
+class ComputeCopies:
+    def __init__(self, model: nn.Module, compute_dtype: torch.dtype,
+                 keeps_fp32: Callable[[str], bool]):
+        self.slots: list[tuple[nn.Module, str]] = []
+        self.masters: list[nn.Parameter] = []
+        for module_name, module in model.named_modules():
+            for name, p in module._parameters.items():
+                full = f"{module_name}.{name}" if module_name else name
+                if p is not None and p.dtype != compute_dtype and not keeps_fp32(full):
+                    self.slots.append((module, name))
+                    self.masters.append(p)
+        numels = [p.numel() for p in self.masters]
+        flat = torch.empty(sum(numels), dtype=compute_dtype,
+                           device=self.masters[0].device if self.masters else "cpu")
+        self.copies = [nn.Parameter(view.view_as(p), requires_grad=p.requires_grad)
+                       for view, p in zip(flat.split(numels), self.masters)]
+        self.trained = [i for i, p in enumerate(self.masters) if p.requires_grad]
+        self._versions: list[int] | None = None  # the masters' when last copied
+        self._stepped = False  # an optimizer stepped since
+        self._graphs = 0  # forwards whose backward has not ended
+        self._hooks = [model.register_forward_pre_hook(self._swap_in),
+                       model.register_forward_hook(self._after_forward),
+                       register_optimizer_step_post_hook(_mark_stepped(weakref.ref(self)))]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.numel() * c.element_size() for c in self.copies)
+
+    def _swap_in(self, module, args) -> None:
+        versions = [p._version for p in self.masters]
+        if self.masters and (self._stepped or versions != self._versions):
+            with torch.no_grad():
+                torch._foreach_copy_(self.copies, self.masters)
+            self._versions = [p._version for p in self.masters]
+            self._stepped = False
+        for (owner, name), copy in zip(self.slots, self.copies):
+            owner._parameters[name] = copy
+
+    def restore(self) -> None:
+        """Puts the masters back in the modules (idempotent); a failed step calls it too."""
+        for (owner, name), master in zip(self.slots, self.masters):
+            owner._parameters[name] = master
+
+    def _after_forward(self, module, args, output) -> None:
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            self._graphs += 1
+            output.register_hook(self._queue_backward_end)
+        elif not self._graphs:
+            self.restore()
+
+    def _queue_backward_end(self, grad: torch.Tensor) -> None:
+        Variable._execution_engine.queue_callback(self._backward_end)
+
+    def _backward_end(self) -> None:
+        """The compute copies' gradients into the masters' fp32 gradients: copied into one
+        flat buffer where the step's first backward made them, added where they exist."""
+        pairs = [(self.masters[i], self.copies[i]) for i in self.trained
+                 if self.copies[i].grad is not None]
+        added = [(m, c) for m, c in pairs if m.grad is not None]
+        fresh = [(m, c) for m, c in pairs if m.grad is None]
+        if added:  # fp32 += compute dtype: the add promotes, as FSDP's reduce output does
+            torch._foreach_add_([m.grad for m, _ in added], [c.grad for _, c in added])
+        if fresh:
+            flat = torch.empty(sum(m.numel() for m, _ in fresh), dtype=fresh[0][0].dtype,
+                               device=fresh[0][0].device)
+            for (m, _), view in zip(fresh, flat.split([m.numel() for m, _ in fresh])):
+                m.grad = view.view_as(m)
+            torch._foreach_copy_([m.grad for m, _ in fresh], [c.grad for _, c in fresh])
+        for _, c in pairs:
+            c.grad = None
+        self._graphs = max(0, self._graphs - 1)
+        if not self._graphs:
+            self.restore()
+
+    def abandon(self) -> None:
+        """After a forward whose backward will not run (a failed step): no graph is pending,
+        the masters are back."""
+        self._graphs = 0
+        for c in self.copies:
+            c.grad = None
+        self.restore()
+
+
+def _mark_stepped(ref: weakref.ref):
+    """A global optimizer step post-hook that notes the step on the copies (any optimizer: a
+    spare refresh costs one copy kernel; a weak reference: the hook must not keep them)."""
+    def hook(optimizer, args, kwargs) -> None:
+        copies = ref()
+        if copies is not None:
+            copies._stepped = True
+    return hook
+
+
+def apply_compute_copies(model: nn.Module, compute_dtype: torch.dtype,
+                         keeps_fp32: Callable[[str], bool]) -> ComputeCopies:
+    copies = ComputeCopies(model, compute_dtype, keeps_fp32)
+    model.compute_copies = copies  # bench/train.py's memory plan counts them
+    return copies
