@@ -210,6 +210,12 @@ def test_copies_follow_a_fused_optimizer_step():
         assert all(torch.equal(c, m.to(torch.bfloat16))
                    for c, m in zip(copies.copies, copies.masters))
         assert all(p.dtype == torch.float32 for p in model.parameters())  # masters back
+    # An optimizer of other parameters (a frozen reference model's copies see its steps) does
+    # not mark these copies stale.
+    other = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    other.param_groups[0]["params"][0].grad = torch.ones(2)
+    other.step()
+    assert not copies._stepped
 
 
 def resume_across_modes(saving: str, loading: str, mesh, sample):

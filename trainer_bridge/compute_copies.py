@@ -51,6 +51,7 @@ class ComputeCopies:
         self._versions: list[int] | None = None  # the masters' when last copied
         self._stepped = False  # an optimizer stepped since
         self._graphs = 0  # forwards whose backward has not ended
+        self._master_ids = {id(p) for p in self.masters}
         self._hooks = [model.register_forward_pre_hook(self._swap_in),
                        model.register_forward_hook(self._after_forward),
                        register_optimizer_step_post_hook(_mark_stepped(weakref.ref(self)))]
@@ -115,11 +116,14 @@ class ComputeCopies:
 
 
 def _mark_stepped(ref: weakref.ref):
-    """A global optimizer step post-hook that notes the step on the copies (any optimizer: a
-    spare refresh costs one copy kernel; a weak reference: the hook must not keep them)."""
+    """A global optimizer step post-hook: notes on the copies a step of an optimizer that holds
+    any of their masters (not a frozen reference model's); a weak reference, so that the hook
+    does not keep them alive."""
     def hook(optimizer, args, kwargs) -> None:
         copies = ref()
-        if copies is not None:
+        if copies is not None and any(id(p) in copies._master_ids
+                                      for group in optimizer.param_groups
+                                      for p in group["params"]):
             copies._stepped = True
     return hook
 
@@ -127,5 +131,5 @@ def _mark_stepped(ref: weakref.ref):
 def apply_compute_copies(model: nn.Module, compute_dtype: torch.dtype,
                          keeps_fp32: Callable[[str], bool]) -> ComputeCopies:
     copies = ComputeCopies(model, compute_dtype, keeps_fp32)
-    model.compute_copies = copies  # bench/train.py's memory plan counts them
+    model.compute_copies = copies  # for Policy.forward (a failed step) and bench/train.py
     return copies

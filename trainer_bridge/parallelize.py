@@ -12,11 +12,11 @@ Groups (torchtitan's order: every decoder layer, then ``[norm, head, hc_head_*]`
 - ``[norm, head, hc_head_*]`` in fp32 when lm_head_fp32 (RL needs an fp32 head), else the
   compute dtype; the root (the embedding) last.
 Master weights are fp32 everywhere (a group needs one original dtype); the policy casts to the
-compute dtype for the forward and reduces gradients in fp32. On one rank the model may skip FSDP
-and train through compute-dtype copies instead (``model.one_rank``, compute_copies.py), with the
-same module tree and names. The sinks and mHC parameters are
-bare parameters of the attention, the layer and the model, so they move into an ``Fp32Params``
-child (``<owner>.fp32_params.<name>``) of that fp32 group; a forward pre-hook hands the
+compute dtype for the forward and reduces gradients in fp32. On one rank the model may skip
+FSDP and train through compute-dtype copies instead (``model.one_rank``, compute_copies.py),
+with the same module tree and names. The sinks and mHC parameters are bare parameters of the
+attention, the layer and the model, so they move into an ``Fp32Params`` child
+(``<owner>.fp32_params.<name>``) of that fp32 group; a forward pre-hook hands the
 unsharded fp32 tensors back to the owner under their own names. They are never in
 ``ignored_params`` (that would skip their gradient reduction). Frozen tables (Engram's
 ``engram.embed.*`` and ``ffn.gate.tid2eid``) are buffers: never sharded, never in the
