@@ -2,8 +2,9 @@
 on the same rank, both in bf16 compute on the CPU (a gloo world of one): the same logprobs and
 the same fp32 gradients, bit for bit, over two optimizer steps of two micro-batches each (the
 second step sees the copies refreshed from the stepped masters), with and without activation
-checkpointing; fp32 masters in the modules between steps, the same checkpoint names; the
-refusals."""
+checkpointing; fp32 masters in the modules between steps; a DCP checkpoint resumes in the other
+mode (parameters without optimizer state stay so); a fused AdamW step refreshes the copies;
+the refusals; on CUDA, the first step within the kernels' atomics."""
 
 from __future__ import annotations
 
