@@ -25,9 +25,9 @@ O(T) since the selection and the head run in chunks), and the largest temporarie
 
 On one GPU ours runs as the trainer does there (``--one-rank``, the trainer's model.one_rank):
 without FSDP, on compute-dtype copies of its fp32 weights, when those fit; ``--one-rank fsdp``
-runs FSDP2 over the one rank. Under torchrun (FSDP over the ranks; ``torchrun --nproc-per-node 2 bench/train.py
---transformers none --no-twin ...``) each rank steps its own batch of each shape, rows are
-per GPU and rank 0 prints.
+runs FSDP2 over the one rank. Under torchrun (FSDP over the ranks; ``torchrun
+--nproc-per-node 2 bench/train.py --transformers none --no-twin ...``) each rank steps its own
+batch of each shape, rows are per GPU and rank 0 prints.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ from sglang_dsv41.model.dsv4.moe import MoE  # noqa: E402
 from trainer_bridge.batch import Sample, pack  # noqa: E402
 from trainer_bridge.config import LossConfig, OptimConfig  # noqa: E402
 from trainer_bridge.dist import close_distributed, init_distributed  # noqa: E402
-from trainer_bridge.parallelize import accumulates_unsharded, parallelize_policy  # noqa: E402
+from trainer_bridge.parallelize import (ONE_RANK_MODES, accumulates_unsharded,  # noqa: E402
+                                        parallelize_policy)
 from trainer_bridge.policy import ForwardState, Policy, resolve_device  # noqa: E402
 from trainer_bridge.schedule import build_optimizer  # noqa: E402
 from trainer_bridge.trainer import clip_gradients, forward_backward  # noqa: E402
@@ -305,8 +306,8 @@ class Ours:
                            activation_checkpointing=checkpointing, one_rank=one_rank)
         self.copies = getattr(model, "compute_copies", None)
         self.policy = Policy(model, "bench", device, attention_backend=attention_backend,
-                             accumulate_unsharded=self.copies is None and accumulates_unsharded(
-                                 model, info.mesh, dtype, accumulate))
+                             accumulate_unsharded=accumulates_unsharded(model, info.mesh, dtype,
+                                                                        accumulate))
         self.optim_cfg = OptimConfig(lr=1e-5, sink_frozen_frac=0, sink_ramp_frac=0)
         self.opt, _ = build_optimizer(self.policy, self.optim_cfg, 1)
         self.allocated_after_build = memory(device)[0]
@@ -561,7 +562,7 @@ def main(argv=None) -> int:
     p.add_argument("--accumulate", default="auto", choices=("auto", "always", "never"),
                    help="ours: the trainer's model.accumulate_unsharded (micro-batches but the "
                    "last add into unsharded gradients; auto: when they fit)")
-    p.add_argument("--one-rank", default="auto", choices=("auto", "fsdp", "copies"),
+    p.add_argument("--one-rank", default="auto", choices=ONE_RANK_MODES,
                    help="ours on one GPU: the trainer's model.one_rank (FSDP2, or no FSDP and "
                         "compute-dtype copies of the weights; auto: copies when they fit)")
     p.add_argument("--attention", default=None, help="triton | reference (default: triton on "

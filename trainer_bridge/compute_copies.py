@@ -64,9 +64,8 @@ class ComputeCopies:
         versions = [p._version for p in self.masters]
         if self.masters and (self._stepped or versions != self._versions):
             with torch.no_grad():
-                torch._foreach_copy_(self.copies, self.masters)
-            self._versions = [p._version for p in self.masters]
-            self._stepped = False
+                torch._foreach_copy_(self.copies, self.masters)  # the masters' versions stay
+            self._versions, self._stepped = versions, False
         for (owner, name), copy in zip(self.slots, self.copies):
             owner._parameters[name] = copy
 

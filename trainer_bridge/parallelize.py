@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
@@ -223,9 +223,13 @@ def keep_unsharded(model: nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtyp
 def accumulates_unsharded(model: nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtype,
                           requested: str = "auto", optimizer_offload: str = "none") -> bool:
     """Whether an optimizer step's micro-batches accumulate unsharded (Policy.micro_batch):
-    ``always``/``never``, or by memory: the gathered compute-dtype parameters and FSDP's fp32
-    accumulated gradients (its reduce dtype) of the whole model fit (fits_unsharded), and the
-    optimizer is not offloaded (asked for where the device's memory is short)."""
+    never for a model without FSDP (compute copies: its micro-batches add into the masters'
+    fp32 gradients anyway); ``always``/``never``, or by memory: the gathered compute-dtype
+    parameters and FSDP's fp32 accumulated gradients (its reduce dtype) of the whole model fit
+    (fits_unsharded), and the optimizer is not offloaded (asked for where the device's memory
+    is short)."""
+    if not isinstance(model, FSDPModule):
+        return False
     if requested != "auto":
         return requested == "always"
     return optimizer_offload == "none" and fits_unsharded(model, mesh,

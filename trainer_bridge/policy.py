@@ -10,7 +10,6 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
 
 from sglang_dsv41.loader.serving import load_serving_model
 from sglang_dsv41.model.dsv4.context import DSV4Context, host_to_device
@@ -61,8 +60,8 @@ def build_policy(cfg: ModelConfig, mesh: DeviceMesh, device: torch.device, *,
                        else "none", one_rank=cfg.one_rank)
     if not trainable:
         model.eval()
-    accumulate = trainable and isinstance(model, FSDPModule) and accumulates_unsharded(
-        model, mesh, compute_dtype, cfg.accumulate_unsharded, optimizer_offload)
+    accumulate = trainable and accumulates_unsharded(model, mesh, compute_dtype,
+                                                     cfg.accumulate_unsharded, optimizer_offload)
     return Policy(model, cfg.model_path, device, serving_numerics=cfg.serving_numerics,
                   temperature=temperature, accumulate_unsharded=accumulate)
 
