@@ -280,10 +280,11 @@ def decode(batch=512, seq=8192, page=64, heads=H):
         bw = nbytes / us / 1e3
         keys = W + (0 if idx is None else idx.shape[1])
         tflops = 4 * heads * D * keys * batch / us / 1e6
+        same_us = same_bytes_copy_us(nbytes)
         print(f"  {kind:>7} K={keys - W:4d}: {us:8.1f} us  {bw:6.0f} GB/s  "
               f"{100 * bw / copy_bw:5.1f}% of copy  {tflops:6.1f} TFLOP/s | same-bytes copy "
-              f"{same_bytes_copy_us(nbytes):6.1f} us | eager call {eager_us:8.1f} us",
-              flush=True)
+              f"{same_us:6.1f} us, {100 * same_us / us:5.1f}% of its bandwidth | eager call "
+              f"{eager_us:8.1f} us", flush=True)
 
 
 def profile_module(total=4096, rows=30):
