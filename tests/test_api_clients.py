@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -260,18 +261,25 @@ def test_sglang_lang_frontend_gen_and_select(server):
 
 
 def test_sglang_router_dp_aware_manual_policy(server):
+    # min_group gives a new routing key to the DP rank with the fewest keys *in flight*, ties
+    # broken at random: the trajectories of a turn run concurrently (as in an RL rollout), else
+    # every pick is a tie and all eight land on one rank once in 128 runs.
     with SMGProcess([server.url], free_port(), ["--dp-aware", "--policy", "manual",
                                                 "--assignment-mode", "min_group"]) as smg:
         router = SMGSessionRouter(smg.url, [server.url])
         ranks: dict[str, set[int]] = {}
-        for turn in range(3):
-            for k in range(8):
-                prompt = [(k * 7 + i) % 200 + 1 for i in range(40 + 20 * turn)]
-                out = router.generate(f"traj-{k}", {"input_ids": prompt, "sampling_params": {
-                    "max_new_tokens": 2, "temperature": 0}})
-                ranks.setdefault(f"traj-{k}", set()).add(out["meta_info"]["dp_rank"])
-                if turn:  # the previous turn's whole pages are reused on the same rank
-                    assert out["meta_info"]["cached_tokens"] >= 32, out["meta_info"]
+
+        def turn_of(k: int, turn: int) -> dict:
+            prompt = [(k * 7 + i) % 200 + 1 for i in range(40 + 20 * turn)]
+            return router.generate(f"traj-{k}", {"input_ids": prompt, "sampling_params": {
+                "max_new_tokens": 16, "temperature": 0, "ignore_eos": True}})
+
+        with ThreadPoolExecutor(8) as pool:
+            for turn in range(3):
+                for k, out in enumerate(pool.map(turn_of, range(8), [turn] * 8)):
+                    ranks.setdefault(f"traj-{k}", set()).add(out["meta_info"]["dp_rank"])
+                    if turn:  # the previous turn's whole pages are reused on the same rank
+                        assert out["meta_info"]["cached_tokens"] >= 32, out["meta_info"]
         assert all(len(r) == 1 for r in ranks.values()), ranks
         assert {r for rs in ranks.values() for r in rs} == {0, 1}
         assert httpx.get(smg.url + "/health", timeout=10).status_code == 200
