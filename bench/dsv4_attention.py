@@ -259,13 +259,17 @@ def same_bytes_copy_us(nbytes: int) -> float:
     return decode_timer(lambda: dst.copy_(src))
 
 
+def copy_bandwidth() -> float:
+    """GB/s of a 1 GiB device clone (read + write): the decode's bandwidth reference."""
+    big = torch.empty(2**30, dtype=torch.uint8, device=DEV)
+    copy_ms = do_bench(lambda: big.clone())
+    return 2 * big.numel() / copy_ms / 1e6
+
+
 def decode(batch=512, seq=8192, page=64, heads=H):
     """Kernel launcher directly (dsv4_decode validates with host syncs, not timed here):
     GPU time from a CUDA graph, and the eager call (host launch cost included) next to it."""
-    big = torch.empty(2**30, dtype=torch.uint8, device=DEV)
-    copy_ms = do_bench(lambda: big.clone())
-    copy_bw = 2 * big.numel() / copy_ms / 1e6
-    del big
+    copy_bw = copy_bandwidth()
     cache, table_, lens, q, sinks, comp, picks = decode_inputs(batch, seq, page, heads)
     print(f"decode: {heads} heads, batch {batch}, {seq} cached tokens each, page {page}; copy "
           f"{copy_bw:.0f} GB/s (1 GiB clone, read + write); bytes = keys via pages + selected "
@@ -375,30 +379,41 @@ def sweep(kernels, total=4096):
 
 
 # Decode configs tried by --decode-sweep per head count: DecodeTiles(bh, bn, warps, stages,
-# splits); splits 0 = split_count's choice; the default's own config first.
+# splits); splits 0 = split_count's choice; the default's own config first. Configs that lost
+# before (fewer stages, 2 warps, two splits, 32-head blocks): bench/results/dsv4_attention_h200.txt.
+# Five stages are the fewest at which Triton 3.6 double-buffers the key tile (--decode-compile:
+# the loop's wait no longer drains every copy in flight); they lost at both head counts.
 DECODE_TRIALS = {
-    64: [(64, 64, 8, 2, 0), (32, 32, 4, 2, 0), (64, 32, 8, 2, 0), (64, 16, 8, 3, 0),
-         (32, 32, 4, 3, 0), (32, 16, 4, 3, 0), (32, 64, 4, 2, 0)],
-    8: [(16, 32, 4, 3, 0), (16, 16, 4, 4, 0), (16, 32, 4, 4, 0), (16, 32, 4, 3, 2),
-        (16, 32, 2, 3, 0), (16, 16, 2, 4, 0)],
+    64: [(64, 64, 8, 2, 0), (64, 32, 8, 5, 0), (64, 16, 8, 5, 0)],
+    8: [(16, 32, 4, 3, 0), (16, 32, 4, 5, 0), (16, 16, 4, 5, 0)],
 }
 
 
 def decode_sweep(batch=512, seq=8192, page=64):
-    """Decode tile configs per head count and layer kind (GPU time from a CUDA graph); names
-    the config with the least sliding + HCA + CSA time per head count."""
+    """Decode tile configs per head count and layer kind (GPU time from a CUDA graph, and the
+    share of the 1 GiB copy's bandwidth); names the config with the least sliding + HCA + CSA
+    time per head count."""
+    copy_bw = copy_bandwidth()
+    print(f"decode sweep: batch {batch}, {seq} cached tokens each, page {page}; copy "
+          f"{copy_bw:.0f} GB/s (1 GiB clone, read + write)", flush=True)
     for heads, trials in DECODE_TRIALS.items():
         cache, table_, lens, q, sinks, comp, picks = decode_inputs(batch, seq, page, heads)
-        totals = {}
+        totals, first_out = {}, {}
         for config in trials:
             tiles, row, total = DecodeTiles(*config), [], 0.0
             for kind, idx in picks.items():
                 try:
-                    us = decode_timer(lambda: dsv4_decode_triton(
-                        q, cache, table_, lens, sinks, W, D ** -0.5,
-                        comp if idx is not None else None, idx, tiles=tiles))
+                    def run():
+                        return dsv4_decode_triton(q, cache, table_, lens, sinks, W, D ** -0.5,
+                                                  comp if idx is not None else None, idx,
+                                                  tiles=tiles)
+                    us = decode_timer(run)
                     total += us
-                    row.append(f"{kind} {us:6.1f} us {decode_bytes(q, idx) / us / 1e3:5.0f} GB/s")
+                    bw = decode_bytes(q, idx) / us / 1e3
+                    # Each config's output against the first config's: tiles reorder the sums.
+                    diff = (run().float() - first_out.setdefault(kind, run().float())).abs()
+                    row.append(f"{kind} {us:6.1f} us {bw:5.0f} GB/s {100 * bw / copy_bw:4.1f}% "
+                               f"|d| {diff.max().item():.1e}")
                 except Exception as e:  # resource limits of a config: report and go on
                     total = float("inf")
                     row.append(f"{kind} {type(e).__name__}")

@@ -130,8 +130,10 @@ def _dsv4_decode_split_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_pt
     # defaults for sm_90 (bench/dsv4_attention.py --decode-compile), an iteration waits for
     # every copy in flight (async_wait num=0), runs the score MMA and softmax, issues the value
     # MMA, then loads the next tile's page entries and issues its key copy. That copy overlaps
-    # at most the value MMA, so each tile pays most of a load's latency. A hand rotation
-    # through registers, a persistent grid and value splits all lost (2026-11-30 in
+    # at most the value MMA. That wait is not what limits it, though: five stages, at which
+    # Triton double-buffers the key tile and keeps copies in flight across the wait, were
+    # slower at both head counts, and two stages (no prefetch) time as three. A hand rotation
+    # through registers, a persistent grid and value splits lost too (all in
     # bench/results/dsv4_attention_h200.txt).
     for i in range(t0, i_end):
         pos = lo + i * BN + offs_n
