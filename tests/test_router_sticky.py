@@ -115,6 +115,16 @@ def test_new_sessions_avoid_busy_and_kv_short_slots(engines):
     t.join()
 
 
+def test_a_rank_without_kv_stats_still_gets_new_sessions(engines):
+    # Rank 1 reports no free KV (not served yet): free KV cannot rank it, session counts do.
+    e = engines(dp_size=2, kv_free={0: 95})
+    router = StickyRouter([e.url], refresh_interval=0.0)
+    assert {turn(router, sid)["meta_info"]["route"][1] for sid in ("a", "b")} == {0, 1}
+    # With both reported, more free KV wins over fewer sessions.
+    e.kv_free[1] = 50
+    assert turn(router, "c")["meta_info"]["route"][1] == 0
+
+
 def test_failover_when_an_engine_dies(engines):
     a, b = engines(dp_size=1), engines(dp_size=1)
     router = StickyRouter([a.url, b.url])

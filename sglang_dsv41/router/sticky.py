@@ -350,10 +350,15 @@ class StickyRouter(SessionRouter):
             dead = "; ".join(f"{r.url} dp_rank {r.dp_rank}: {m}" for r, m in self._dead.items())
             raise NoEngineAvailable(f"every engine rank is dead ({dead})")
 
+        # Free KV orders slots only when every live slot reports it: a rank that has not
+        # reported yet (an engine lists a rank's stats once it served something) or never does
+        # would otherwise lose to any rank with a single free token.
+        ranked_by_free = all(s.kv_free_tokens is not None for s in live)
+
         def key(s: SlotState):
             free = s.kv_free_tokens
             short = free is not None and free < expected_tokens
-            return (short, s.in_flight, -(free if free is not None else 0), s.sessions, s.route)
+            return (short, s.in_flight, -free if ranked_by_free else 0, s.sessions, s.route)
 
         return min(live, key=key).route
 
