@@ -14,11 +14,11 @@ Rows: "core" = the attention the kernel replaces (scores, sinks, softmax, values
 q/kv/selection; the whole attention module (projections, compressor, indexer, RoPE) at the same
 shapes, both against transformers' DeepseekV4Attention with attn_implementation eager:
 "tf module" = transformers' module with our kernel registered (register_transformers_attention),
-"our module" = our model's attention module (sglang_dsv41/model/dsv4/attention.py). FLOPs count only the pairs the sparse pattern
-attends: forward 4*H*D per (query, key) pair, forward+backward 3.5x that. Eager is marked OOM
-where it runs out of memory. Decode bandwidth = bytes moved (keys, picks, q, out) / time, vs a
-1 GiB device copy; each row also times a copy of its own bytes (read + write), the memory
-system's reference at that size.
+"our module" = our model's attention module (sglang_dsv41/model/dsv4/attention.py). FLOPs count
+only the pairs the sparse pattern attends: forward 4*H*D per (query, key) pair, forward+backward
+3.5x that. Eager is marked OOM where it runs out of memory. Decode bandwidth = bytes moved (keys,
+picks, q, out) / time, vs a 1 GiB device copy; each row also times a copy of its own bytes (read
++ write), the memory system's reference at that size.
 On a machine with an older transformers, install the 5.23 wheel into a side path first:
 `pip install --no-deps --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site:$PWD python ...`.
 """

@@ -41,7 +41,9 @@ def _normalize(members: list[Sample], by_std: bool, eps: float) -> None:
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """k3 estimator of KL(pi || ref) per token: exp(ref - logp) - (ref - logp) - 1 >= 0."""
     d = ref_logp - logp
-    return torch.exp(d) - d - 1
+    # expm1: exp(d) - 1 in fp32 rounds near 1, which made |d| < 3e-4 come out below 0; the
+    # clamp takes the last ulp of expm1 (|d| < 1e-7, where the gradient is ~d anyway).
+    return (torch.expm1(d) - d).clamp_min(0)
 
 
 @dataclass
