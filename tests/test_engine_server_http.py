@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import queue
+import time
 
 import httpx
 import numpy as np
@@ -234,9 +235,11 @@ async def test_abort_metrics_and_dead_rank():
         assert any(isinstance(m, AbortReq) and d == 1 for d, m in drainer.seen)
         drainer.hold = False
         await gen(http, input_ids=[1, 2, 3], routed_dp_rank=0)
-        await asyncio.sleep(0.2)
-        text = (await http.get("/metrics")).text
-        assert 'sglang_dsv41_prompt_tokens_total{dp_rank="0"} 3.0' in text
+        deadline = time.monotonic() + 30  # the rank's stats reach the controller on their own
+        while 'sglang_dsv41_prompt_tokens_total{dp_rank="0"} 3.0' not in (
+                text := (await http.get("/metrics")).text):
+            assert time.monotonic() < deadline, text
+            await asyncio.sleep(0.02)
         assert 'sglang_dsv41_kv_cache_usage{dp_rank="0"} 0.05' in text
         assert 'sglang_dsv41_requests_total{endpoint="/generate",status="200"}' in text
         drainer.hold = True
@@ -261,8 +264,10 @@ async def test_stall_report_marks_unhealthy():
                                                  "step 9"))
         import asyncio
 
-        await asyncio.sleep(0.3)
-        r = await http.get("/health_generate")
+        deadline = time.monotonic() + 30  # until the controller has read the report
+        while (r := await http.get("/health_generate")).status_code == 200:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
         assert r.status_code == 503 and "dp_rank 1: rank 3 stuck" in r.text and "step 9" in r.text
         controller.shutdown()
 

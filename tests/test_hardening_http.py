@@ -161,8 +161,10 @@ async def test_health_fails_while_a_weight_sync_group_is_being_set_up(app):
         call = asyncio.create_task(http.post("/init_weights_update_group", json={
             "master_address": "10.255.255.1", "master_port": 1234, "rank_offset": 1,
             "world_size": 3}))
-        await asyncio.sleep(0.2)
-        r = await http.get("/health")
+        deadline = time.monotonic() + 30  # until the request has reached the blocked call
+        while (r := await http.get("/health")).status_code == 200:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
         assert r.status_code == 503 and "init_weights_update_group" in r.text
         release.set()
         assert (await call).status_code == 200

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -17,10 +18,12 @@ from sglang_dsv41.server_process import free_port
 class FakeEngine:
     """Answers /generate like the server (echoing the dp rank it was pinned to)."""
 
-    def __init__(self, dp_size: int = 2, kv_free: dict[int, int] | None = None,
-                 delay: float = 0.0):
+    def __init__(self, dp_size: int = 2, kv_free: dict[int, int] | None = None):
         self.calls: list[dict] = []
-        self.delay = delay
+        # Set: answers at once; cleared by a test, /generate waits until the test sets it again
+        # (a turn held in flight for as long as the test needs, on a machine of any speed).
+        self.release = threading.Event()
+        self.release.set()
         self.kv_free = kv_free or {d: 10_000 for d in range(dp_size)}
         app = FastAPI()
 
@@ -41,10 +44,7 @@ class FakeEngine:
             if body.get("input_ids") == [-1]:
                 return JSONResponse({"error": {"message": "bad token"}}, status_code=400)
             self.calls.append(body)
-            if self.delay:
-                import asyncio
-
-                await asyncio.sleep(self.delay)
+            await asyncio.to_thread(self.release.wait, 60)
             return {"text": "x", "output_ids": [1],
                     "meta_info": {"dp_rank": body.get("routed_dp_rank")}}
 
@@ -61,6 +61,7 @@ class FakeEngine:
             time.sleep(0.02)
 
     def stop(self) -> None:
+        self.release.set()
         self.server.should_exit = True
         self.thread.join(5)
 
@@ -99,20 +100,32 @@ def test_session_stays_on_its_engine_and_dp_rank(engines):
     assert router.route_of("s0") is None
 
 
+def in_flight_soon(router, n: int) -> None:
+    deadline = time.monotonic() + 30
+    while sum(s.in_flight for s in router.slot_states()) != n:
+        assert time.monotonic() < deadline, router.slot_states()
+        time.sleep(0.01)
+
+
 def test_new_sessions_avoid_busy_and_kv_short_slots(engines):
-    slow = engines(dp_size=2, kv_free={0: 50, 1: 10_000}, delay=0.5)
-    router = StickyRouter([slow.url], refresh_interval=0.0)
+    e = engines(dp_size=2, kv_free={0: 50, 1: 10_000})
+    router = StickyRouter([e.url], refresh_interval=0.0)
     # Slot 0 has 50 free KV tokens: a 500-token session goes to slot 1.
     assert turn(router, "big", tokens=500)["meta_info"]["route"][1] == 1
     # While "busy" runs on one slot, the next new session is placed on the idle one.
+    e.release.clear()
     t = threading.Thread(target=turn, args=(router, "busy", 10))
     t.start()
-    time.sleep(0.2)
+    in_flight_soon(router, 1)
     busy = router.route_of("busy")
-    assert [s.in_flight for s in router.slot_states() if s.route == busy] == [1]
     assert router.route_of("x") is None
-    assert tuple(turn(router, "x", 10)["meta_info"]["route"]) != (busy.url, busy.dp_rank)
-    t.join()
+    placed = threading.Thread(target=turn, args=(router, "x", 10))
+    placed.start()
+    in_flight_soon(router, 2)
+    assert router.route_of("x") != busy
+    e.release.set()
+    t.join(30)
+    placed.join(30)
 
 
 def test_a_rank_without_kv_stats_still_gets_new_sessions(engines):
@@ -140,12 +153,14 @@ def test_failover_when_an_engine_dies(engines):
 
 
 def test_pause_blocks_new_turns_and_drain_waits(engines):
-    e = engines(dp_size=1, delay=0.3)
+    e = engines(dp_size=1)
     router = StickyRouter([e.url])
+    e.release.clear()
     t = threading.Thread(target=turn, args=(router, "a"))
     t.start()
-    time.sleep(0.1)
+    in_flight_soon(router, 1)
     assert not router.drain(timeout=0.01)
+    e.release.set()
     assert router.drain(timeout=5)
     done = []
     with router.paused():
