@@ -49,8 +49,10 @@ def torchrun(out_dir: str, rollouts: str, *extra: str) -> None:
            "--master-port", str(port), "-m", "trainer_bridge.train", "--preset", "tiny",
            "rollout.source=offline", f"rollout.offline_path={rollouts}", "steps=4",
            "checkpoint_every=2", f"out_dir={out_dir}", "plots=false", "tensorboard=false",
-           # sinks frozen for steps 0-1, LR ramped at step 2, full at step 3
-           "optim.sink_frozen_frac=0.5", "optim.sink_ramp_frac=0.25", *extra]
+           # sinks frozen for steps 0-1, LR ramped at step 2, full at step 3; the learning rates
+           # the baseline was recorded with (the tiny recipe's until it moved to 5e-3)
+           "optim.sink_frozen_frac=0.5", "optim.sink_ramp_frac=0.25", "optim.lr=1e-2",
+           "optim.sink_lr=1e-2", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True, text=True)
