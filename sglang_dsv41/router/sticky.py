@@ -2,9 +2,10 @@
 
 Placement of a new session: among the live slots (one per engine and DP rank), those whose free
 KV tokens cover ``expected_tokens`` are preferred; among them the fewest in-flight turns win,
-then the most free KV tokens, then the fewest pinned sessions. Free KV and each rank's health
-come from each engine's /get_server_info (``rank_stats[dp].kv_total_tokens - kv_used_tokens``,
-``rank_health[dp].healthy``), refreshed at most every ``refresh_interval`` seconds.
+then the most free KV tokens (only when every live slot reports them), then the fewest pinned
+sessions. Free KV and each rank's health come from each engine's /get_server_info
+(``rank_stats[dp].kv_total_tokens - kv_used_tokens``, ``rank_health[dp].healthy``), refreshed
+at most every ``refresh_interval`` seconds.
 
 Health is per slot: a rank the engine reports unhealthy, or whose ``/health?dp_rank=N`` fails
 after a 5xx, is dead and only its sessions move; a transport error kills every slot of that
