@@ -8,8 +8,10 @@ sample: the end-to-end tests (test_engine_server_e2e.py) run the real ranks.
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
+import time
 
 import numpy as np
 
@@ -79,3 +81,14 @@ class QueueDrainer:
         self.out_queue.put(RankStats(dp_rank=d, num_running=0, num_queued=0, kv_used_tokens=5,
                                      kv_total_tokens=100, prefix_hit_tokens=3,
                                      prompt_tokens=self.prompt_tokens[d], step=1))
+
+
+async def poll_until(fetch, done, timeout: float = 30.0):
+    """Awaits ``fetch()`` until ``done(result)`` and returns that result: for state that reaches
+    the HTTP layer on its own (rank stats, a stall report, a call in progress); fails after
+    ``timeout`` seconds showing the last result."""
+    deadline = time.monotonic() + timeout
+    while not done(result := await fetch()):
+        assert time.monotonic() < deadline, getattr(result, "text", result)
+        await asyncio.sleep(0.02)
+    return result

@@ -5,13 +5,12 @@ from __future__ import annotations
 import base64
 import json
 import queue
-import time
 
 import httpx
 import numpy as np
 import pytest
 from engine_server_cases import BAD_BODIES, CONTEXT
-from engine_server_fakes import QueueDrainer
+from engine_server_fakes import QueueDrainer, poll_until
 
 from sglang_dsv41.engine.request_limits import RequestLimits
 from sglang_dsv41.engine.dp_controller import DPController
@@ -235,11 +234,8 @@ async def test_abort_metrics_and_dead_rank():
         assert any(isinstance(m, AbortReq) and d == 1 for d, m in drainer.seen)
         drainer.hold = False
         await gen(http, input_ids=[1, 2, 3], routed_dp_rank=0)
-        deadline = time.monotonic() + 30  # the rank's stats reach the controller on their own
-        while 'sglang_dsv41_prompt_tokens_total{dp_rank="0"} 3.0' not in (
-                text := (await http.get("/metrics")).text):
-            assert time.monotonic() < deadline, text
-            await asyncio.sleep(0.02)
+        text = (await poll_until(lambda: http.get("/metrics"), lambda r: (
+            'sglang_dsv41_prompt_tokens_total{dp_rank="0"} 3.0' in r.text))).text
         assert 'sglang_dsv41_kv_cache_usage{dp_rank="0"} 0.05' in text
         assert 'sglang_dsv41_requests_total{endpoint="/generate",status="200"}' in text
         drainer.hold = True
@@ -262,12 +258,7 @@ async def test_stall_report_marks_unhealthy():
         controller.out_queue.put(RankStats(1, 0, 0, 0, 1, 0, 0, 9, healthy=False,
                                            stall="rank 3 stuck in collective 'all_gather' at "
                                                  "step 9"))
-        import asyncio
-
-        deadline = time.monotonic() + 30  # until the controller has read the report
-        while (r := await http.get("/health_generate")).status_code == 200:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.02)
+        r = await poll_until(lambda: http.get("/health_generate"), lambda r: r.status_code != 200)
         assert r.status_code == 503 and "dp_rank 1: rank 3 stuck" in r.text and "step 9" in r.text
         controller.shutdown()
 

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 import torch
-from engine_server_fakes import QueueDrainer
+from engine_server_fakes import QueueDrainer, poll_until
 
 from sglang_dsv41.engine.request_limits import RequestLimits
 from sglang_dsv41.engine.dp_controller import DPController
@@ -161,10 +161,7 @@ async def test_health_fails_while_a_weight_sync_group_is_being_set_up(app):
         call = asyncio.create_task(http.post("/init_weights_update_group", json={
             "master_address": "10.255.255.1", "master_port": 1234, "rank_offset": 1,
             "world_size": 3}))
-        deadline = time.monotonic() + 30  # until the request has reached the blocked call
-        while (r := await http.get("/health")).status_code == 200:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.02)
+        r = await poll_until(lambda: http.get("/health"), lambda r: r.status_code != 200)
         assert r.status_code == 503 and "init_weights_update_group" in r.text
         release.set()
         assert (await call).status_code == 200
