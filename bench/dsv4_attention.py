@@ -328,16 +328,18 @@ def profile(total=4096):
               flush=True)
 
 
-# Configs tried by --sweep, per kernel: (tile, keys, warps, stages); tile = heads for fwd/ds,
-# D columns for dq/dkv/dcomp; "narrow_selection": that DSV4Blocks switch. The default's own
-# config is always tried first.
+# Configs tried by --sweep, per kernel: (tile, keys, warps, stages[, D step]); tile = heads for
+# fwd/ds, D columns for dq/dkv; D step (ds): D columns a step of its scores' loop;
+# "narrow_selection": that DSV4Blocks switch. The default's own config is always tried first.
+# Lost before (bench/results/dsv4_attention_h200.txt): the forward with its scores summed over
+# D in steps as the P/dS pass does; a separate selection dKV kernel after the P/dS pass.
 SWEEP_TRIALS = {
     "narrow_selection": [(False,), (True,)],
     "fwd": [(64, 32, 8, 3), (32, 64, 4, 2)],
-    "ds": [(32, 64, 8, 2), (64, 32, 8, 2), (32, 64, 4, 2)],
+    "ds": [(64, 64, 4, 4, 64), (64, 64, 4, 3, 32), (64, 32, 4, 3, 64), (64, 128, 4, 3, 64),
+           (64, 64, 4, 2, 128)],
     "dq": [(256, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 2)],
     "dkv": [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2)],
-    "dcomp": [(64, 64, 4, 2), (128, 32, 4, 3)],
 }
 
 
@@ -353,7 +355,7 @@ def sweep(kernels, total=4096):
     for kernel in kernels:
         names = (kernel,) if kernel == "narrow_selection" else tuple(
             f"{kernel}_{f}" for f in ("bh" if kernel in ("fwd", "ds") else "bd", "bn", "warps",
-                                      "stages"))
+                                      "stages") + (("bd",) if kernel == "ds" else ()))
         own = tuple(getattr(base, n) for n in names)
         bwd = kernel != "fwd"
         times = {}
@@ -380,15 +382,13 @@ def sweep(kernels, total=4096):
 
 # Decode configs tried by --decode-sweep per head count: DecodeTiles(bh, bn, warps, stages,
 # splits); splits 0 = split_count's choice; the default's own config first. Configs that lost
-# before (other key tiles, 4 stages, two splits, 32-head blocks, 8 warps at 8 heads):
-# bench/results/dsv4_attention_h200.txt. Five stages are the fewest at which Triton 3.6
-# double-buffers the key tile (--decode-compile: the loop's wait no longer drains every copy in
-# flight); they lost at both head counts. 2 warps at 8 heads (four programs a multiprocessor
-# by registers, some spills) are compiled but not yet timed.
+# before (other key tiles, two splits, 32-head blocks, 8 warps at 8 heads, 4 warps at 8 heads,
+# double-buffered key tiles): bench/results/dsv4_attention_h200.txt. Five stages are the fewest
+# at which Triton 3.6 double-buffers the key tile (--decode-compile: the loop's wait no longer
+# drains every copy in flight); they lost at both head counts.
 DECODE_TRIALS = {
     64: [(64, 64, 8, 2, 0), (64, 32, 8, 5, 0), (64, 16, 8, 5, 0)],
-    8: [(16, 32, 4, 3, 0), (16, 32, 4, 5, 0), (16, 16, 4, 5, 0), (16, 32, 2, 3, 0),
-        (16, 16, 2, 4, 0)],
+    8: [(16, 16, 2, 2, 0), (16, 32, 4, 3, 0), (16, 16, 2, 4, 0)],
 }
 
 

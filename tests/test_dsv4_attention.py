@@ -127,11 +127,11 @@ def test_padding_empty_selection_and_no_sinks(seed):
 
 
 def test_selection_tiles_narrower_than_the_window_tiles(seed):
-    # 32-key tiles and 3 picks: the forward and the selection dKV walk the picks in 16-key tiles
+    # 32-key tiles and 3 picks: the forward walks the picks in 16-key tiles
     # (what HCA at 4k tokens does on the GPU with 64-key tiles and 32 picks).
     lens, gen = [21, 14], torch.Generator().manual_seed(seed)
     idx, rows = csa_selection(lens, 2, 3, gen)
-    blocks = dataclasses.replace(default_blocks(4), fwd_bn=32, ds_bn=32, dq_bn=32, dcomp_bn=32)
+    blocks = dataclasses.replace(default_blocks(4), fwd_bn=32, ds_bn=32, dq_bn=32)
     assert selection_tile(idx.shape[1], blocks.fwd_bn, blocks) == 16
     _compare(lens, 4, 32, 20, torch.float32, rows, idx, blocks=blocks)
 

@@ -4,29 +4,27 @@ With P the sink-inclusive probabilities (recomputed from the saved LSE), Delta =
   dS = P * (dO @ V^T - Delta),  dQ = scale * dS @ K,
   dKV = scale * dS^T @ Q + P^T @ dO   (K = V: the latent gets both roles' gradients),
   dsink_h = -sum_t exp(sink_h - LSE_th) * Delta_th.
-Four kernels; the scores are recomputed once, not once per output:
-  * P/dS pass: one program per (token, head block) walks the token's keys as the forward does
-    and stores P and scale * dS in the operand dtype to a [T, H, window + K] buffer (slot
-    s < window: key t - window + 1 + s; slot window + j: the token's j-th selected entry; slots
-    past the token's last valid pick are neither written nor read). O(T x (window + K) x H)
-    memory, like the reference. It holds q and dO of all 64 heads, and no dQ accumulator:
-    [64 heads x D] fp32 next to them spilled registers, and 32-head blocks read every gathered
-    key twice on narrower MMAs. Split in two passes shaped like the forward (a P pass with Q,
-    then dS + dQ with dO, the dQ product on the key tile already in shared memory, both
-    pipelined in two stages) it measured slower on an H200 at 4k: 0.97 + 1.98 ms vs 1.85 ms
-    for this pass plus 0.77 ms for the dQ pass (CSA).
+Three kernels; the scores are recomputed once, not once per output:
+  * P/dS pass: one program per (token, head block) walks the token's keys as the forward does.
+    Each key tile's scores and dO @ K^T are summed over D in chunks of ds_bd columns, q, dO and
+    the key rows streamed chunk by chunk (q and dO from L2), so the loop pipelines in about
+    100 KB of shared memory; held whole (q, dO and a 64-key tile: 192 KB at 64 heads) it fit one
+    stage and waited on every gather (H200, 4k CSA: 1.84 ms for the pass then, fwd+bwd 6.30 vs
+    5.86 ms chunked). It stores scale * dS in the operand dtype to a [T, H, window + K] buffer
+    (slot s < window: key t - window + 1 + s; slot window + j: the token's j-th selected entry;
+    slots past the token's last valid pick are neither written nor read) and P of the window
+    slots to a [T, H, window] one. A selection tile's dKV, scale * dS^T @ q + P^T @ dO, is added
+    right there, chunk by chunk, into an fp32 buffer with relaxed atomics (a compressed entry is
+    picked by arbitrary tokens; the order of those adds is not fixed): as a kernel of its own
+    the adds were bound by the atomics in L2 (1.42 ms at 4k CSA, 1.57M (token, pick) pairs x 512
+    columns) with the tensor cores idle; inside this pass they overlap its MMAs (fwd+bwd 5.30
+    vs 5.86 ms), and P of the selection slots is never stored.
   * dQ pass: one program per (token, head block, D columns) sums scale*dS @ K over the token's
     keys from that buffer.
   * window dKV, key-major: one program per (block of keys, D columns) loops over the queries
     that see those keys (k .. k + window - 1) and sums scale*dS^T @ Q + P^T @ dO over all heads
     with tensor-core tiles [keys x heads] x [heads x D]. Each key is owned by one program: no
     atomics, fixed summation order.
-  * selection dKV, token-major: a compressed entry is picked by arbitrary tokens, so each
-    (token, D columns) program adds its [K x D] tile into an fp32 buffer with relaxed atomics
-    (summation order of those adds is not fixed). Bound by the atomics in L2 (already 16-byte
-    red.v4: 1.42 ms at 4k CSA, 1.57M (token, pick) pairs x 512 columns); an entry-major sum
-    without atomics would read a picking token's [H x D] rows of Q and dO once per pick rather
-    than once per token, and a dense key-major pass over all causal entries once per entry block.
 dsink is reduced in torch from per-(token, head) terms: deterministic, no atomics.
 """
 
@@ -37,60 +35,89 @@ import triton
 import triton.language as tl
 
 from .dsv4_reference import sequence_first_rows
-from .dsv4_triton_forward import (DSV4Blocks, _load_keys, default_blocks, dsv4_forward,
-                                  selection_or_empty, selection_tile)
+from .dsv4_triton_forward import (DSV4Blocks, _key_rows, _load_keys, default_blocks,
+                                  dsv4_forward, selection_or_empty)
 from .triton_common import LOG2E, dot_precision, mma, to_dtype
 
 
 @triton.jit
-def _ds_tile(q, do, lse, delta, kv_ptr, comp_ptr, idx_ptr, p_ptr, ds_ptr, prow, slot_base, t, n,
-             hi, num_sel, stride_kv, stride_c, stride_idx, offs_n, offs_d, dmask, hmask,
-             qk_scale, scale, IS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
-    """P and scale * dS of key tile n into buffer slots n - slot_base + [0, BN); invalid keys
-    are not stored."""
-    k, valid, _ = _load_keys(kv_ptr, comp_ptr, idx_ptr, t, n, hi, num_sel, stride_kv, stride_c,
-                             stride_idx, offs_n, offs_d, dmask, IS_WINDOW)
-    s = mma(q, tl.trans(k), DOT_PREC) * qk_scale
-    p = tl.where(valid[None, :], tl.exp2(s - lse[:, None]), 0.0)
-    ds = p * (mma(do, tl.trans(k), DOT_PREC) - delta[:, None])
-    ptrs = prow[:, None] + (n + offs_n - slot_base)[None, :]
+def _head_cols(ptr, qrow, cols, hmask, cmask):
+    """-> [heads, chunk] of a [T, H, D] tensor: token row offsets qrow, columns cols."""
+    return tl.load(ptr + qrow[:, None] + cols[None, :], mask=hmask[:, None] & cmask[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _ds_tile(q_ptr, do_ptr, qrow, lse, delta, kv_ptr, comp_ptr, idx_ptr, p_ptr, ds_ptr,
+             dcomp_ptr, t, n, hi, D, window, num_sel, stride_kv, stride_c, stride_idx, offs_n,
+             hmask, offs_h, H, qk_scale, scale, BH: tl.constexpr, BN: tl.constexpr,
+             BC: tl.constexpr, IS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Key tile n of token t: scale * dS to its slots; a window tile's P to its slots, a
+    selection tile's dKV added into dcomp (module docstring)."""
+    base, valid, row = _key_rows(kv_ptr, comp_ptr, idx_ptr, t, n, hi, num_sel, stride_kv,
+                                 stride_c, stride_idx, offs_n, IS_WINDOW)
+    offs_c = tl.arange(0, BC)
+    s = tl.zeros([BH, BN], tl.float32)
+    dp = tl.zeros([BH, BN], tl.float32)
+    for c in range(0, D, BC):
+        cols = c + offs_c
+        cmask = cols < D
+        k = tl.load(base + cols[None, :], mask=valid[:, None] & cmask[None, :], other=0.0)
+        s += mma(_head_cols(q_ptr, qrow, cols, hmask, cmask), tl.trans(k), DOT_PREC)
+        dp += mma(_head_cols(do_ptr, qrow, cols, hmask, cmask), tl.trans(k), DOT_PREC)
+    p = tl.where(valid[None, :], tl.exp2(s * qk_scale - lse[:, None]), 0.0)
+    dtype = ds_ptr.dtype.element_ty
+    ds = to_dtype(p * (dp - delta[:, None]) * scale, dtype, DOT_PREC)
+    p = to_dtype(p, dtype, DOT_PREC)
     smask = hmask[:, None] & valid[None, :]
-    tl.store(p_ptr + ptrs, to_dtype(p, k.dtype, DOT_PREC), mask=smask)
-    tl.store(ds_ptr + ptrs, to_dtype(ds * scale, k.dtype, DOT_PREC), mask=smask)
+    row_th = t.to(tl.int64) * H + offs_h
+    if IS_WINDOW:
+        slot = n + offs_n - (t + 1 - window)
+        tl.store(ds_ptr + (row_th * (window + num_sel))[:, None] + slot[None, :], ds, mask=smask)
+        tl.store(p_ptr + (row_th * window)[:, None] + slot[None, :], p, mask=smask)
+    else:
+        slot = window + n + offs_n
+        tl.store(ds_ptr + (row_th * (window + num_sel))[:, None] + slot[None, :], ds, mask=smask)
+        for c in range(0, D, BC):
+            cols = c + offs_c
+            cmask = cols < D
+            dc = mma(tl.trans(ds), _head_cols(q_ptr, qrow, cols, hmask, cmask), DOT_PREC) \
+                + mma(tl.trans(p), _head_cols(do_ptr, qrow, cols, hmask, cmask), DOT_PREC)
+            tl.atomic_add(dcomp_ptr + row[:, None].to(tl.int64) * D + cols[None, :], dc,
+                          mask=valid[:, None] & cmask[None, :], sem="relaxed")
 
 
 @triton.jit
 def _dsv4_ds_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, first_ptr, do_ptr, o_ptr, lse_ptr,
-                    delta_ptr, p_ptr, ds_ptr, H, D, window, num_sel, qk_scale, scale, stride_qt,
-                    stride_qh, stride_kv, stride_c, stride_idx, BH: tl.constexpr,
-                    BN: tl.constexpr, BD: tl.constexpr, DOT_PREC: tl.constexpr):
+                    delta_ptr, p_ptr, ds_ptr, dcomp_ptr, H, D, window, num_sel, qk_scale, scale,
+                    stride_qt, stride_qh, stride_kv, stride_c, stride_idx, BH: tl.constexpr,
+                    BN: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr):
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
-    offs_d = tl.arange(0, BD)
+    offs_c = tl.arange(0, BC)
     offs_n = tl.arange(0, BN)
     hmask = offs_h < H
-    dmask = offs_d < D
-    qo = t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
-    qmask = hmask[:, None] & dmask[None, :]
-    q = tl.load(q_ptr + qo, mask=qmask, other=0.0)
-    do = tl.load(do_ptr + qo, mask=qmask, other=0.0)
+    qrow = t.to(tl.int64) * stride_qt + offs_h * stride_qh
     lse = tl.load(lse_ptr + t * H + offs_h, mask=hmask, other=float("inf"))
     # Delta here rather than in torch: saves fp32 copies of dO and O (1.3 ms at 4k on an H200).
-    o = tl.load(o_ptr + qo, mask=qmask, other=0.0)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    delta = tl.zeros([BH], tl.float32)
+    for c in range(0, D, BC):
+        cols = c + offs_c
+        cmask = cols < D
+        do = _head_cols(do_ptr, qrow, cols, hmask, cmask)
+        delta += tl.sum(do.to(tl.float32) * _head_cols(o_ptr, qrow, cols, hmask, cmask)
+                        .to(tl.float32), 1)
     tl.store(delta_ptr + t * H + offs_h, delta, mask=hmask)
-    # Row (t, h) of the P / dS buffers; slots as in the module docstring.
-    prow = (t.to(tl.int64) * H + offs_h) * (window + num_sel)
     hi = t + 1
     lo = tl.maximum(tl.load(first_ptr + t), t + 1 - window)
     for n in range(lo, hi, BN):
-        _ds_tile(q, do, lse, delta, kv_ptr, comp_ptr, idx_ptr, p_ptr, ds_ptr, prow,
-                 t + 1 - window, t, n, hi, num_sel, stride_kv, stride_c, stride_idx,
-                 offs_n, offs_d, dmask, hmask, qk_scale, scale, True, DOT_PREC)
+        _ds_tile(q_ptr, do_ptr, qrow, lse, delta, kv_ptr, comp_ptr, idx_ptr, p_ptr, ds_ptr,
+                 dcomp_ptr, t, n, hi, D, window, num_sel, stride_kv, stride_c, stride_idx, offs_n,
+                 hmask, offs_h, H, qk_scale, scale, BH, BN, BC, True, DOT_PREC)
     for n in range(0, tl.load(end_ptr + t), BN):
-        _ds_tile(q, do, lse, delta, kv_ptr, comp_ptr, idx_ptr, p_ptr, ds_ptr, prow, -window,
-                 t, n, hi, num_sel, stride_kv, stride_c, stride_idx, offs_n, offs_d, dmask,
-                 hmask, qk_scale, scale, False, DOT_PREC)
+        _ds_tile(q_ptr, do_ptr, qrow, lse, delta, kv_ptr, comp_ptr, idx_ptr, p_ptr, ds_ptr,
+                 dcomp_ptr, t, n, hi, D, window, num_sel, stride_kv, stride_c, stride_idx, offs_n,
+                 hmask, offs_h, H, qk_scale, scale, BH, BN, BC, False, DOT_PREC)
 
 
 @triton.jit
@@ -151,17 +178,17 @@ def _dsv4_dkv_window_kernel(q_ptr, do_ptr, p_ptr, ds_ptr, first_ptr, dkv_ptr, T,
     kmask = offs_k < T
     hmask = offs_h < H
     dmask = offs_d < D
-    slots = window + num_sel
     acc = tl.zeros([BN, BD], tl.float32)
     k_first = tl.program_id(0) * BN
     # Query t sees key k when first[t] <= k <= t < k + window.
     for t in range(k_first, tl.minimum(k_first + BN - 1 + window, T)):
         slot = offs_k - (t + 1 - window)
         valid = kmask & (offs_k <= t) & (slot >= 0) & (offs_k >= tl.load(first_ptr + t))
-        ptrs = ((tl.cast(t, tl.int64) * H + offs_h) * slots)[:, None] + slot[None, :]
+        row_th = tl.cast(t, tl.int64) * H + offs_h
         pmask = hmask[:, None] & valid[None, :]
-        p = tl.load(p_ptr + ptrs, mask=pmask, other=0.0)
-        ds = tl.load(ds_ptr + ptrs, mask=pmask, other=0.0)
+        p = tl.load(p_ptr + (row_th * window)[:, None] + slot[None, :], mask=pmask, other=0.0)
+        ds = tl.load(ds_ptr + (row_th * (window + num_sel))[:, None] + slot[None, :], mask=pmask,
+                     other=0.0)
         q, do = _token_rows(q_ptr, do_ptr, t, offs_h, offs_d, hmask, dmask, stride_qt, stride_qh)
         acc += mma(tl.trans(ds), q, DOT_PREC)
         acc += mma(tl.trans(p), do, DOT_PREC)
@@ -169,50 +196,26 @@ def _dsv4_dkv_window_kernel(q_ptr, do_ptr, p_ptr, ds_ptr, first_ptr, dkv_ptr, T,
              acc.to(dkv_ptr.dtype.element_ty), mask=kmask[:, None] & dmask[None, :])
 
 
-@triton.jit
-def _dsv4_dcomp_kernel(q_ptr, do_ptr, p_ptr, ds_ptr, idx_ptr, end_ptr, dcomp_ptr, H, D, window,
-                       num_sel, stride_qt, stride_qh, stride_idx, BN: tl.constexpr,
-                       BHH: tl.constexpr, BD: tl.constexpr, DOT_PREC: tl.constexpr):
-    t = tl.program_id(0)
-    offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
-    offs_h = tl.arange(0, BHH)
-    offs_n = tl.arange(0, BN)
-    hmask = offs_h < H
-    dmask = offs_d < D
-    q, do = _token_rows(q_ptr, do_ptr, t, offs_h, offs_d, hmask, dmask, stride_qt, stride_qh)
-    prow = (t.to(tl.int64) * H + offs_h) * (window + num_sel) + window
-    # Slots past sel_end[t] were not visited by the query pass and hold nothing.
-    for n in range(0, tl.load(end_ptr + t), BN):
-        j = n + offs_n
-        row = tl.load(idx_ptr + t * stride_idx + j, mask=j < num_sel, other=-1)
-        valid = row >= 0
-        pmask = hmask[:, None] & valid[None, :]
-        p = tl.load(p_ptr + prow[:, None] + j[None, :], mask=pmask, other=0.0)
-        ds = tl.load(ds_ptr + prow[:, None] + j[None, :], mask=pmask, other=0.0)
-        dc = mma(tl.trans(ds), q, DOT_PREC) + mma(tl.trans(p), do, DOT_PREC)
-        tl.atomic_add(dcomp_ptr + row[:, None].to(tl.int64) * D + offs_d[None, :], dc,
-                      mask=valid[:, None] & dmask[None, :], sem="relaxed")
-
-
 def dsv4_backward(q, kv, sinks, first_rows, window, scale, comp_kv, comp_idx, sel_end, out,
                   lse, dout, blocks: DSV4Blocks):
     """-> (dq, dkv, dsinks or None, dcomp_kv) for contiguous inputs saved by the forward."""
     total, heads, dim = q.shape
     dout = dout.contiguous()
-    delta = q.new_empty(total, heads, dtype=torch.float32)  # rowsum(dO * O), by the dQ kernel
+    delta = q.new_empty(total, heads, dtype=torch.float32)  # rowsum(dO * O), by the P/dS pass
     dq = torch.empty_like(q)
     dcomp32 = torch.zeros(comp_kv.shape[0], dim, device=q.device, dtype=torch.float32)
     if total == 0:
         return dq, torch.zeros_like(kv), _dsinks(sinks, lse, delta), dcomp32.to(comp_kv.dtype)
     bd, prec, num_sel = triton.next_power_of_2(dim), dot_precision(q.dtype), comp_idx.shape[1]
-    # P and scale*dS in the MMA operand dtype (what the old fused kernel fed its MMAs too).
-    p_buf = torch.empty(total, heads, window + num_sel, device=q.device, dtype=q.dtype)
-    ds_buf = torch.empty_like(p_buf)
+    # scale*dS and the window's P in the MMA operand dtype (what the MMAs read).
+    ds_buf = torch.empty(total, heads, window + num_sel, device=q.device, dtype=q.dtype)
+    p_buf = torch.empty(total, heads, window, device=q.device, dtype=q.dtype)
     _dsv4_ds_kernel[(total, triton.cdiv(heads, blocks.ds_bh))](
         q, kv, comp_kv, comp_idx, sel_end, first_rows, dout, out, lse, delta, p_buf, ds_buf,
-        heads, dim, window, num_sel, scale * LOG2E, scale, q.stride(0), q.stride(1), kv.stride(0),
-        comp_kv.stride(0), comp_idx.stride(0), BH=blocks.ds_bh, BN=blocks.ds_bn, BD=bd,
-        DOT_PREC=prec, num_warps=blocks.ds_warps, num_stages=blocks.ds_stages)
+        dcomp32, heads, dim, window, num_sel, scale * LOG2E, scale, q.stride(0), q.stride(1),
+        kv.stride(0), comp_kv.stride(0), comp_idx.stride(0), BH=blocks.ds_bh, BN=blocks.ds_bn,
+        BC=min(blocks.ds_bd, bd), DOT_PREC=prec, num_warps=blocks.ds_warps,
+        num_stages=blocks.ds_stages)
     dq_cols = min(blocks.dq_bd, bd)
     _dsv4_dq_kernel[(total, triton.cdiv(heads, blocks.dq_bh), triton.cdiv(dim, dq_cols))](
         ds_buf, kv, comp_kv, comp_idx, sel_end, first_rows, dq, heads, dim, window, num_sel,
@@ -227,13 +230,6 @@ def dsv4_backward(q, kv, sinks, first_rows, window, scale, comp_kv, comp_idx, se
     _dsv4_dkv_window_kernel[(triton.cdiv(total, blocks.dkv_bn), triton.cdiv(dim, cols))](
         q, dout, p_buf, ds_buf, first_rows, dkv, total, heads, dim, window, num_sel, q.stride(0),
         q.stride(1), **launch)
-    if num_sel:
-        cols = min(blocks.dcomp_bd, bd)
-        _dsv4_dcomp_kernel[(total, triton.cdiv(dim, cols))](
-            q, dout, p_buf, ds_buf, comp_idx, sel_end, dcomp32, heads, dim, window, num_sel,
-            q.stride(0), q.stride(1), comp_idx.stride(0),
-            BN=selection_tile(num_sel, blocks.dcomp_bn, blocks), BHH=bhh, BD=cols,
-            DOT_PREC=prec, num_warps=blocks.dcomp_warps, num_stages=blocks.dcomp_stages)
     return dq, dkv, _dsinks(sinks, lse, delta), dcomp32.to(comp_kv.dtype)
 
 

@@ -30,9 +30,10 @@ from .triton_common import LOG2E, dot_precision, interpreting, mma, to_dtype
 @dataclass(frozen=True)
 class DSV4Blocks:
     """Tile sizes of the DSV4 kernels: heads per program (bh), keys per tile (bn), D columns per
-    program (bd), warps, stages. fwd: forward; ds: the backward's P/dS pass; dq: dQ = dS @ K;
-    dkv / dcomp: window / selection dKV (all heads at once, split over D). narrow_selection: the
-    forward's and the selection dKV's selection tiles narrow when K is small (selection_tile)."""
+    program (bd; the P/dS pass: D columns per step of its scores' loop), warps, stages. fwd:
+    forward; ds: the backward's P/dS pass (which also adds the selection dKV); dq: dQ = dS @ K;
+    dkv: window dKV (all heads at once, split over D). narrow_selection: the forward's selection
+    tiles narrow when K is small (selection_tile)."""
 
     fwd_bh: int = 64
     fwd_bn: int = 64
@@ -40,8 +41,9 @@ class DSV4Blocks:
     fwd_stages: int = 2
     ds_bh: int = 64
     ds_bn: int = 64
-    ds_warps: int = 8
-    ds_stages: int = 1
+    ds_bd: int = 64
+    ds_warps: int = 4
+    ds_stages: int = 3
     dq_bh: int = 64
     dq_bd: int = 128
     dq_bn: int = 64
@@ -51,10 +53,6 @@ class DSV4Blocks:
     dkv_bn: int = 64
     dkv_warps: int = 4
     dkv_stages: int = 2
-    dcomp_bd: int = 128
-    dcomp_bn: int = 64
-    dcomp_warps: int = 4
-    dcomp_stages: int = 2
     narrow_selection: bool = True
 
     def __post_init__(self):
@@ -76,26 +74,38 @@ def default_blocks(heads: int) -> DSV4Blocks:
         return INTERPRET_BLOCKS
     # Best of small sweeps at 64 heads, D 512, 4k CSA on one H200 (bench/dsv4_attention.py
     # --sweep, saved in bench/results/dsv4_attention_h200.txt): forward 64 keys per tile 1.39 ms
-    # vs 1.74 ms at 32; P/dS pass all 64 heads, 64 keys, 1 stage (2 stages exceed shared
-    # memory): fwd+bwd 6.30 ms vs 7.23 ms with 32-head blocks.
+    # vs 1.74 ms at 32 (scores summed over D in chunks, as the P/dS pass does: 1.46-1.53 ms);
+    # P/dS pass all 64 heads (32-head blocks read every gathered key twice), 64 keys, 64-column
+    # steps, 4 warps, 3 stages: fwd+bwd 5.30 ms vs 5.36-6.22 ms for 128-column steps, 32-column
+    # steps or 32-key tiles.
     bh = max(16, min(64, triton.next_power_of_2(heads)))
     return DSV4Blocks(fwd_bh=bh, ds_bh=bh, dq_bh=bh)
+
+
+@triton.jit
+def _key_rows(kv_ptr, comp_ptr, idx_ptr, t, n, hi, num_sel, stride_kv, stride_c, stride_idx,
+              offs_n, IS_WINDOW: tl.constexpr):
+    """-> (row pointers [BN, 1], valid [BN], row [BN]) of tile n of a token's window or
+    selection."""
+    if IS_WINDOW:
+        row = n + offs_n
+        valid = row < hi
+        base = kv_ptr + row[:, None].to(tl.int64) * stride_kv
+    else:
+        j = n + offs_n
+        row = tl.load(idx_ptr + t * stride_idx + j, mask=j < num_sel, other=-1)
+        valid = row >= 0
+        base = comp_ptr + row[:, None].to(tl.int64) * stride_c
+    return base, valid, row
 
 
 @triton.jit
 def _load_keys(kv_ptr, comp_ptr, idx_ptr, t, n, hi, num_sel, stride_kv, stride_c, stride_idx,
                offs_n, offs_d, dmask, IS_WINDOW: tl.constexpr):
     """-> (keys [BN, BD], valid [BN], row [BN]) of tile n of a token's window or selection."""
-    if IS_WINDOW:
-        row = n + offs_n
-        valid = row < hi
-        ptrs = kv_ptr + row[:, None].to(tl.int64) * stride_kv + offs_d[None, :]
-    else:
-        j = n + offs_n
-        row = tl.load(idx_ptr + t * stride_idx + j, mask=j < num_sel, other=-1)
-        valid = row >= 0
-        ptrs = comp_ptr + row[:, None].to(tl.int64) * stride_c + offs_d[None, :]
-    keys = tl.load(ptrs, mask=valid[:, None] & dmask[None, :], other=0.0)
+    base, valid, row = _key_rows(kv_ptr, comp_ptr, idx_ptr, t, n, hi, num_sel, stride_kv,
+                                 stride_c, stride_idx, offs_n, IS_WINDOW)
+    keys = tl.load(base + offs_d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
     return keys, valid, row
 
 
@@ -155,9 +165,9 @@ def _dsv4_fwd_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_ptr, first_
 def selection_tile(num_sel: int, bn: int, blocks: DSV4Blocks) -> int:
     """Keys per tile of a selection loop: bn, or the narrowest power of two >= 16 that holds
     every token's picks when that is less (HCA at 4k tokens: 32 picks, so a 64-key tile spends
-    half its MMA on padding). Used by the forward and the selection dKV only: the P/dS and dQ
-    passes with a second, narrower tile shape in one kernel took more registers (dQ: 222 vs
-    128 per thread) and ran slower (H200, 4k HCA: dQ 0.44 vs 0.32 ms; forward 0.52 vs 0.61 ms)."""
+    half its MMA on padding). Used by the forward only: the P/dS and dQ passes with a second,
+    narrower tile shape in one kernel took more registers (dQ: 222 vs 128 per thread) and ran
+    slower (H200, 4k HCA: dQ 0.44 vs 0.32 ms; forward 0.52 vs 0.61 ms)."""
     if not blocks.narrow_selection or num_sel == 0:
         return bn
     return max(16, min(bn, triton.next_power_of_2(num_sel)))
