@@ -332,7 +332,8 @@ def profile(total=4096):
 # fwd/ds, D columns for dq/dkv; D step (ds): D columns a step of its scores' loop;
 # "narrow_selection": that DSV4Blocks switch. The default's own config is always tried first.
 # Lost before (bench/results/dsv4_attention_h200.txt): the forward with its scores summed over
-# D in steps as the P/dS pass does; a separate selection dKV kernel after the P/dS pass.
+# D in steps as the P/dS pass does; a separate selection dKV kernel after the P/dS pass; window
+# dKV programs of 256-512 columns or 128 keys (fewer re-reads of q and dO, 11-190% slower).
 SWEEP_TRIALS = {
     "narrow_selection": [(False,), (True,)],
     "fwd": [(64, 32, 8, 3), (32, 64, 4, 2)],
