@@ -60,10 +60,9 @@ def default_tiles(heads: int) -> DecodeTiles:
     # 92 / 128 / 319 us for two 32-head blocks sharing keys through L2, 89 / 125 / 324 with
     # 32-key and 114 / 163 / 452 with 16-key tiles. 8 heads: one split (a second one costs
     # 30-40%: partial outputs and the combine); 2 warps, 16-key tiles, 2 stages: 34 / 52 / 128
-    # us vs 38 / 57 / 132 us for 4 warps and 32-key tiles (two 2-warp programs, at 16 heads
-    # x D 512 of fp32 accumulator, fit where one 4-warp program did; 3-5 stages time the same
-    # or worse). Other designs that lost: see the window loop's comment in
-    # _dsv4_decode_split_kernel.
+    # us vs 38 / 57 / 132 us for 4 warps and 32-key tiles (by registers four 2-warp programs
+    # fit a multiprocessor, two 4-warp ones; 3-5 stages time the same or worse). Other designs
+    # that lost: see the window loop's comment in _dsv4_decode_split_kernel.
     if heads > 16:
         return DecodeTiles(bh=64, bn=64, warps=8, stages=2)
     return DecodeTiles(bh=16, bn=16, warps=2, stages=2)
