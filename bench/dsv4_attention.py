@@ -3,6 +3,8 @@ our Triton kernels vs transformers' eager DeepseekV4 attention, per layer kind, 
 
     python bench/dsv4_attention.py                 # the table (4k, 16k, 64k) and decode
     python bench/dsv4_attention.py --sweep [dkv..] # only: tile configs at 4k CSA and HCA
+    python bench/dsv4_attention.py --heads 16 --sweep  # the same at 16 heads (the small preset)
+    python bench/dsv4_attention.py --heads 16 --ab-rounds 3  # only: old vs default tiles
     python bench/dsv4_attention.py --decode-sweep  # only: decode tile configs
     python bench/dsv4_attention.py --decode-compile  # only, no GPU: decode kernels for sm_90
     python bench/dsv4_attention.py --lengths 4096  # fewer lengths
@@ -29,12 +31,13 @@ import argparse
 import types
 
 import torch
+import triton
 from triton.testing import do_bench
 
 from sglang_dsv41.attention import register_transformers_attention
 from sglang_dsv41.attention.dsv4_triton_decode import DecodeTiles, dsv4_decode_triton
 from sglang_dsv41.attention.dsv4_triton_backward import dsv4_attention_triton
-from sglang_dsv41.attention.dsv4_triton_forward import default_blocks
+from sglang_dsv41.attention.dsv4_triton_forward import DSV4Blocks, default_blocks
 
 H, D, W, DEV, DT = 64, 512, 128, "cuda", torch.bfloat16
 KINDS = {"sliding": None, "CSA": 4, "HCA": 128}
@@ -328,19 +331,32 @@ def profile(total=4096):
               flush=True)
 
 
-# Configs tried by --sweep, per kernel: (tile, keys, warps, stages[, D step]); tile = heads for
+# Configs tried by --sweep, per head count (--heads) and kernel: (tile, keys, warps, stages[, D
+# step]); tile = heads for
 # fwd/ds, D columns for dq/dkv; D step (ds): D columns a step of its scores' loop;
 # "narrow_selection": that DSV4Blocks switch. The default's own config is always tried first.
 # Lost before (bench/results/dsv4_attention_h200.txt): the forward with its scores summed over
 # D in steps as the P/dS pass does; a separate selection dKV kernel after the P/dS pass; window
 # dKV programs of 256-512 columns or 128 keys (fewer re-reads of q and dO, 11-190% slower).
 SWEEP_TRIALS = {
-    "narrow_selection": [(False,), (True,)],
-    "fwd": [(64, 32, 8, 3), (32, 64, 4, 2)],
-    "ds": [(64, 64, 4, 4, 64), (64, 64, 4, 3, 32), (64, 32, 4, 3, 64), (64, 128, 4, 3, 64),
-           (64, 64, 4, 2, 128)],
-    "dq": [(256, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 2)],
-    "dkv": [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2)],
+    64: {
+        "narrow_selection": [(False,), (True,)],
+        "fwd": [(64, 32, 8, 3), (32, 64, 4, 2)],
+        "ds": [(64, 64, 4, 4, 64), (64, 64, 4, 3, 32), (64, 32, 4, 3, 64), (64, 128, 4, 3, 64),
+               (64, 64, 4, 2, 128)],
+        "dq": [(256, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 2)],
+        "dkv": [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2)],
+    },
+    16: {  # the small preset's heads
+        "narrow_selection": [(False,), (True,)],
+        "fwd": [(16, 64, 8, 2), (16, 64, 4, 3), (16, 128, 4, 2), (16, 32, 2, 3), (16, 128, 8, 2)],
+        "ds": [(16, 64, 4, 3, 64), (16, 128, 4, 3, 64), (16, 64, 4, 3, 128), (16, 128, 4, 3, 128),
+               (16, 128, 8, 3, 64), (16, 64, 4, 4, 64), (16, 32, 2, 3, 128)],
+        "dq": [(256, 64, 4, 2), (512, 64, 8, 2), (128, 128, 4, 2), (64, 64, 4, 2),
+               (256, 32, 4, 3)],
+        "dkv": [(256, 64, 4, 2), (128, 128, 4, 2), (64, 64, 4, 2), (128, 64, 4, 3),
+                (256, 64, 8, 2)],
+    },
 }
 
 
@@ -360,7 +376,7 @@ def sweep(kernels, total=4096):
         own = tuple(getattr(base, n) for n in names)
         bwd = kernel != "fwd"
         times = {}
-        for config in [own] + [c for c in SWEEP_TRIALS[kernel] if c != own]:
+        for config in [own] + [c for c in SWEEP_TRIALS[H][kernel] if c != own]:
             blocks = dataclasses.replace(base, **dict(zip(names, config)))
             row, both = [], 0.0
             for kind in ins:
@@ -379,6 +395,20 @@ def sweep(kernels, total=4096):
         best = best if times[best] < 0.98 * times[own] else own
         print(f"best {kernel}: " + " ".join(f"{n}={v}" for n, v in zip(names, best)),
               flush=True)
+
+
+def ab_rounds(rounds, total=4096):
+    """The cores of every kind, fwd+bwd, in rounds alternating the 64-head tiles (at this head
+    count's blocks) with default_blocks(H): tiles chosen at another head count, against the old."""
+    bh = max(16, min(64, triton.next_power_of_2(H)))
+    configs = {"64-head tiles": DSV4Blocks(fwd_bh=bh, ds_bh=bh, dq_bh=bh),
+               f"default_blocks({H})": default_blocks(H)}
+    ins = {kind: core_inputs(kind, total) for kind in KINDS}
+    for rnd in range(rounds):
+        for name, blocks in configs.items():
+            row = [f"{kind} {do_bench(ours_core(*x, blocks=blocks), warmup=25, rep=200):.3f}"
+                   for kind, x in ins.items()]
+            print(f"round {rnd} {name:18s}: " + "  ".join(row) + " ms", flush=True)
 
 
 # Decode configs tried by --decode-sweep per head count: DecodeTiles(bh, bn, warps, stages,
@@ -439,7 +469,6 @@ def decode_compile_report(arch=90):
     import tempfile
     from pathlib import Path
 
-    import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -477,9 +506,14 @@ def decode_compile_report(arch=90):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sweep", nargs="*", choices=sorted(SWEEP_TRIALS), default=None,
+    parser.add_argument("--sweep", nargs="*", choices=sorted(SWEEP_TRIALS[H]), default=None,
                         help="only: tile sweeps of these kernels (all when none named)")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--heads", type=int, default=H, choices=sorted(SWEEP_TRIALS),
+                        help="heads of --sweep and --ab-rounds")
+    parser.add_argument("--ab-rounds", type=int, default=0,
+                        help="only: this many rounds of the 4k cores, 64-head tiles vs "
+                             "default_blocks(--heads)")
     parser.add_argument("--profile-module", action="store_true",
                         help="only: our attention module per kind, time and op split at 4k")
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536])
@@ -493,17 +527,18 @@ if __name__ == "__main__":
                              "configs compiled for sm_90")
     args = parser.parse_args()
     if args.decode_compile:
-        import triton
-
         print("triton", triton.__version__, "sm_90, no GPU")
         decode_compile_report()
         raise SystemExit
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
-    if args.profile_module:
+    H = args.heads
+    if args.ab_rounds:
+        ab_rounds(args.ab_rounds)
+    elif args.profile_module:
         profile_module(args.lengths[0])
     elif args.profile or args.sweep is not None or args.decode_sweep:
         if args.sweep is not None:
-            sweep(args.sweep or sorted(SWEEP_TRIALS))
+            sweep(args.sweep or sorted(SWEEP_TRIALS[H]))
         if args.profile:
             profile()
             if not args.core_only:

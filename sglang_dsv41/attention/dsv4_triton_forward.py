@@ -78,7 +78,12 @@ def default_blocks(heads: int) -> DSV4Blocks:
     # P/dS pass all 64 heads (32-head blocks read every gathered key twice), 64 keys, 64-column
     # steps, 4 warps, 3 stages: fwd+bwd 5.30 ms vs 5.36-6.22 ms for 128-column steps, 32-column
     # steps or 32-key tiles.
-    bh = max(16, min(64, triton.next_power_of_2(heads)))
+    if heads <= 16:
+        # 16 heads (the small preset), same sweeps: CSA fwd+bwd 2.49 vs 2.72 ms with the 64-head
+        # tiles (forward 32-key tiles on 4 warps, the P/dS pass on 2 warps). The bench's HCA and
+        # sliding cores at 16 heads vary 0.98-1.76 ms run to run, too much to decide by.
+        return DSV4Blocks(fwd_bh=16, fwd_bn=32, fwd_warps=4, ds_bh=16, ds_warps=2, dq_bh=16)
+    bh = min(64, triton.next_power_of_2(heads))
     return DSV4Blocks(fwd_bh=bh, ds_bh=bh, dq_bh=bh)
 
 
