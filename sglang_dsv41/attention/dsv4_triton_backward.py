@@ -5,20 +5,20 @@ With P the sink-inclusive probabilities (recomputed from the saved LSE), Delta =
   dKV = scale * dS^T @ Q + P^T @ dO   (K = V: the latent gets both roles' gradients),
   dsink_h = -sum_t exp(sink_h - LSE_th) * Delta_th.
 Three kernels; the scores are recomputed once, not once per output:
-  * P/dS pass: one program per (token, head block) walks the token's keys as the forward does.
-    Each key tile's scores and dO @ K^T are summed over D in chunks of ds_bd columns, q, dO and
-    the key rows streamed chunk by chunk (q and dO from L2), so the loop pipelines in about
-    100 KB of shared memory; held whole (q, dO and a 64-key tile: 192 KB at 64 heads) it fit one
-    stage and waited on every gather (H200, 4k CSA: 1.84 ms for the pass then, fwd+bwd 6.30 vs
-    5.86 ms chunked). It stores scale * dS in the operand dtype to a [T, H, window + K] buffer
-    (slot s < window: key t - window + 1 + s; slot window + j: the token's j-th selected entry;
-    slots past the token's last valid pick are neither written nor read) and P of the window
+  * P/dS pass: one program per (token, head block) walks the token's keys as the forward does. Each
+    key tile's scores and dO @ K^T are summed over D in chunks of ds_bd columns, q, dO and the key
+    rows streamed chunk by chunk (q and dO from L2), so the loop pipelines in 3 stages in 80 KB of
+    shared memory at 64 heads (Triton 3.6 for sm_90); held whole (q, dO and a 64-key tile: 192 KB)
+    it fit one stage and waited on every gather (H200, 4k CSA: 1.84 ms for the pass then, fwd+bwd
+    6.30 vs 5.86 ms chunked). It stores scale * dS in the operand dtype to a [T, H, window + K]
+    buffer (slot s < window: key t - window + 1 + s; slot window + j: the token's j-th selected
+    entry; slots past the token's last valid pick are neither written nor read) and P of the window
     slots to a [T, H, window] one. A selection tile's dKV, scale * dS^T @ q + P^T @ dO, is added
     right there, chunk by chunk, into an fp32 buffer with relaxed atomics (a compressed entry is
-    picked by arbitrary tokens; the order of those adds is not fixed): as a kernel of its own
-    the adds were bound by the atomics in L2 (1.42 ms at 4k CSA, 1.57M (token, pick) pairs x 512
-    columns) with the tensor cores idle; inside this pass they overlap its MMAs (fwd+bwd 5.30
-    vs 5.86 ms), and P of the selection slots is never stored.
+    picked by arbitrary tokens; the order of those adds is not fixed): as a kernel of its own the
+    adds were bound by the atomics in L2 (1.42 ms at 4k CSA, 1.57M (token, pick) pairs x 512
+    columns) with the tensor cores idle; inside this pass they overlap its MMAs (fwd+bwd 5.30 vs
+    5.86 ms), and P of the selection slots is never stored.
   * dQ pass: one program per (token, head block, D columns) sums scale*dS @ K over the token's
     keys from that buffer.
   * window dKV, key-major: one program per (block of keys, D columns) loops over the queries
@@ -73,11 +73,12 @@ def _ds_tile(q_ptr, do_ptr, qrow, lse, delta, kv_ptr, comp_ptr, idx_ptr, p_ptr, 
     row_th = t.to(tl.int64) * H + offs_h
     if IS_WINDOW:
         slot = n + offs_n - (t + 1 - window)
-        tl.store(ds_ptr + (row_th * (window + num_sel))[:, None] + slot[None, :], ds, mask=smask)
-        tl.store(p_ptr + (row_th * window)[:, None] + slot[None, :], p, mask=smask)
     else:
         slot = window + n + offs_n
-        tl.store(ds_ptr + (row_th * (window + num_sel))[:, None] + slot[None, :], ds, mask=smask)
+    tl.store(ds_ptr + (row_th * (window + num_sel))[:, None] + slot[None, :], ds, mask=smask)
+    if IS_WINDOW:
+        tl.store(p_ptr + (row_th * window)[:, None] + slot[None, :], p, mask=smask)
+    else:
         for c in range(0, D, BC):
             cols = c + offs_c
             cmask = cols < D
