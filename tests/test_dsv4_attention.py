@@ -136,6 +136,18 @@ def test_selection_tiles_narrower_than_the_window_tiles(seed):
     _compare(lens, 4, 32, 20, torch.float32, rows, idx, blocks=blocks)
 
 
+@pytest.mark.skipif(INTERPRET, reason="the GPU's own tiles at real head shapes: too slow for "
+                                        "the interpreter (its tiles are 16 wide)")
+@pytest.mark.parametrize("heads", [16, 64])
+@pytest.mark.parametrize("kind", ["hca", "csa"])
+def test_gpu_tiles_at_real_head_shapes(seed, kind, heads):
+    # default_blocks(heads) on the GPU: 64-head blocks with 4-warp P/dS steps, or the 16-head
+    # tiles; D 512 and window 128 as in V4-Flash, two packed sequences longer than the window.
+    lens, gen = [300, 211], torch.Generator().manual_seed(seed)
+    idx, rows = {"hca": hca_selection(lens, 16), "csa": csa_selection(lens, 4, 64, gen)}[kind]
+    _compare(lens, heads, 512, 128, torch.bfloat16, rows, idx)
+
+
 def test_dsink_and_window_dkv_are_bitwise_deterministic(seed):
     # dkv of the window keys comes from the key-major kernel (one owner per key, no atomics).
     lens = [30, 17]
