@@ -332,9 +332,9 @@ def profile(total=4096):
 
 
 # Configs tried by --sweep, per head count (--heads) and kernel: (tile, keys, warps, stages[, D
-# step]); tile = heads for
-# fwd/ds, D columns for dq/dkv; D step (ds): D columns a step of its scores' loop;
-# "narrow_selection": that DSV4Blocks switch. The default's own config is always tried first.
+# step]); tile = heads for fwd/ds, D columns for dq/dkv; D step (ds): D columns a step of its
+# scores' loop; "narrow_selection": that DSV4Blocks switch. The default's own config is always
+# tried first.
 # Lost before (bench/results/dsv4_attention_h200.txt): the forward with its scores summed over
 # D in steps as the P/dS pass does; a separate selection dKV kernel after the P/dS pass; window
 # dKV programs of 256-512 columns or 128 keys (fewer re-reads of q and dO, 11-190% slower).
