@@ -164,9 +164,9 @@ def _dsv4_dq_kernel(ds_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, first_ptr, dq_pt
 @triton.jit
 def _token_rows(q_ptr, do_ptr, t, offs_h, offs_d, hmask, dmask, stride_qt, stride_qh):
     """-> (q, dO) [heads, BD] of token t, the D columns of this program."""
-    qo = tl.cast(t, tl.int64) * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
-    qmask = hmask[:, None] & dmask[None, :]
-    return tl.load(q_ptr + qo, mask=qmask, other=0.0), tl.load(do_ptr + qo, mask=qmask, other=0.0)
+    qrow = tl.cast(t, tl.int64) * stride_qt + offs_h * stride_qh
+    return (_head_cols(q_ptr, qrow, offs_d, hmask, dmask),
+            _head_cols(do_ptr, qrow, offs_d, hmask, dmask))
 
 
 @triton.jit
