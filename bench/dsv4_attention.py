@@ -399,16 +399,20 @@ def sweep(kernels, total=4096):
 
 def ab_rounds(rounds, total=4096):
     """The cores of every kind, fwd+bwd, in rounds alternating the 64-head tiles (at this head
-    count's blocks) with default_blocks(H): tiles chosen at another head count, against the old."""
+    count's blocks, the old) with default_blocks(H) (the new), and their ratio each round."""
     bh = max(16, min(64, triton.next_power_of_2(H)))
     configs = {"64-head tiles": DSV4Blocks(fwd_bh=bh, ds_bh=bh, dq_bh=bh),
                f"default_blocks({H})": default_blocks(H)}
     ins = {kind: core_inputs(kind, total) for kind in KINDS}
     for rnd in range(rounds):
-        for name, blocks in configs.items():
-            row = [f"{kind} {do_bench(ours_core(*x, blocks=blocks), warmup=25, rep=200):.3f}"
-                   for kind, x in ins.items()]
-            print(f"round {rnd} {name:18s}: " + "  ".join(row) + " ms", flush=True)
+        ms = {name: {kind: do_bench(ours_core(*x, blocks=blocks), warmup=25, rep=200)
+                     for kind, x in ins.items()} for name, blocks in configs.items()}
+        for name, times in ms.items():
+            print(f"round {rnd} {name:18s}: "
+                  + "  ".join(f"{kind} {t:.3f}" for kind, t in times.items()) + " ms", flush=True)
+        old, new = ms.values()
+        print(f"round {rnd} {'ratio new / old':18s}: "
+              + "  ".join(f"{kind} {new[kind] / old[kind]:.3f}" for kind in old), flush=True)
 
 
 # Decode configs tried by --decode-sweep per head count: DecodeTiles(bh, bn, warps, stages,

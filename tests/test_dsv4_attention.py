@@ -15,7 +15,7 @@ import torch
 from sglang_dsv41.attention import dsv4_attention
 from sglang_dsv41.attention.dsv4_reference import dsv4_attention_reference
 from sglang_dsv41.attention.dsv4_triton_backward import dsv4_attention_triton
-from sglang_dsv41.attention.dsv4_triton_forward import default_blocks, selection_tile
+from sglang_dsv41.attention.dsv4_triton_forward import DSV4Blocks, default_blocks, selection_tile
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
@@ -175,3 +175,8 @@ def test_hostile_inputs_get_clear_errors():
         dsv4_attention(q, kv.double(), None, cu, 4, 1.0)
     with pytest.raises(ValueError, match="unknown"):
         dsv4_attention(q, kv, None, cu, 4, 1.0, backend="cuda_magic")
+    # Tile sizes become tl.arange extents: a bad one is refused where it is set, not in Triton.
+    with pytest.raises(ValueError, match=r"DSV4Blocks.ds_bd=48: must be a power of two >= 16"):
+        DSV4Blocks(ds_bd=48)
+    with pytest.raises(ValueError, match=r"DSV4Blocks.fwd_bn=8"):
+        dataclasses.replace(default_blocks(4), fwd_bn=8)
