@@ -55,7 +55,8 @@ from trainer_bridge.config import LossConfig, OptimConfig  # noqa: E402
 from trainer_bridge.dist import close_distributed, init_distributed  # noqa: E402
 from trainer_bridge.parallelize import (ONE_RANK_MODES, accumulates_unsharded,  # noqa: E402
                                         parallelize_policy)
-from trainer_bridge.policy import ForwardState, Policy, resolve_device  # noqa: E402
+from trainer_bridge.policy import (ForwardState, Policy, lm_head_gemm_for,  # noqa: E402
+                                   resolve_device)
 from trainer_bridge.schedule import build_optimizer  # noqa: E402
 from trainer_bridge.trainer import clip_gradients, forward_backward  # noqa: E402
 
@@ -288,10 +289,11 @@ class Ours:
 
     def __init__(self, cfg: DSV4Config, info, device, attention_backend: str | None,
                  checkpointing: str, compute_dtype: torch.dtype | None = None,
-                 accumulate: str = "auto", one_rank: str = "auto"):
+                 accumulate: str = "auto", one_rank: str = "auto", head_gemm: str = "auto"):
         """compute_dtype: FSDP's parameter dtype (default bf16 on CUDA, fp32 on the CPU);
         accumulate: the trainer's model.accumulate_unsharded (auto | always | never);
-        one_rank: the trainer's model.one_rank (auto | fsdp | copies)."""
+        one_rank: the trainer's model.one_rank (auto | fsdp | copies); head_gemm: the
+        trainer's model.lm_head_gemm (auto | ieee | tf32x3)."""
         t0 = time.perf_counter()
         self.cfg, self.device, self.info = cfg, device, info
         torch.manual_seed(0)
@@ -301,6 +303,7 @@ class Ours:
             if name.endswith("ffn.gate.weight"):
                 p.requires_grad_(False)  # RL keeps the router frozen (model.freeze_router)
         model.to(device)
+        model.head.fp32_gemm = lm_head_gemm_for(device, head_gemm)
         dtype = compute_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         parallelize_policy(model, info.mesh, compute_dtype=dtype, lm_head_fp32=True,
                            activation_checkpointing=checkpointing, one_rank=one_rank)
@@ -565,6 +568,8 @@ def main(argv=None) -> int:
     p.add_argument("--one-rank", default="auto", choices=ONE_RANK_MODES,
                    help="ours on one GPU: the trainer's model.one_rank (FSDP2, or no FSDP and "
                         "compute-dtype copies of the weights; auto: copies when they fit)")
+    p.add_argument("--lm-head-gemm", default="auto", choices=("auto", *token_logprobs.FP32_GEMMS),
+                   help="ours: the trainer's model.lm_head_gemm (the fp32 head's GEMMs)")
     p.add_argument("--attention", default=None, help="triton | reference (default: triton on "
                    "CUDA, the torch reference on CPU)")
     p.add_argument("--checkpointing", default="none",
@@ -641,7 +646,8 @@ def main(argv=None) -> int:
             while True:
                 if runner is None:
                     runner = Ours(c, info, device, args.attention, policies[ac],
-                                  accumulate=args.accumulate, one_rank=args.one_rank)
+                                  accumulate=args.accumulate, one_rank=args.one_rank,
+                                  head_gemm=args.lm_head_gemm)
                     try:
                         plan = (runner.planned_memory(biggest.tokens, shortest, policies[ac],
                                                       args.micro_batches)

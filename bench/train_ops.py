@@ -19,6 +19,16 @@ projection fastest, and what the model's Triton kernels of its torch paths cost 
       included), the gradients' relative error against mhc._hc_weights in float64, and the
       ratio to mhc._hc_weights' torch expressions timed in the same run. Run it
       with an older tree first on PYTHONPATH to time that tree's kernels with this script.
+  python bench/train_ops.py hc-mix [--tokens 4096,65536 --rounds 2]
+      CUDA: mHC's mix kernels (hc_mix_triton, hc 4, D 1024, bf16 streams, 24 outputs) for each
+      candidate of HC_MIX_TRIALS (MixTiles): device time of the forward, the d streams and the
+      d fn kernels, each launched alone, every candidate measured --rounds times; and the
+      outputs' relative errors against float64.
+  python bench/train_ops.py lm-head [--tokens 4096 --dim 1024 --vocab 32000]
+      CUDA: the fp32 head's log-probabilities (token_logprobs) forward + backward with each
+      fp32_gemm (ieee: plain fp32 GEMMs; tf32x3), device time, and the relative error of logp,
+      d hidden and d head against float64 on the same inputs; also one plain TF32 pass (what
+      torch's "high" fp32 precision gives), for the error it would cost.
   python bench/train_ops.py norm [--tokens 4096 --repeats 200]
       CUDA: the model's RMSNorm (torch's fused kernels) vs the plain fp32 expression under
       autograd, bf16 input with an fp32 and a bf16 weight: host time per forward + backward
@@ -38,6 +48,7 @@ from collections import Counter
 from unittest import mock
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -295,6 +306,132 @@ class BmmGroupMajor(torch.autograd.Function):
         return grad_o, torch.bmm(by_group.transpose(1, 2), og)
 
 
+# MixTiles fields per candidate (the first: the defaults), hc-mix mode.
+HC_MIX_TRIALS = [{}, {"tokens": 32, "k": 64, "fn_cols": 32, "fn_tokens": 4096,
+                      "precision": "ieee"},  # the first tiles
+                 {"precision": "ieee"}, {"tokens": 32, "k": 64}, {"tokens": 32},
+                 {"fn_tokens": 1024}, {"fn_cols": 128, "fn_warps": 8}]
+
+
+def hc_mix_kernels(args) -> None:
+    """Each kernel launched on its own (the launchers hc_mix_fused's autograd Function calls),
+    timed by triton.testing.do_bench: through autograd the host's launch time is as long as
+    these kernels and the event times would measure it."""
+    from dataclasses import replace
+
+    from triton.testing import do_bench
+
+    from sglang_dsv41.model.dsv4 import hc_mix_triton as hm
+
+    dev, hc, d, n, eps = torch.device("cuda"), 4, 1024, 24, 1e-6
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        gen = torch.Generator().manual_seed(tokens)
+        x = (torch.randn(tokens, hc * d, generator=gen) * 3).to(dev, torch.bfloat16)
+        fn = (torch.randn(n, hc * d, generator=gen) * 0.1).to(dev)
+        grad = torch.randn(tokens, n, generator=gen).to(dev)
+        x64 = x.double().requires_grad_(True)
+        fn64 = fn.double().requires_grad_(True)
+        mix64 = F.linear(x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + eps), fn64)
+        mix64.backward(grad.double())
+        print(f"== hc_mix T {tokens}: us (forward | d streams | d fn), do_bench medians; rel. "
+              "error vs float64 (mix, d streams in bf16, d fn)", flush=True)
+        for r in range(args.rounds):
+            for trial in HC_MIX_TRIALS:
+                tiles = replace(hm.MixTiles(), **trial)
+                mix, rstd = hm.mix_forward(x, fn, eps, tiles)
+                dx = hm.mix_backward_streams(x, fn, rstd, grad, tiles)
+                dfn = hm.mix_backward_fn(x, rstd, grad, tiles)
+                us = [1e3 * do_bench(f, warmup=10, rep=50) for f in (
+                    lambda: hm.mix_forward(x, fn, eps, tiles),
+                    lambda: hm.mix_backward_streams(x, fn, rstd, grad, tiles),
+                    lambda: hm.mix_backward_fn(x, rstd, grad, tiles))]
+                err = ", ".join(f"{((a.double() - b).norm() / b.norm()).item():.1e}" for a, b in
+                                ((mix, mix64), (dx, x64.grad), (dfn, fn64.grad)))
+                print(f"round {r} {str(trial or 'defaults'):78s} {us[0]:7.1f} | {us[1]:7.1f} | "
+                      f"{us[2]:7.1f}  {err}", flush=True)
+
+
+def lm_head(args) -> None:
+    from sglang_dsv41.model.dsv4 import token_logprobs as tl
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(args.tokens, args.dim, generator=gen).to(dev)
+    weight = (torch.randn(args.vocab, args.dim, generator=gen) * 0.05).to(dev)
+    targets = torch.randint(0, args.vocab, (args.tokens,), generator=gen).to(dev)
+    upstream = torch.randn(args.tokens, generator=gen).to(dev)
+
+    def grads(fn, h, w):
+        h, w = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        out = fn(h, w)
+        out.backward(upstream.to(out.dtype))
+        return [out.detach().double(), h.grad.double(), w.grad.double()]
+
+    def plain(h, w):
+        return F.linear(h, w).log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
+
+    exact = grads(plain, hidden.double(), weight.double())
+    print(f"== lm-head T {args.tokens} x D {args.dim} x vocab {args.vocab}: fwd+bwd device "
+          f"us (median of {args.repeats}); rel. error vs float64 (logp, d hidden, d head)",
+          flush=True)
+    base = None
+    runs = [(mode, lambda h, w, m=mode: tl.token_logprobs(h, w, targets, m))
+            for mode in tl.FP32_GEMMS]
+    for name, fn in runs + [("one TF32 pass (plain expression)", plain)]:
+        one_pass = not name.startswith(tl.FP32_GEMMS)
+        prev = torch.backends.cuda.matmul.fp32_precision
+        torch.backends.cuda.matmul.fp32_precision = "tf32" if one_pass else prev
+        try:
+            got = grads(fn, hidden, weight)
+            h = hidden.clone().requires_grad_(True)
+            w = weight.clone().requires_grad_(True)
+            us = median_us(lambda: fn(h, w), upstream, [h, w], True, args.repeats)
+        finally:
+            torch.backends.cuda.matmul.fp32_precision = prev
+        base = base or us
+        err = ", ".join(f"{((g - e).abs().max() / e.abs().max()).item():.1e}"
+                        for g, e in zip(got, exact))
+        print(f"{name:34s} {us:9.1f} us ({base / us:.2f}x ieee)  {err}", flush=True)
+    # Where tf32x3's error comes from, on d hidden = G @ W (K = vocab) with the exact G.
+    g64 = exact_logits_grad(hidden.double(), weight.double(), targets, upstream.double())
+    g32, want = g64.float(), g64 @ weight.double()
+    hi = [tl.split_operand(m, "tf32x3")[0] for m in (g32, weight)]
+
+    def tf32(fn):
+        prev = torch.backends.cuda.matmul.fp32_precision
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        try:
+            return fn()
+        finally:
+            torch.backends.cuda.matmul.fp32_precision = prev
+
+    def rel(got, ref):
+        return ((got.double() - ref).abs().max() / ref.abs().max()).item()
+
+    k = args.vocab // 8
+    rows = {
+        "ieee": rel(g32 @ weight, want),
+        "tf32x3": rel(tl.head_mm(tl.split_operand(g32, "tf32x3"),
+                                 tl.split_operand(weight, "tf32x3")), want),
+        "tf32x3, K in 8 chunks summed in fp32": rel(sum(
+            tl.head_mm(tl.split_operand(g32[:, a:a + k], "tf32x3"),
+                       tl.split_operand(weight[a:a + k], "tf32x3"))
+            for a in range(0, args.vocab, k)), want),
+        "TF32-exact operands, one TF32 GEMM": rel(tf32(lambda: hi[0] @ hi[1]),
+                                                   hi[0].double() @ hi[1].double()),
+        "the same, ieee": rel(hi[0] @ hi[1], hi[0].double() @ hi[1].double()),
+    }
+    print(f"d hidden = G @ W alone (K = {args.vocab}), rel. error vs float64: " + "; ".join(
+        f"{name} {e:.1e}" for name, e in rows.items()), flush=True)
+
+
+def exact_logits_grad(hidden, weight, targets, upstream):
+    """d (sum upstream * logp) / d logits in the inputs' dtype: upstream (onehot - softmax)."""
+    g = -(hidden @ weight.t()).softmax(-1) * upstream[:, None]
+    g[torch.arange(len(targets), device=g.device), targets] += upstream
+    return g
+
+
 def grouped_proj(args) -> None:
     """Forward and forward + backward of each layout of [T, G, I] x [G, R, I] -> [T, G*R]."""
     from sglang_dsv41.model.dsv4.attention import GroupedProjection
@@ -410,6 +547,14 @@ def main(argv=None) -> int:
     hw = sub.add_parser("hc-weights")
     hw.add_argument("--tokens", default="4096,65536")
     hw.add_argument("--repeats", type=int, default=20)
+    hm = sub.add_parser("hc-mix")
+    hm.add_argument("--tokens", default="4096,65536")
+    hm.add_argument("--rounds", type=int, default=2)
+    lh = sub.add_parser("lm-head")
+    lh.add_argument("--tokens", type=int, default=4096)
+    lh.add_argument("--dim", type=int, default=1024)
+    lh.add_argument("--vocab", type=int, default=32000)
+    lh.add_argument("--repeats", type=int, default=10)
     nm = sub.add_parser("norm")
     nm.add_argument("--tokens", type=int, default=4096)
     nm.add_argument("--repeats", type=int, default=200)
@@ -419,7 +564,9 @@ def main(argv=None) -> int:
     pa.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
     {"sources": sources, "grouped-proj": grouped_proj, "fused": fused_kernels,
-     "hc-weights": hc_weights_kernels, "norm": rms_norm, "parity": parity}[args.cmd](args)
+     "hc-weights": hc_weights_kernels, "hc-mix": hc_mix_kernels, "lm-head": lm_head,
+     "norm": rms_norm,
+     "parity": parity}[args.cmd](args)
     return 0
 
 

@@ -5,6 +5,7 @@ its hand-written backward, fp32) within fp32 rounding."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -64,9 +65,11 @@ def test_fused_mix_takes_zero_tokens_and_refuses_bad_shapes():
 def test_fn_gradient_summed_over_token_spans_is_exact_and_deterministic(monkeypatch):
     """Long inputs split d fn's sum over tokens into spans (partials added in a fixed order):
     here spans of 32 tokens, 100 tokens -> 3 spans, the last one short."""
-    monkeypatch.setattr(hc_mix_triton, "FN_TOKENS_PER_PROGRAM", 32)
-    assert hc_mix_triton.fn_spans(100) == 3 and hc_mix_triton.fn_spans(31) == 1
-    assert hc_mix_triton.fn_spans(10 ** 9) == hc_mix_triton.MAX_FN_SPANS
+    tiles = replace(hc_mix_triton.TILES, fn_tokens=32)
+    monkeypatch.setattr(hc_mix_triton, "TILES", tiles)
+    spans = hc_mix_triton.fn_spans
+    assert spans(100, tiles) == 3 and spans(31, tiles) == 1
+    assert spans(10 ** 9, tiles) == tiles.max_fn_spans
     gen = torch.Generator().manual_seed(1)
     streams = torch.randn(100, 2, 24, generator=gen)
     fn = torch.randn(8, 48, generator=gen) * 0.1

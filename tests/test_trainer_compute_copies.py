@@ -45,7 +45,8 @@ def run_mode(mesh, one_rank: str, checkpointing: str, device=torch.device("cpu")
                                       activation_checkpointing=checkpointing),
                           mesh, device)
     opt, _ = build_optimizer(policy, OptimConfig(lr=1e-2), 2)
-    out = {"copies": hasattr(policy.model, "compute_copies"), "steps": []}
+    out = {"copies": hasattr(policy.model, "compute_copies"), "steps": [],
+           "head_gemm": policy.model.head.fp32_gemm}  # model.lm_head_gemm auto, on the CPU
     for step in range(2):
         logps = []
         for s in samples(step):  # two micro-batches a step: the gradients accumulate
@@ -93,6 +94,7 @@ def runs():
 def test_copies_equal_fsdp_on_one_rank(runs, checkpointing):
     fsdp, copies = runs[("fsdp", checkpointing)], runs[("copies", checkpointing)]
     assert copies["copies"] and not fsdp["copies"]
+    assert fsdp["head_gemm"] == copies["head_gemm"] == "ieee"
     for step, (a, b) in enumerate(zip(fsdp["steps"], copies["steps"])):
         (logps_a, grads_a, norm_a, plain_a, _), (logps_b, grads_b, norm_b, plain_b, fresh) = a, b
         assert fresh, f"step {step}: the copies are not the stepped masters'"

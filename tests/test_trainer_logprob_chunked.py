@@ -42,6 +42,74 @@ def test_chunked_equals_plain_in_fp32(monkeypatch, chunk_rows):
         assert (g - w).abs().max() <= 1e-6 * max(1.0, w.abs().max()), what
 
 
+def _float64(hidden, weight, targets, upstream):
+    return _value_and_grads(_plain, hidden.double(), weight.double(), targets, upstream.double())
+
+
+def _rel(got, want):
+    return float((got.double() - want).abs().max() / want.abs().max())
+
+
+@pytest.mark.parametrize("chunk_rows,k_chunk", [(5, 16), (1000, 1024)])
+def test_tf32x3_split_on_the_cpu_is_fp32_accurate(monkeypatch, chunk_rows, k_chunk):
+    """On a CPU (no TF32) the three products of the split operands are fp32 ones: the split's
+    algebra (masks, transposes, inner-dimension chunks, accumulation, the in-place remainder) is
+    what is checked: as close to float64 as the plain fp32 path. A wrong part (hi twice, lo
+    dropped) is off by ~1e-3 (the last check)."""
+    vocab, dim, rows = 131, 48, 23
+    monkeypatch.setattr(tl, "LOGPROB_CHUNK_ELEMENTS", chunk_rows * vocab)
+    monkeypatch.setattr(tl, "TF32_K_CHUNK", k_chunk)
+    gen = torch.Generator().manual_seed(chunk_rows)
+    hidden = torch.randn(rows, dim, generator=gen)
+    weight = torch.randn(vocab, dim, generator=gen) * 0.5
+    targets = torch.randint(0, vocab, (rows,), generator=gen)
+    upstream = torch.randn(rows, generator=gen)
+    want = _float64(hidden, weight, targets, upstream)
+    got = _value_and_grads(lambda h, w, t: tl.token_logprobs(h, w, t, "tf32x3"), hidden, weight,
+                           targets, upstream)
+    ieee = _value_and_grads(tl.token_logprobs, hidden, weight, targets, upstream)
+    for g, i, w, what in zip(got, ieee, want, ("logp", "d hidden", "d head")):
+        assert g.dtype == torch.float32, what
+        assert _rel(g, w) <= max(4 * _rel(i, w), 1e-6), what
+    hi = tl.split_operand(hidden, "tf32x3")[0]
+    assert _rel(hi, hidden.double()) > 1e-4  # hi alone is TF32-coarse
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="TF32 tensor cores: CUDA only")
+def test_tf32x3_on_a_gpu_is_close_to_float64():
+    """The real TF32 products, the small preset's head size: logp (what the trainer compares
+    with the server's) within 4x the plain fp32 GEMMs' distance to float64; both gradients
+    within 3e-5 (d hidden is rounded to bf16 next, 3.9e-3). One plain TF32 pass (torch's
+    "high" fp32 precision) misses both by far (measured 1.1e-4 logp, 5.6e-4 d hidden)."""
+    gen = torch.Generator().manual_seed(0)
+    rows, dim, vocab = 4096, 1024, 32000
+    hidden = torch.randn(rows, dim, generator=gen).cuda()
+    weight = (torch.randn(vocab, dim, generator=gen) * 0.05).cuda()
+    targets = torch.randint(0, vocab, (rows,), generator=gen).cuda()
+    upstream = torch.randn(rows, generator=gen).cuda()
+    want = _float64(hidden, weight, targets, upstream)
+    ieee = _value_and_grads(tl.token_logprobs, hidden, weight, targets, upstream)
+    got = _value_and_grads(lambda h, w, t: tl.token_logprobs(h, w, t, "tf32x3"), hidden, weight,
+                           targets, upstream)
+    prev = torch.backends.cuda.matmul.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    try:
+        one_pass = _value_and_grads(_plain, hidden, weight, targets, upstream)
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = prev
+    assert _rel(got[0], want[0]) <= 4 * _rel(ieee[0], want[0])
+    assert _rel(one_pass[0], want[0]) > 4 * _rel(ieee[0], want[0])
+    for i, what in ((1, "d hidden"), (2, "d head")):
+        assert _rel(got[i], want[i]) <= 3e-5, (what, _rel(got[i], want[i]))
+        assert _rel(one_pass[i], want[i]) > 3e-5, what
+
+
+def test_an_unknown_fp32_gemm_is_refused():
+    with pytest.raises(ValueError, match="fp32_gemm 'tf32' is not one of"):
+        tl.token_logprobs(torch.zeros(4, 8), torch.zeros(10, 8), torch.zeros(4, dtype=torch.long),
+                          "tf32")
+
+
 def test_bf16_head_keeps_its_meaning(monkeypatch):
     """--no-fp32-lm-head: bf16 logits read in fp32, bf16 gradients, as head(x).float() gives."""
     monkeypatch.setattr(tl, "LOGPROB_CHUNK_ELEMENTS", 16 * 200)

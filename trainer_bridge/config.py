@@ -13,6 +13,8 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from sglang_dsv41.model.dsv4.token_logprobs import FP32_GEMMS
+
 from .optimizer_offload import OFFLOAD_MODES
 from .parallelize import ACTIVATION_CHECKPOINTING, ONE_RANK_MODES
 
@@ -25,6 +27,10 @@ class ModelConfig:
     # bf16 compute with fp32 master weights on GPU, fp32 everywhere on CPU.
     compute_dtype: str = "auto"
     lm_head_fp32: bool = True
+    # How an fp32 head's log-probability GEMMs run: ieee (plain fp32: no tensor cores on a GPU)
+    # or tf32x3 (three TF32 products of split operands, fp32-accurate: token_logprobs.py);
+    # auto: tf32x3 on CUDA, ieee on the CPU (which has no TF32).
+    lm_head_gemm: str = "auto"
     r3: bool = True                     # replay the server's routing (ids and weights)
     freeze_router: bool = True          # RL on V4-class MoE keeps the router gate frozen
     # Also route with the trainer's own router and report the agreement with the server's
@@ -58,6 +64,7 @@ class ModelConfig:
         _choice("model.activation_checkpointing", self.activation_checkpointing,
                 ACTIVATION_CHECKPOINTING)
         _choice("model.compute_dtype", self.compute_dtype, ("auto", "float32", "bfloat16"))
+        _choice("model.lm_head_gemm", self.lm_head_gemm, ("auto", *FP32_GEMMS))
         _choice("model.served_dtype", self.served_dtype, ("auto", "float32", "bfloat16",
                                                            "float16"))
 

@@ -42,6 +42,14 @@ def load_policy_model(model_path: str) -> DSV4ForCausalLM:
     return load_serving_model(model_path, torch.float32, "cpu").train()
 
 
+def lm_head_gemm_for(device: torch.device, lm_head_gemm: str) -> str:
+    """model.lm_head_gemm resolved: auto is tf32x3 on CUDA, ieee elsewhere (no TF32 on a CPU:
+    there the split would triple the head's work for nothing)."""
+    if lm_head_gemm != "auto":
+        return lm_head_gemm
+    return "tf32x3" if device.type == "cuda" else "ieee"
+
+
 def build_policy(cfg: ModelConfig, mesh: DeviceMesh, device: torch.device, *,
                  trainable: bool = True, optimizer_offload: str = "none",
                  temperature: float = 1.0) -> "Policy":
@@ -53,6 +61,7 @@ def build_policy(cfg: ModelConfig, mesh: DeviceMesh, device: torch.device, *,
         if not trainable or (cfg.freeze_router and name.endswith("ffn.gate.weight")):
             p.requires_grad_(False)
     model.to(device)
+    model.head.fp32_gemm = lm_head_gemm_for(device, cfg.lm_head_gemm)
     compute_dtype = compute_dtype_for(device, cfg.compute_dtype)
     parallelize_policy(model, mesh, compute_dtype=compute_dtype, lm_head_fp32=cfg.lm_head_fp32,
                        optimizer_offload=optimizer_offload,

@@ -12,25 +12,51 @@ preset, whose step is host-bound. Here:
     formula): per block of tokens, a pass for each token's mean, a pass writing the gradient;
   * d fn = (grad rstd)^T @ x: one program per block of fn's columns and span of tokens sums
     its span in order into a partial of its own; torch adds the partials in a fixed order (no
-    atomics: deterministic). One span per FN_TOKENS_PER_PROGRAM tokens (one below twice that),
-    at most MAX_FN_SPANS: a 64k-token sequence gets 16 x K / 32 programs, not the K / 32 (128
-    at hc 4, D 1024) that would each walk all 64k tokens.
-Products are fp32 FMAs (input_precision "ieee"), as the torch path's fp32 GEMMs; the streams
-are read in their own dtype. The CPU keeps the torch path (mhc._HcMix), the reference the
+    atomics: deterministic). One span per MixTiles.fn_tokens tokens (one below twice that), at
+    most MixTiles.max_fn_spans: a 64k-token sequence gets spans x K / fn_cols programs, not the
+    K / fn_cols that would each walk all 64k tokens.
+Products run on TF32 tensor cores as three products of split operands (input_precision
+"tf32x3", MixTiles.precision): on an H200 no further from float64 than fp32 FMAs and 2.3-4x
+faster (MixTiles). The streams are read in their own dtype. The CPU keeps the torch path (mhc._HcMix), the reference the
 tests hold these kernels to under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-BLOCK_TOKENS = 32  # tokens a program (forward, d streams); rows a step of the d fn loop
-BLOCK_K = 64       # input columns a step
-BLOCK_FN_COLS = 32  # fn columns a program of the d fn kernel
-FN_TOKENS_PER_PROGRAM = 4096  # the d fn kernel's token span a program, at the least
-MAX_FN_SPANS = 32
+
+@dataclass(frozen=True)
+class MixTiles:
+    """tokens: tokens a program of the forward and the d streams kernel; k: input columns a
+    step of theirs; warps: their warps. fn_cols: fn columns a program of the d fn kernel;
+    fn_rows: tokens a step of its loop; fn_tokens: its token span a program, at the least;
+    max_fn_spans: at most this many spans; fn_warps: its warps. precision: the products'
+    (tl.dot input_precision: ieee, fp32 FMAs; tf32x3, three TF32 tensor-core products). The
+    autograd Function launches with TILES; bench/train_ops.py hc-mix gives the launchers
+    (mix_forward, mix_backward_streams, mix_backward_fn) candidates of its own."""
+
+    # One H200, 4k tokens, hc 4, D 1024, bf16 streams (bench/train_ops.py hc-mix; results in
+    # bench/results/train_ops_h200.txt), us forward | d streams | d fn: 76.8 | 122.9 | 52.4 here
+    # vs 177.4 | 183.3 | 180.6 for the first tiles (32 tokens a program, 64-column steps, fp32
+    # FMA products, d fn spans of 4096 tokens and 32 columns), and errors against float64 no
+    # larger (mix 3.1e-7 vs 1.1e-6, d fn 1.6e-7 vs 1.1e-6).
+    tokens: int = 16
+    k: int = 128
+    warps: int = 4
+    fn_cols: int = 64
+    fn_rows: int = 32
+    fn_tokens: int = 512
+    max_fn_spans: int = 32
+    fn_warps: int = 4
+    precision: str = "tf32x3"
+
+
+TILES = MixTiles()
 
 
 @triton.jit
@@ -60,7 +86,7 @@ def _fn_cols(fn_ptr, k, K, N, BN: tl.constexpr):
 
 @triton.jit
 def _hc_mix_fwd(x_ptr, fn_ptr, mix_ptr, rstd_ptr, T, K, N, eps, BT: tl.constexpr,
-                BK: tl.constexpr, BN: tl.constexpr):
+                BK: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < T
     acc = tl.zeros([BT, BN], tl.float32)
@@ -68,7 +94,7 @@ def _hc_mix_fwd(x_ptr, fn_ptr, mix_ptr, rstd_ptr, T, K, N, eps, BT: tl.constexpr
     for k0 in range(0, K, BK):
         x, k = _load_rows(x_ptr, t, tmask, k0, K, BK)
         squares += tl.sum(x * x, axis=1)
-        acc += tl.dot(x, tl.trans(_fn_cols(fn_ptr, k, K, N, BN)), input_precision="ieee")
+        acc += tl.dot(x, tl.trans(_fn_cols(fn_ptr, k, K, N, BN)), input_precision=PREC)
     rstd = tl.rsqrt(squares / K + eps)
     n = tl.arange(0, BN)
     tl.store(mix_ptr + t[:, None] * N + n[None, :], acc * rstd[:, None],
@@ -78,7 +104,7 @@ def _hc_mix_fwd(x_ptr, fn_ptr, mix_ptr, rstd_ptr, T, K, N, eps, BT: tl.constexpr
 
 @triton.jit
 def _hc_mix_bwd_streams(x_ptr, fn_ptr, rstd_ptr, grad_ptr, dx_ptr, T, K, N, BT: tl.constexpr,
-                        BK: tl.constexpr, BN: tl.constexpr):
+                        BK: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < T
     grad = _grad_rows(grad_ptr, t, tmask, N, BN)
@@ -86,13 +112,13 @@ def _hc_mix_bwd_streams(x_ptr, fn_ptr, rstd_ptr, grad_ptr, dx_ptr, T, K, N, BT: 
     dots = tl.zeros([BT], tl.float32)  # sum_k g_k x_k
     for k0 in range(0, K, BK):
         x, k = _load_rows(x_ptr, t, tmask, k0, K, BK)
-        g = tl.dot(grad, _fn_cols(fn_ptr, k, K, N, BN), input_precision="ieee")
+        g = tl.dot(grad, _fn_cols(fn_ptr, k, K, N, BN), input_precision=PREC)
         dots += tl.sum(g * x, axis=1)
     # mean(g y) = rstd sum(g x) / K; d x = rstd (g - x rstd mean(g y))
     shift = rstd * rstd * dots / K
     for k0 in range(0, K, BK):
         x, k = _load_rows(x_ptr, t, tmask, k0, K, BK)
-        g = tl.dot(grad, _fn_cols(fn_ptr, k, K, N, BN), input_precision="ieee")
+        g = tl.dot(grad, _fn_cols(fn_ptr, k, K, N, BN), input_precision=PREC)
         dx = rstd[:, None] * (g - x * shift[:, None])
         tl.store(dx_ptr + t[:, None].to(tl.int64) * K + k[None, :],
                  dx.to(dx_ptr.dtype.element_ty), mask=tmask[:, None] & (k < K)[None, :])
@@ -100,7 +126,7 @@ def _hc_mix_bwd_streams(x_ptr, fn_ptr, rstd_ptr, grad_ptr, dx_ptr, T, K, N, BT: 
 
 @triton.jit
 def _hc_mix_bwd_fn(x_ptr, rstd_ptr, grad_ptr, dfn_ptr, T, K, N, span, BT: tl.constexpr,
-                   BKF: tl.constexpr, BN: tl.constexpr):
+                   BKF: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
     """Partial d fn of the tokens [s span, (s + 1) span) into dfn_ptr's slice s (span a
     multiple of BT)."""
     k0 = tl.program_id(0) * BKF
@@ -112,21 +138,58 @@ def _hc_mix_bwd_fn(x_ptr, rstd_ptr, grad_ptr, dfn_ptr, T, K, N, span, BT: tl.con
         scaled = _grad_rows(grad_ptr, t, tmask, N, BN) * \
             tl.load(rstd_ptr + t, mask=tmask, other=0.0)[:, None]
         x, k = _load_rows(x_ptr, t, tmask, k0, K, BKF)
-        acc += tl.dot(tl.trans(scaled), x, input_precision="ieee")
+        acc += tl.dot(tl.trans(scaled), x, input_precision=PREC)
     n = tl.arange(0, BN)
     k = k0 + tl.arange(0, BKF)
     tl.store(dfn_ptr + (s.to(tl.int64) * N + n[:, None]) * K + k[None, :], acc,
              mask=(n < N)[:, None] & (k < K)[None, :])
 
 
-def fn_spans(tokens: int) -> int:
-    """Token spans of the d fn kernel: one a FN_TOKENS_PER_PROGRAM tokens, at most
-    MAX_FN_SPANS (a function of the token count alone: the same sum order every call)."""
-    return max(1, min(MAX_FN_SPANS, tokens // FN_TOKENS_PER_PROGRAM))
+def fn_spans(tokens: int, tiles: MixTiles) -> int:
+    """Token spans of the d fn kernel: one a tiles.fn_tokens tokens, at most tiles.max_fn_spans
+    (a function of the token count and the tiles alone: the same sum order every call)."""
+    return max(1, min(tiles.max_fn_spans, tokens // tiles.fn_tokens))
 
 
 def _width(n_out: int) -> int:
     return max(16, triton.next_power_of_2(n_out))
+
+
+def mix_forward(x: torch.Tensor, fn32: torch.Tensor, norm_eps: float, tiles: MixTiles):
+    """x [T, K] (the streams flattened, their dtype), fn32 [n, K] -> (mix [T, n], rstd [T])."""
+    t, k = x.shape
+    n = fn32.shape[0]
+    mix = x.new_empty(t, n, dtype=torch.float32)
+    rstd = x.new_empty(t, dtype=torch.float32)
+    if t:
+        _hc_mix_fwd[(triton.cdiv(t, tiles.tokens),)](
+            x, fn32, mix, rstd, t, k, n, norm_eps, BT=tiles.tokens, BK=tiles.k, BN=_width(n),
+            PREC=tiles.precision, num_warps=tiles.warps)
+    return mix, rstd
+
+
+def mix_backward_streams(x, fn32, rstd, grad, tiles: MixTiles) -> torch.Tensor:
+    """-> d x [T, K] in x's dtype; grad [T, n] fp32 contiguous."""
+    t, k = x.shape
+    dx = torch.empty_like(x)
+    if t:
+        _hc_mix_bwd_streams[(triton.cdiv(t, tiles.tokens),)](
+            x, fn32, rstd, grad, dx, t, k, fn32.shape[0], BT=tiles.tokens, BK=tiles.k,
+            BN=_width(fn32.shape[0]), PREC=tiles.precision, num_warps=tiles.warps)
+    return dx
+
+
+def mix_backward_fn(x, rstd, grad, tiles: MixTiles) -> torch.Tensor:
+    """-> d fn [n, K] fp32, the spans' partials added in a fixed order."""
+    t, k = x.shape
+    n = grad.shape[1]
+    spans = fn_spans(t, tiles)
+    span = triton.cdiv(triton.cdiv(max(t, 1), spans), tiles.fn_rows) * tiles.fn_rows
+    parts = grad.new_empty(spans, n, k)
+    _hc_mix_bwd_fn[(triton.cdiv(k, tiles.fn_cols), spans)](
+        x, rstd, grad, parts, t, k, n, span, BT=tiles.fn_rows, BKF=tiles.fn_cols, BN=_width(n),
+        PREC=tiles.precision, num_warps=tiles.fn_warps)
+    return parts[0] if spans == 1 else parts.sum(0)
 
 
 class _HcMixFused(torch.autograd.Function):
@@ -137,39 +200,21 @@ class _HcMixFused(torch.autograd.Function):
         t, hc, d = streams.shape
         x = streams.contiguous().view(t, hc * d)
         fn32 = fn.float().contiguous()
-        k, n = hc * d, fn32.shape[0]
-        mix = x.new_empty(t, n, dtype=torch.float32)
-        rstd = x.new_empty(t, dtype=torch.float32)
-        if t:
-            _hc_mix_fwd[(triton.cdiv(t, BLOCK_TOKENS),)](
-                x, fn32, mix, rstd, t, k, n, norm_eps, BT=BLOCK_TOKENS, BK=BLOCK_K,
-                BN=_width(n))
+        tiles = TILES
+        mix, rstd = mix_forward(x, fn32, norm_eps, tiles)
         ctx.save_for_backward(x, fn32, rstd)
-        ctx.shape, ctx.fn_dtype = streams.shape, fn.dtype
+        ctx.shape, ctx.fn_dtype, ctx.tiles = streams.shape, fn.dtype, tiles
         return mix
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, fn32, rstd = ctx.saved_tensors
-        t, k = x.shape
-        n = fn32.shape[0]
         grad = grad.float().contiguous()
         d_streams = d_fn = None
         if ctx.needs_input_grad[0]:
-            dx = torch.empty_like(x)
-            if t:
-                _hc_mix_bwd_streams[(triton.cdiv(t, BLOCK_TOKENS),)](
-                    x, fn32, rstd, grad, dx, t, k, n, BT=BLOCK_TOKENS, BK=BLOCK_K,
-                    BN=_width(n))
-            d_streams = dx.view(ctx.shape)
+            d_streams = mix_backward_streams(x, fn32, rstd, grad, ctx.tiles).view(ctx.shape)
         if ctx.needs_input_grad[1]:
-            spans = fn_spans(t)
-            span = triton.cdiv(triton.cdiv(max(t, 1), spans), BLOCK_TOKENS) * BLOCK_TOKENS
-            parts = fn32.new_empty(spans, n, k)
-            _hc_mix_bwd_fn[(triton.cdiv(k, BLOCK_FN_COLS), spans)](
-                x, rstd, grad, parts, t, k, n, span, BT=BLOCK_TOKENS, BKF=BLOCK_FN_COLS,
-                BN=_width(n))
-            d_fn = (parts[0] if spans == 1 else parts.sum(0)).to(ctx.fn_dtype)
+            d_fn = mix_backward_fn(x, rstd, grad, ctx.tiles).to(ctx.fn_dtype)
         return d_streams, d_fn, None
 
 

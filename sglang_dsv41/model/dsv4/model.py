@@ -66,15 +66,18 @@ class DecoderLayer(nn.Module):
 class LMHead(nn.Linear):
     """``head``: logits, or given ``targets`` only their fp32 log-probabilities, computed a chunk
     of rows at a time (token_logprobs.py) without the [rows, vocab] block. A module call either
-    way, so a sharded head (FSDP) unshards and reduces its gradient as for the logits."""
+    way, so a sharded head (FSDP) unshards and reduces its gradient as for the logits.
+    ``fp32_gemm``: how an fp32 head's log-probability GEMMs run (token_logprobs.FP32_GEMMS; the
+    trainer's model.lm_head_gemm)."""
 
     def __init__(self, hidden_size: int, vocab_size: int):
         super().__init__(hidden_size, vocab_size, bias=False)
+        self.fp32_gemm = "ieee"
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if targets is None:
             return super().forward(x)
-        return token_logprobs(x, self.weight, targets)
+        return token_logprobs(x, self.weight, targets, self.fp32_gemm)
 
 
 class DSV4ForCausalLM(nn.Module):

@@ -13,9 +13,21 @@ to the last bits but for the order the head's gradient is summed in.
 The logits are computed in the weight's dtype and read in fp32, as ``head(x).float()`` does, so
 a bf16 head (``--no-fp32-lm-head``) keeps its meaning; the gradients reach ``hidden`` and ``W``
 in their dtypes, the weight's summed over the chunks in fp32.
+
+An fp32 head's three GEMMs (logits, d hidden, d W) run as ``fp32_gemm`` says: "ieee", plain
+fp32 (on an H200 cuBLAS runs them without tensor cores: 17.0 ms forward + backward at the small
+preset's 4k tokens x 1024 x 32,000), or "tf32x3" (CUTLASS's 3xTF32): each operand split into
+a TF32-exact part and a remainder, and the three products that matter summed on TF32 tensor
+cores. The tensor cores' own sums lose bits over a long inner dimension (measured on an H200,
+bench/train_ops.py lm-head: one TF32 GEMM of TF32-exact operands over K = 32,000 is 1.4e-4 off
+float64, fp32 FMAs 7.9e-6), so the inner dimension goes in chunks of TF32_K_CHUNK, each added
+in the fp32 epilogue of its GEMM (addmm). tests/test_trainer_logprob_chunked.py holds logp and
+both gradients to float64 next to the plain fp32 path.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -24,21 +36,83 @@ import torch.nn.functional as F
 LOGPROB_CHUNK_ELEMENTS = 1 << 27
 
 
+FP32_GEMMS = ("ieee", "tf32x3")
+
+
 def logprob_chunk_rows(vocab: int) -> int:
     return max(1, LOGPROB_CHUNK_ELEMENTS // max(1, vocab))
 
 
+def split_operand(x: torch.Tensor, fp32_gemm: str, inplace: bool = False
+                  ) -> tuple[torch.Tensor, ...]:
+    """x -> the parts head_mm multiplies: (x,), or for "tf32x3" on an fp32 CUDA tensor (hi, lo):
+    hi keeps TF32's 10 mantissa bits (the rest cleared: exact), lo = x - hi (exact in fp32; TF32
+    keeps 10 bits of it in the product). inplace: lo is x itself (x is then lost). On a CPU,
+    which has no TF32, the three products are fp32 ones (what the CPU tests check: the split's
+    algebra)."""
+    if fp32_gemm == "ieee" or x.dtype != torch.float32:
+        return (x,)
+    x = x.contiguous()
+    hi = (x.view(torch.int32) & -8192).view(torch.float32)  # & ~0x1FFF
+    return hi, (x.sub_(hi) if inplace else x - hi)
+
+
+def transposed(parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(p.t() for p in parts)
+
+
+@contextlib.contextmanager
+def _fp32_matmul(precision: str):
+    """fp32 GEMMs on CUDA as ``precision`` ("ieee" | "tf32") says, whatever the process set."""
+    prev = torch.backends.cuda.matmul.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = precision
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = prev
+
+
+# Inner-dimension chunk of a tf32x3 GEMM (head_mm; module docstring). One H200, the small
+# preset's head at 4k tokens (bench/train_ops.py lm-head): in chunks of 1024, forward + backward
+# 12.3 ms and d hidden 5.0e-6, d head 4.2e-6 off float64 (fp32 FMAs: 17.0 ms, 8.5e-6, 2.1e-6);
+# unchunked 9.8 ms, 1.4e-4, 1.5e-5. 4096 keeps d hidden's 32,000-long sum in 8 chunks and d
+# head's (4096 rows) whole: fewer GEMM launches in a step whose host is the bound.
+TF32_K_CHUNK = 4096
+
+
+def head_mm(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...],
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b (plus out, in place, when given) from split_operand's parts: one GEMM, or for
+    (hi, lo) parts hi_a lo_b + lo_a hi_b + hi_a hi_b on TF32 tensor cores, the small products
+    first, the inner dimension in chunks of TF32_K_CHUNK each added by a GEMM's fp32 epilogue
+    (module docstring)."""
+    if len(a) == 1:
+        with _fp32_matmul("ieee"):
+            prod = a[0] @ b[0]
+        return prod if out is None else out.add_(prod)
+    if out is None:
+        out = a[0].new_zeros(a[0].shape[0], b[0].shape[1])
+    with _fp32_matmul("tf32"):
+        for k in range(0, a[0].shape[1], TF32_K_CHUNK):
+            (a_hi, a_lo), (b_hi, b_lo) = ([p.narrow(dim, k, min(TF32_K_CHUNK, p.shape[dim] - k))
+                                            for p in parts] for parts, dim in ((a, 1), (b, 0)))
+            out.addmm_(a_hi, b_lo)
+            out.addmm_(a_lo, b_hi)
+            out.addmm_(a_hi, b_hi)
+    return out
+
+
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
-                ) -> torch.Tensor:
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                fp32_gemm: str) -> torch.Tensor:
         rows = hidden.shape[0]
         step = logprob_chunk_rows(weight.shape[0])
         logp = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         ctx.kept = None
         for a in range(0, rows, step):
             b = min(a + step, rows)
-            chunk = F.linear(hidden[a:b], weight).float().log_softmax(dim=-1)
+            chunk = _logits(hidden[a:b], weight, fp32_gemm).float().log_softmax(dim=-1)
             logp[a:b] = chunk.gather(1, targets[a:b, None]).squeeze(1)
             if b - a == rows:
                 # One chunk holds every row: keep it (one chunk's memory, the budget the
@@ -46,6 +120,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 # logits, a [rows, D] x [D, vocab] fp32 GEMM.
                 ctx.kept = chunk
         ctx.save_for_backward(hidden, weight, targets)
+        ctx.fp32_gemm = fp32_gemm
         return logp
 
     @staticmethod
@@ -58,30 +133,45 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         rows = hidden.shape[0]
         step = logprob_chunk_rows(weight.shape[0])
         grad = grad.float()
+        w_parts = None
         for a in range(0, rows, step):
             b = min(a + step, rows)
             g = grad[a:b, None]
             if ctx.kept is not None:  # the forward's only chunk, used once
                 log_softmax, ctx.kept = ctx.kept, None
             else:
-                log_softmax = F.linear(hidden[a:b], weight).float().log_softmax(dim=-1)
+                log_softmax = _logits(hidden[a:b], weight, ctx.fp32_gemm).float() \
+                    .log_softmax(dim=-1)
             # d logp / d logits = onehot(target) - softmax, times the incoming gradient
             g_logits = log_softmax.exp_().mul_(-g)
             g_logits.scatter_add_(1, targets[a:b, None], g)
-            g_logits = g_logits.to(weight.dtype)
+            g_parts = split_operand(g_logits.to(weight.dtype), ctx.fp32_gemm, inplace=True)
             if need_hidden:
-                grad_hidden[a:b] = g_logits @ weight
+                w_parts = w_parts or split_operand(weight, ctx.fp32_gemm)
+                grad_hidden[a:b] = head_mm(g_parts, w_parts)
             if need_weight:
-                grad_weight += g_logits.t() @ hidden[a:b]
+                head_mm(transposed(g_parts), split_operand(hidden[a:b], ctx.fp32_gemm),
+                        out=grad_weight)
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None
+        return grad_hidden, grad_weight, None, None
 
 
-def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
-                   ) -> torch.Tensor:
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, fp32_gemm: str) -> torch.Tensor:
+    w_parts = split_operand(weight, fp32_gemm)
+    if len(w_parts) == 1:
+        with _fp32_matmul("ieee"):
+            return F.linear(hidden, weight)
+    return head_mm(split_operand(hidden, fp32_gemm), transposed(w_parts))
+
+
+def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                   fp32_gemm: str = "ieee") -> torch.Tensor:
     """hidden [N, D] (the weight's dtype), weight [vocab, D], targets int64 [N] -> fp32 [N]
-    log-probabilities, differentiable in hidden and weight."""
+    log-probabilities, differentiable in hidden and weight; fp32_gemm: FP32_GEMMS (module
+    docstring)."""
+    if fp32_gemm not in FP32_GEMMS:
+        raise ValueError(f"token_logprobs: fp32_gemm {fp32_gemm!r} is not one of {FP32_GEMMS}")
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or \
             targets.shape != hidden.shape[:1]:
         raise ValueError(f"token_logprobs: hidden {tuple(hidden.shape)}, weight "
@@ -89,7 +179,7 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
                          "[N, D], [vocab, D] and [N]")
     if not targets.is_cuda:  # on a GPU the bounds are the caller's (check_targets on the host)
         check_targets(targets, weight.shape[0])
-    return _ChunkedTokenLogprobs.apply(hidden, weight, targets.to(torch.int64))
+    return _ChunkedTokenLogprobs.apply(hidden, weight, targets.to(torch.int64), fp32_gemm)
 
 
 def check_targets(targets: torch.Tensor, vocab: int) -> None:
