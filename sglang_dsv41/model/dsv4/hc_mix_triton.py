@@ -16,8 +16,8 @@ preset, whose step is host-bound. Here:
     most MixTiles.max_fn_spans: a 64k-token sequence gets spans x K / fn_cols programs, not the
     K / fn_cols that would each walk all 64k tokens.
 Products run on TF32 tensor cores as three products of split operands (input_precision
-"tf32x3", MixTiles.precision): on an H200 no further from float64 than fp32 FMAs and 2.3-4x
-faster (MixTiles). The streams are read in their own dtype. The CPU keeps the torch path
+"tf32x3", MixTiles.precision): on an H200 no further from float64 than fp32 FMAs and 1.5-3.5x
+faster a kernel (MixTiles). The streams are read in their own dtype. The CPU keeps the torch path
 (mhc._HcMix), the reference the tests hold these kernels to under TRITON_INTERPRET=1.
 """
 

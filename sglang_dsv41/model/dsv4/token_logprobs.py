@@ -45,7 +45,7 @@ def logprob_chunk_rows(vocab: int) -> int:
 
 def split_operand(x: torch.Tensor, fp32_gemm: str, inplace: bool = False
                   ) -> tuple[torch.Tensor, ...]:
-    """x -> the parts head_mm multiplies: (x,), or for "tf32x3" on an fp32 CUDA tensor (hi, lo):
+    """x -> the parts head_mm multiplies: (x,), or for "tf32x3" on an fp32 tensor (hi, lo):
     hi keeps TF32's 10 mantissa bits (the rest cleared: exact), lo = x - hi (exact in fp32; TF32
     keeps 10 bits of it in the product). inplace: lo is x itself (x is then lost). On a CPU,
     which has no TF32, the three products are fp32 ones (what the CPU tests check: the split's
@@ -90,13 +90,11 @@ def head_mm(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...],
         with _fp32_matmul("ieee"):
             prod = a[0] @ b[0]
         return prod if out is None else out.add_(prod)
-    if out is None:
-        out = a[0].new_zeros(a[0].shape[0], b[0].shape[1])
     with _fp32_matmul("tf32"):
         for k in range(0, a[0].shape[1], TF32_K_CHUNK):
             (a_hi, a_lo), (b_hi, b_lo) = ([p.narrow(dim, k, min(TF32_K_CHUNK, p.shape[dim] - k))
                                             for p in parts] for parts, dim in ((a, 1), (b, 0)))
-            out.addmm_(a_hi, b_lo)
+            out = a_hi @ b_lo if out is None else out.addmm_(a_hi, b_lo)
             out.addmm_(a_lo, b_hi)
             out.addmm_(a_hi, b_hi)
     return out
