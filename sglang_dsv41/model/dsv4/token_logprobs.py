@@ -63,7 +63,9 @@ def transposed(parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
 
 @contextlib.contextmanager
 def _fp32_matmul(precision: str):
-    """fp32 GEMMs on CUDA as ``precision`` ("ieee" | "tf32") says, whatever the process set."""
+    """fp32 GEMMs on CUDA as ``precision`` ("ieee" | "tf32") says, whatever the process set.
+    torch's setting is process-wide: other threads' fp32 GEMMs in this window would follow it
+    too (the trainer's forward and backward never run at once)."""
     prev = torch.backends.cuda.matmul.fp32_precision
     torch.backends.cuda.matmul.fp32_precision = precision
     try:
