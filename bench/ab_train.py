@@ -4,14 +4,15 @@ A host-bound step's time moves with the host: on one H200 lease, five runs of th
 193-285 ms (bench/results/train_h200.txt, run P). One run per tree cannot show a 10% change; this
 runs the trees in turn, A B A B ..., and prints every run, each tree's median and spread, and the
 ratio of the medians, for the step time and for bench/train.py's host ms (the main thread's CPU
-time a step, which the host's drift moves less when it comes from time taken away).
+time a step, which the host's drift moves less when it comes from time taken away) and cpu ms
+(every thread's: the backward's launches come from autograd's device thread).
 
   python bench/ab_train.py --prepare REV [REV ...]
       here, with git: each revision's sglang_dsv41, trainer_bridge and bench into
       build/ab/<short sha> (carry build/ab to a GPU machine: its git may be stale)
   python bench/ab_train.py TREE_A TREE_B [--rounds 4] -- [bench/train.py arguments]
-      anywhere: bench/train.py of each tree with that tree first on PYTHONPATH; the step and
-      host times of the first "ours" row of each run
+      anywhere: bench/train.py of each tree with that tree first on PYTHONPATH; the step, host
+      and cpu times of the first "ours" row of each run
 """
 
 from __future__ import annotations
@@ -47,27 +48,30 @@ def column_end(header: str, name: str) -> int | None:
     return None if at < 0 else at + len(name)
 
 
-def ours_times(stdout: str) -> tuple[float, float | None]:
-    """(step ms, host ms) of the first "ours" row bench/train.py printed (a live row or the
-    table's; the memory-plan lines also start with "ours" and are skipped). Columns are read
-    where the table's header puts them, so an older tree's output without "host ms" still
-    gives its step time (host None)."""
+COLUMNS = (("step", "step ms"), ("host", "host ms"), ("cpu", "cpu ms"))
+
+
+def ours_times(stdout: str) -> dict[str, float | None]:
+    """{"step", "host", "cpu"} ms of the first "ours" row bench/train.py printed (a live row or
+    the table's; the memory-plan lines also start with "ours" and are skipped). Columns are read
+    where the table's header puts them, so an older tree's output without "host ms" or "cpu ms"
+    still gives its step time (those None)."""
     lines = stdout.splitlines()
     header = next((line for line in lines if line.startswith("run ") and "step ms" in line), "")
-    step_end, host_end = column_end(header, "step ms"), column_end(header, "host ms")
+    ends = {key: column_end(header, name) for key, name in COLUMNS}
     for line in lines:
-        if not line.startswith("ours ") or "memory plan" in line or step_end is None:
+        if not line.startswith("ours ") or "memory plan" in line or ends["step"] is None:
             continue
         try:
-            step = float(line[:step_end].split()[-1])
+            float(line[:ends["step"]].split()[-1])
         except ValueError:
             continue  # an OOM row
-        host = float(line[:host_end].split()[-1]) if host_end is not None else None
-        return step, host
+        return {key: None if end is None else float(line[:end].split()[-1])
+                for key, end in ends.items()}
     raise ValueError("bench/train.py printed no step time of ours:\n" + stdout[-2000:])
 
 
-def run(tree: str, bench_args: list[str]) -> tuple[float, float | None]:
+def run(tree: str, bench_args: list[str]) -> dict[str, float | None]:
     tree = os.path.abspath(tree)  # the run's working directory is the tree itself
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [tree, env.get("PYTHONPATH")]))
@@ -101,20 +105,20 @@ def main(argv=None) -> int:
         if not os.path.isfile(os.path.join(tree, "bench", "train.py")):
             p.error(f"{tree} has no bench/train.py (prepare it with --prepare)")
     # by position, not name: the same tree may be given twice (a noise check)
-    times: list[list[float]] = [[], []]
-    hosts: list[list[float | None]] = [[], []]
+    runs: list[list[dict[str, float | None]]] = [[], []]
     for r in range(args.rounds):
         for i, tree in enumerate(args.trees):
-            step, host = run(tree, bench_args)
-            times[i].append(step)
-            hosts[i].append(host)
-            shown = "" if host is None else f", host {host:.1f} ms"
-            print(f"round {r + 1} {'AB'[i]} {tree}: {step:.1f} ms{shown}", flush=True)
+            times = run(tree, bench_args)
+            runs[i].append(times)
+            shown = "".join(f", {key} {times[key]:.1f} ms" for key in ("host", "cpu")
+                            if times[key] is not None)
+            print(f"round {r + 1} {'AB'[i]} {tree}: {times['step']:.1f} ms{shown}", flush=True)
     print(f"\nbench/train.py {' '.join(bench_args)}; {args.rounds} runs each, alternated")
-    for what, table in (("step", times), ("host", hosts)):
+    for what, name in COLUMNS:
+        table = [[t[what] for t in tree_runs] for tree_runs in runs]
         if any(v is None for vals in table for v in vals):
-            print("(no host ms: a tree's bench/train.py does not print it)")
-            break
+            print(f"(no {name}: a tree's bench/train.py does not print it)")
+            continue
         print(f"{what + ' ms: tree':<40}{'median':>10}{'min':>9}{'max':>9}  runs")
         for i, (tree, ts) in enumerate(zip(args.trees, table)):
             print(f"{'AB'[i] + ' ' + tree:<40}{statistics.median(ts):>10.1f}{min(ts):>9.1f}"

@@ -120,21 +120,25 @@ def free(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def time_steps(step, args, device, profile_label: str | None) -> tuple[float, int, float]:
+def time_steps(step, args, device, profile_label: str | None
+               ) -> tuple[float, int, float, float]:
     """Median seconds of ``args.steps`` steps after ``args.warmup``; peak bytes; the median CPU
-    seconds of the calling (main) thread per step. With a ``profile_label``, then
+    seconds per step of the calling (main) thread, and of the whole process (every thread: the
+    backward's launches come from autograd's device thread). With a ``profile_label``, then
     ``args.steps`` more steps under torch.profiler (not timed) and one under CUDA sync
     debugging."""
-    times, host = [], []
+    times, host, process = [], [], []
     for i in range(args.warmup + args.steps):
         sync(device)
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
         step()
-        c1 = time.thread_time()  # before the sync: its wait is not host work
+        # before the sync: its wait is not host work
+        c1, p1 = time.thread_time(), time.process_time()
         sync(device)
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
             host.append(c1 - c0)
+            process.append(p1 - p0)
     peak = memory(device)[1]
     if profile_label:
         acts = [torch.profiler.ProfilerActivity.CPU]
@@ -147,7 +151,8 @@ def time_steps(step, args, device, profile_label: str | None) -> tuple[float, in
         print_profile(prof, profile_label, args.steps, device, args.trace_dir)
         print(host_syncs(step, device), flush=True)
         print(host_python_profile(step, device, args.trace_dir), flush=True)
-    return sorted(times)[len(times) // 2], peak, sorted(host)[len(host) // 2]
+    return (sorted(times)[len(times) // 2], peak, sorted(host)[len(host) // 2],
+            sorted(process)[len(process) // 2])
 
 
 # Runtime calls that start work on the GPU, and those that make the host wait for it.
@@ -622,8 +627,9 @@ def main(argv=None) -> int:
 
     def measure(runner, label, seq, profile):
         try:
-            step_s, peak_b, host_s = time_steps(runner.stepper(seq, args.micro_batches), args,
-                                                device, f"{label} @ {seq}" if profile else None)
+            step_s, peak_b, host_s, cpu_s = time_steps(
+                runner.stepper(seq, args.micro_batches), args, device,
+                f"{label} @ {seq}" if profile else None)
         except torch.OutOfMemoryError:
             if info.world_size > 1:
                 raise  # the other ranks may not have run out: a retry would hang them
@@ -633,7 +639,7 @@ def main(argv=None) -> int:
         if isinstance(runner, Ours) and seq == biggest:
             plans.append(f"{label} @ {seq}: " + runner.memory_plan(peak_b))
         free(device)
-        return step_s, peak_b, host_s
+        return step_s, peak_b, host_s, cpu_s
 
     policies = list(dict.fromkeys([args.checkpointing, "selective", "layer"]))
     shortest = min(s.length for s in seqs)
@@ -700,9 +706,10 @@ def main(argv=None) -> int:
           f"shape); MFU = 6 x active x tokens / step / {peak} TFLOP/s; attn TFLOP = attention "
           f"FLOPs per step (not in MFU); host ms = the main thread's CPU time per step (median): "
           f"the host work a host-bound step waits for, without the time the host's scheduler "
-          f"or hypervisor takes away from it")
+          f"or hypervisor takes away from it; cpu ms = the same for all the process's threads "
+          f"(autograd's device thread launches the backward)")
     print(f"{'run':<48} {'seq':>9} {'step ms':>9} {'tokens/s':>9} {'MFU':>6} "
-          f"{'attn TFLOP':>10} {'peak GiB':>8} {'host ms':>8}")
+          f"{'attn TFLOP':>10} {'peak GiB':>8} {'host ms':>8} {'cpu ms':>8}")
     for row in rows:
         print_row(row, peak, args.micro_batches)
     for seq in seqs:
@@ -723,13 +730,13 @@ def print_row(row, peak, micro_batches: int, flush=False) -> None:
     if r == "OOM":
         print(f"{label:<48} {str(seq):>9} {'OOM':>9}", flush=flush)
         return
-    step_s, peak_b, host_s = r
+    step_s, peak_b, host_s, cpu_s = r
     tokens = seq.tokens * micro_batches
     mfu = (f"{100 * 6 * active_params(c) * tokens / step_s / 1e12 / peak:.1f}%" if peak
            else "n/a")
     print(f"{label:<48} {str(seq):>9} {1e3 * step_s:9.1f} {tokens / step_s:9.0f} {mfu:>6} "
           f"{micro_batches * seq.n * attention_flops(c, seq.length) / 1e12:10.2f} "
-          f"{peak_b / GiB:8.2f} {1e3 * host_s:8.1f}",
+          f"{peak_b / GiB:8.2f} {1e3 * host_s:8.1f} {1e3 * cpu_s:8.1f}",
           flush=flush)
 
 

@@ -5,6 +5,7 @@ its grouped-vs-loop MoE check."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -32,15 +33,17 @@ def test_bench_train_runs_on_cpu():
     errors = [float(x.rstrip(",")) for x in check.split()[-5::2]]
     assert len(errors) == 3 and max(errors) < 1e-5, check
     table = lines[next(i for i, line in enumerate(lines) if line.startswith("run ")) + 1:]
-    rows = {(" ".join(line.split()[:-7]), line.split()[-7]): line.split()[-6:] for line in table
+    rows = {(" ".join(line.split()[:-8]), line.split()[-8]): line.split()[-7:] for line in table
             if line.startswith(("ours", "transformers")) and "memory plan" not in line}
     # 2x32: two sequences packed in ours' micro-batch, a batch of two for transformers
     assert set(rows) == {(label, seq) for seq in ("64", "2x32") for label in (
         "ours tiny ac=none", "transformers tiny-v4 experts=eager", "ours tiny-v4 ac=none")}, rows
-    for step_ms, tokens_per_s, *_, host_ms in rows.values():
-        # host ms: the main thread's CPU time of a step, within the step's wall time
+    for step_ms, tokens_per_s, *_, host_ms, cpu_ms in rows.values():
+        # host ms: the main thread's CPU time of a step, within the step's wall time; cpu ms:
+        # every thread's, the main thread's among them
         assert float(step_ms) > 0 and float(tokens_per_s) > 0
         assert 0 < float(host_ms) <= 1.05 * float(step_ms) + 0.5, (step_ms, host_ms)
+        assert float(host_ms) <= float(cpu_ms) + 0.1, (host_ms, cpu_ms)
     for seq in ("64", "2x32"):
         assert any(line.startswith(f"speed-up at {seq}: ours tiny ac=none") for line in lines)
     assert any("memory plan: fp32 master weights" in line for line in lines)
@@ -71,7 +74,7 @@ def test_bench_train_runs_with_activation_checkpointing(policy):
                if line.startswith(f"ours tiny ac={policy} ") and "memory plan" not in line)
     # one warm-up and one timed step (the memory plan's probes run on CUDA only)
     assert "policy forwards 4" in out.stdout.splitlines()[-1], out.stdout[-500:]
-    step_ms, tokens_per_s = float(row.split()[-6]), float(row.split()[-5])
+    step_ms, tokens_per_s = float(row.split()[-7]), float(row.split()[-6])
     assert tokens_per_s * step_ms / 1e3 == pytest.approx(2 * 64, rel=0.02), row
 
 
@@ -105,7 +108,7 @@ def test_bench_train_under_torchrun_two_ranks():
     assert out.stdout.count("cpu x 2, 1 micro-batch(es)") == 1, out.stdout[-2000:]
     rows = [line for line in out.stdout.splitlines()
             if line.startswith("ours tiny ac=none ") and "memory plan" not in line]
-    assert len(rows) == 2 and float(rows[0].split()[-5]) > 0, rows  # printed live + table
+    assert len(rows) == 2 and float(rows[0].split()[-6]) > 0, rows  # printed live + table
     refused = subprocess.run(run + ["--transformers", "eager"], env=env, capture_output=True,
                              text=True, timeout=100)
     assert refused.returncode != 0 and "pass --transformers none --no-twin" in refused.stderr
@@ -173,8 +176,9 @@ def test_trace_gaps_reports_gpu_busy_time_within_each_phase(tmp_path):
 @pytest.mark.timeout(180)
 def test_ab_train_alternates_two_trees(tmp_path):
     """bench/ab_train.py: a revision archived into a tree, then A B A B runs of bench/train.py
-    (here the same tree twice, once by a relative path, on CPU): every run's step time, medians and their ratio; a tree
-    without bench/train.py is refused before anything runs."""
+    (here the same tree twice, once by a relative path, on CPU): every run's step, host and cpu
+    times, medians and their ratios; a tree without bench/train.py is refused before anything
+    runs."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
     ab = [sys.executable, os.path.join(ROOT, "bench", "ab_train.py")]
@@ -190,15 +194,16 @@ def test_ab_train_alternates_two_trees(tmp_path):
                                "0", "--transformers", "none", "--no-twin"], env=env,
                          cwd=tmp_path, capture_output=True, text=True, timeout=170)
     assert out.returncode == 0, out.stderr[-3000:]
-    rounds = [line for line in out.stdout.splitlines() if line.startswith("round ")]
-    # "round 1 A TREE: 12.3 ms, host 11.8 ms"
-    assert len(rounds) == 4 and all(float(line.split()[-5]) > 0 < float(line.split()[-2])
-                                    for line in rounds), rounds
-    assert [line.split()[2] for line in rounds] == ["A", "B", "A", "B"]
+    rounds = [re.fullmatch(r"round \d ([AB]) .+: ([\d.]+) ms, host ([\d.]+) ms, cpu ([\d.]+) ms",
+                           line) for line in out.stdout.splitlines() if line.startswith("round ")]
+    assert len(rounds) == 4 and all(m and 0 < float(m[3]) <= float(m[4]) + 0.1 and
+                                    float(m[2]) > 0 for m in rounds), rounds
+    assert [m[1] for m in rounds] == ["A", "B", "A", "B"]
     medians = [line for line in out.stdout.splitlines()
                if line.startswith(("A ", "B ")) and not line.startswith("B / A")]
-    assert len(medians) == 4 and all(len(line.split()) == 2 + 3 + 2 for line in medians), medians
-    assert "B / A (step ms medians): " in out.stdout and "B / A (host ms medians): " in out.stdout
+    assert len(medians) == 6 and all(len(line.split()) == 2 + 3 + 2 for line in medians), medians
+    for what in ("step", "host", "cpu"):
+        assert f"B / A ({what} ms medians): " in out.stdout
     refused = subprocess.run(ab + [tree, str(tmp_path), "--rounds", "1"], env=env,
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode != 0 and "has no bench/train.py" in refused.stderr
@@ -247,9 +252,12 @@ def test_ab_train_reads_columns_where_the_header_puts_them():
     new = "\n".join([plan, row("ours small ac=selective", None), row("ours small ac=none",
                      212.4, 187.9), head + f" {'host ms':>8}", row("ours small ac=none",
                                                                    212.4, 187.9)])
-    assert ab.ours_times(new) == (212.4, 187.9)
+    assert ab.ours_times(new) == {"step": 212.4, "host": 187.9, "cpu": None}
     old = "\n".join([row("ours small ac=none", 230.1), head, row("ours small ac=none", 230.1)])
-    assert ab.ours_times(old) == (230.1, None)
+    assert ab.ours_times(old) == {"step": 230.1, "host": None, "cpu": None}
+    both = "\n".join([head + f" {'host ms':>8} {'cpu ms':>8}",
+                      row("ours small ac=none", 212.4, 187.9) + f" {301.5:8.1f}"])
+    assert ab.ours_times(both) == {"step": 212.4, "host": 187.9, "cpu": 301.5}
     with pytest.raises(ValueError, match="no step time"):
         ab.ours_times("\n".join([plan, head, row("ours small ac=none", None)]))
 
