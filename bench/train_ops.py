@@ -42,6 +42,7 @@ projection fastest, and what the model's Triton kernels of its torch paths cost 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections import Counter
@@ -377,37 +378,25 @@ def lm_head(args) -> None:
     base = None
     runs = [(mode, lambda h, w, m=mode: tl.token_logprobs(h, w, targets, m))
             for mode in tl.FP32_GEMMS]
+    def rel(got, ref):
+        return ((got.double() - ref).abs().max() / ref.abs().max()).item()
+
     for name, fn in runs + [("one TF32 pass (plain expression)", plain)]:
         one_pass = not name.startswith(tl.FP32_GEMMS)
-        prev = torch.backends.cuda.matmul.fp32_precision
-        torch.backends.cuda.matmul.fp32_precision = "tf32" if one_pass else prev
-        try:
+        with tl.fp32_matmul("tf32") if one_pass else contextlib.nullcontext():
             got = grads(fn, hidden, weight)
             h = hidden.clone().requires_grad_(True)
             w = weight.clone().requires_grad_(True)
             us = median_us(lambda: fn(h, w), upstream, [h, w], True, args.repeats)
-        finally:
-            torch.backends.cuda.matmul.fp32_precision = prev
         base = base or us
-        err = ", ".join(f"{((g - e).abs().max() / e.abs().max()).item():.1e}"
-                        for g, e in zip(got, exact))
+        err = ", ".join(f"{rel(g, e):.1e}" for g, e in zip(got, exact))
         print(f"{name:34s} {us:9.1f} us ({base / us:.2f}x ieee)  {err}", flush=True)
     # Where tf32x3's error comes from, on d hidden = G @ W (K = vocab) with the exact G.
     g64 = exact_logits_grad(hidden.double(), weight.double(), targets, upstream.double())
     g32, want = g64.float(), g64 @ weight.double()
     hi = [tl.split_operand(m, "tf32x3")[0] for m in (g32, weight)]
-
-    def tf32(fn):
-        prev = torch.backends.cuda.matmul.fp32_precision
-        torch.backends.cuda.matmul.fp32_precision = "tf32"
-        try:
-            return fn()
-        finally:
-            torch.backends.cuda.matmul.fp32_precision = prev
-
-    def rel(got, ref):
-        return ((got.double() - ref).abs().max() / ref.abs().max()).item()
-
+    with tl.fp32_matmul("tf32"):
+        one_tf32 = hi[0] @ hi[1]
     k = args.vocab // 8
     rows = {
         "ieee": rel(g32 @ weight, want),
@@ -417,7 +406,7 @@ def lm_head(args) -> None:
             tl.head_mm(tl.split_operand(g32[:, a:a + k], "tf32x3"),
                        tl.split_operand(weight[a:a + k], "tf32x3"))
             for a in range(0, args.vocab, k)), want),
-        "TF32-exact operands, one TF32 GEMM": rel(tf32(lambda: hi[0] @ hi[1]),
+        "TF32-exact operands, one TF32 GEMM": rel(one_tf32,
                                                    hi[0].double() @ hi[1].double()),
         "the same, ieee": rel(hi[0] @ hi[1], hi[0].double() @ hi[1].double()),
     }

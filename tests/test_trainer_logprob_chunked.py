@@ -91,12 +91,8 @@ def test_tf32x3_on_a_gpu_is_close_to_float64():
     ieee = _value_and_grads(tl.token_logprobs, hidden, weight, targets, upstream)
     got = _value_and_grads(lambda h, w, t: tl.token_logprobs(h, w, t, "tf32x3"), hidden, weight,
                            targets, upstream)
-    prev = torch.backends.cuda.matmul.fp32_precision
-    torch.backends.cuda.matmul.fp32_precision = "tf32"
-    try:
+    with tl.fp32_matmul("tf32"):
         one_pass = _value_and_grads(_plain, hidden, weight, targets, upstream)
-    finally:
-        torch.backends.cuda.matmul.fp32_precision = prev
     assert _rel(got[0], want[0]) <= 4 * _rel(ieee[0], want[0])
     assert _rel(one_pass[0], want[0]) > 4 * _rel(ieee[0], want[0])
     for i, what in ((1, "d hidden"), (2, "d head")):

@@ -62,7 +62,7 @@ def transposed(parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
 
 
 @contextlib.contextmanager
-def _fp32_matmul(precision: str):
+def fp32_matmul(precision: str):
     """fp32 GEMMs on CUDA as ``precision`` ("ieee" | "tf32") says, whatever the process set.
     torch's setting is process-wide: other threads' fp32 GEMMs in this window would follow it
     too (the trainer's forward and backward never run at once)."""
@@ -89,10 +89,10 @@ def head_mm(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...],
     first, the inner dimension in chunks of TF32_K_CHUNK each added by a GEMM's fp32 epilogue
     (module docstring)."""
     if len(a) == 1:
-        with _fp32_matmul("ieee"):
+        with fp32_matmul("ieee"):
             prod = a[0] @ b[0]
         return prod if out is None else out.add_(prod)
-    with _fp32_matmul("tf32"):
+    with fp32_matmul("tf32"):
         for k in range(0, a[0].shape[1], TF32_K_CHUNK):
             (a_hi, a_lo), (b_hi, b_lo) = ([p.narrow(dim, k, min(TF32_K_CHUNK, p.shape[dim] - k))
                                             for p in parts] for parts, dim in ((a, 1), (b, 0)))
@@ -110,9 +110,10 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         step = logprob_chunk_rows(weight.shape[0])
         logp = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         ctx.kept = None
+        w_parts = split_operand(weight, fp32_gemm)  # once for every chunk
         for a in range(0, rows, step):
             b = min(a + step, rows)
-            chunk = _logits(hidden[a:b], weight, fp32_gemm).float().log_softmax(dim=-1)
+            chunk = _logits(hidden[a:b], w_parts, fp32_gemm).float().log_softmax(dim=-1)
             logp[a:b] = chunk.gather(1, targets[a:b, None]).squeeze(1)
             if b - a == rows:
                 # One chunk holds every row: keep it (one chunk's memory, the budget the
@@ -133,21 +134,20 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         rows = hidden.shape[0]
         step = logprob_chunk_rows(weight.shape[0])
         grad = grad.float()
-        w_parts = None
+        w_parts = split_operand(weight, ctx.fp32_gemm)  # once for every chunk
         for a in range(0, rows, step):
             b = min(a + step, rows)
             g = grad[a:b, None]
             if ctx.kept is not None:  # the forward's only chunk, used once
                 log_softmax, ctx.kept = ctx.kept, None
             else:
-                log_softmax = _logits(hidden[a:b], weight, ctx.fp32_gemm).float() \
+                log_softmax = _logits(hidden[a:b], w_parts, ctx.fp32_gemm).float() \
                     .log_softmax(dim=-1)
             # d logp / d logits = onehot(target) - softmax, times the incoming gradient
             g_logits = log_softmax.exp_().mul_(-g)
             g_logits.scatter_add_(1, targets[a:b, None], g)
             g_parts = split_operand(g_logits.to(weight.dtype), ctx.fp32_gemm, inplace=True)
             if need_hidden:
-                w_parts = w_parts or split_operand(weight, ctx.fp32_gemm)
                 grad_hidden[a:b] = head_mm(g_parts, w_parts)
             if need_weight:
                 head_mm(transposed(g_parts), split_operand(hidden[a:b], ctx.fp32_gemm),
@@ -157,11 +157,12 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None
 
 
-def _logits(hidden: torch.Tensor, weight: torch.Tensor, fp32_gemm: str) -> torch.Tensor:
-    w_parts = split_operand(weight, fp32_gemm)
+def _logits(hidden: torch.Tensor, w_parts: tuple[torch.Tensor, ...], fp32_gemm: str
+            ) -> torch.Tensor:
+    """hidden @ W^T from W's split_operand parts."""
     if len(w_parts) == 1:
-        with _fp32_matmul("ieee"):
-            return F.linear(hidden, weight)
+        with fp32_matmul("ieee"):
+            return F.linear(hidden, w_parts[0])
     return head_mm(split_operand(hidden, fp32_gemm), transposed(w_parts))
 
 
