@@ -22,7 +22,8 @@ projection fastest, and what the model's Triton kernels of its torch paths cost 
   python bench/train_ops.py hc-mix [--tokens 4096,65536 --rounds 2]
       CUDA: mHC's mix kernels (hc_mix_triton, hc 4, D 1024, bf16 streams, 24 outputs) for each
       candidate of HC_MIX_TRIALS (MixTiles): device time of the forward, the d streams and the
-      d fn kernels, each launched alone, every candidate measured --rounds times; and the
+      d fn kernels, each launched alone, every candidate measured --rounds times, the three's
+      sum as a ratio to the first tiles' (the first candidate) in the same round; and the
       outputs' relative errors against float64.
   python bench/train_ops.py lm-head [--tokens 4096 --dim 1024 --vocab 32000]
       CUDA: the fp32 head's log-probabilities (token_logprobs) forward + backward with each
@@ -307,10 +308,10 @@ class BmmGroupMajor(torch.autograd.Function):
         return grad_o, torch.bmm(by_group.transpose(1, 2), og)
 
 
-# MixTiles fields per candidate (the first: the defaults), hc-mix mode.
-HC_MIX_TRIALS = [{}, {"tokens": 32, "k": 64, "fn_cols": 32, "fn_tokens": 4096,
-                      "precision": "ieee"},  # the first tiles
-                 {"precision": "ieee"}, {"tokens": 32, "k": 64}, {"tokens": 32},
+# MixTiles fields per candidate, hc-mix mode. The first, the first tiles, is the baseline of
+# every round's ratios; the second ({}) the defaults.
+HC_MIX_TRIALS = [{"tokens": 32, "k": 64, "fn_cols": 32, "fn_tokens": 4096, "precision": "ieee"},
+                 {}, {"precision": "ieee"}, {"tokens": 32, "k": 64}, {"tokens": 32},
                  {"fn_tokens": 1024}, {"fn_cols": 128, "fn_warps": 8}]
 
 
@@ -337,6 +338,7 @@ def hc_mix_kernels(args) -> None:
         print(f"== hc_mix T {tokens}: us (forward | d streams | d fn), do_bench medians; rel. "
               "error vs float64 (mix, d streams in bf16, d fn)", flush=True)
         for r in range(args.rounds):
+            baseline = None  # the round's first candidate: the sum of its three kernels
             for trial in HC_MIX_TRIALS:
                 tiles = replace(hm.MixTiles(), **trial)
                 mix, rstd = hm.mix_forward(x, fn, eps, tiles)
@@ -348,8 +350,10 @@ def hc_mix_kernels(args) -> None:
                     lambda: hm.mix_backward_fn(x, rstd, grad, tiles))]
                 err = ", ".join(f"{((a.double() - b).norm() / b.norm()).item():.1e}" for a, b in
                                 ((mix, mix64), (dx, x64.grad), (dfn, fn64.grad)))
+                baseline = baseline or sum(us)
                 print(f"round {r} {str(trial or 'defaults'):78s} {us[0]:7.1f} | {us[1]:7.1f} | "
-                      f"{us[2]:7.1f}  {err}", flush=True)
+                      f"{us[2]:7.1f}  {sum(us) / baseline:5.2f}x the first tiles' time  {err}",
+                      flush=True)
 
 
 def lm_head(args) -> None:
