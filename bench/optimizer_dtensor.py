@@ -1,6 +1,6 @@
 """Host time of the optimizer phase: torch over FSDP2's DTensor parameters (the baseline) vs the
 trainer's own phase on their local shards (trainer_bridge/local_shards.py): gradient clipping
-(torch.nn.utils.clip_grad_norm_ vs trainer.clip_gradients) and AdamW.step (torch.optim.AdamW
+(torch.nn.utils.clip_grad_norm_ vs local_shards.clip_grad_norm) and AdamW.step (torch.optim.AdamW
 vs the trainer's LocalShardAdamW, the same groups and fused setting). The arithmetic is the
 same (tests/test_trainer_local_shards.py); the difference is DTensor's dispatch, paid per op
 (and per tensor on the paths that loop over tensors): host time. Each row gives the host's time
@@ -26,7 +26,7 @@ from bench.train import Ours, Shape  # noqa: E402
 from sglang_dsv41.model.dsv4 import get_preset  # noqa: E402
 from trainer_bridge.dist import close_distributed, init_distributed  # noqa: E402
 from trainer_bridge.policy import resolve_device  # noqa: E402
-from trainer_bridge.trainer import clip_gradients  # noqa: E402
+from trainer_bridge.local_shards import clip_grad_norm  # noqa: E402
 
 
 def ms_per_call(fn, device: torch.device, calls: int) -> tuple[float, float]:
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
         torch_adamw = torch.optim.AdamW([dict(g) for g in ours.opt.param_groups])
         rows = {"clip_grad_norm_ (torch, DTensor)":
                 lambda: torch.nn.utils.clip_grad_norm_(params, 1.0),
-                "clip_gradients (ours, local shards)": lambda: clip_gradients(ours.opt, 1.0),
+                "clip_grad_norm (ours, local shards)": lambda: clip_grad_norm(params, 1.0),
                 "AdamW.step (torch, DTensor)": torch_adamw.step,
                 "AdamW.step (ours, local shards)": ours.opt.step}
         print(f"{args.preset} on {device.type}: {len(params)} trained tensors with gradients, "

@@ -58,7 +58,7 @@ from trainer_bridge.parallelize import (ONE_RANK_MODES, accumulates_unsharded,  
 from trainer_bridge.policy import (ForwardState, Policy, lm_head_gemm_for,  # noqa: E402
                                    resolve_device)
 from trainer_bridge.schedule import build_optimizer  # noqa: E402
-from trainer_bridge.trainer import clip_gradients, forward_backward  # noqa: E402
+from trainer_bridge.trainer import clip_and_step, forward_backward  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 GiB = 2 ** 30
@@ -328,8 +328,8 @@ class Ours:
 
     def stepper(self, shape: Shape, micro_batches: int, optimizer: bool = True):
         """One optimizer step over ``micro_batches`` micro-batches of ``shape`` per rank, with
-        the trainer's own functions (forward_backward per micro-batch, then clip_gradients and
-        AdamW; without ``optimizer`` the gradients stay). The step returns the last
+        the trainer's own functions (forward_backward per micro-batch, then clip_and_step:
+        clipping and AdamW; without ``optimizer`` the gradients stay). The step returns the last
         micro-batch's loss."""
         batches = []
         for m in range(micro_batches):
@@ -347,8 +347,7 @@ class Ours:
                                         self.info.world_size, replay=False)
             if optimizer:
                 with torch.profiler.record_function("trainer.optimizer"):
-                    clip_gradients(self.opt, self.optim_cfg.max_grad_norm)
-                    self.opt.step()
+                    clip_and_step(self.opt, self.optim_cfg.max_grad_norm)
                     self.opt.zero_grad(set_to_none=True)
             return sums[0]
         return step

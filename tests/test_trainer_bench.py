@@ -269,7 +269,7 @@ def test_optimizer_dtensor_bench_times_both_sides():
     out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "optimizer_dtensor.py"),
                           "--calls", "2"], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
-    for row in ("clip_grad_norm_ (torch, DTensor)", "clip_gradients (ours, local shards)",
+    for row in ("clip_grad_norm_ (torch, DTensor)", "clip_grad_norm (ours, local shards)",
                 "AdamW.step (torch, DTensor)", "AdamW.step (ours, local shards)"):
         line = next((ln for ln in out.stdout.splitlines() if ln.startswith(row)), None)
         assert line is not None and all(float(v) > 0 for v in line.split()[-2:]), out.stdout

@@ -38,7 +38,7 @@ def run_mode(mesh, one_rank: str, checkpointing: str, device=torch.device("cpu")
     from trainer_bridge.config import ModelConfig, OptimConfig
     from trainer_bridge.policy import build_policy
     from trainer_bridge.schedule import build_optimizer
-    from trainer_bridge.trainer import clip_gradients
+    from trainer_bridge.trainer import clip_and_step
 
     policy = build_policy(ModelConfig(model_path=PRESET, compute_dtype="bfloat16",
                                       one_rank=one_rank, accumulate_unsharded="never",
@@ -59,8 +59,7 @@ def run_mode(mesh, one_rank: str, checkpointing: str, device=torch.device("cpu")
         # numpy across the process boundary (tensors would travel as shared-memory handles)
         grads = {n: (str(p.grad.dtype), full(p.grad))
                  for n, p in policy.model.named_parameters() if p.grad is not None}
-        norm = clip_gradients(opt, 1.0)  # clips (the norm is ~50): the same coefficient
-        opt.step()
+        norm = clip_and_step(opt, 1.0)  # clips (the norm is ~50): the same coefficient
         opt.zero_grad(set_to_none=True)
         with torch.no_grad():
             plain = policy.forward(pack(samples(5)[:1], policy.routed_layers,

@@ -105,6 +105,33 @@ def worker(rank: int, port: int, queue) -> None:
         opt.step()
         fresh.step()
         out["resumed_equal"] = all(torch.equal(full(p), full(q)) for p, q in zip(ours, again))
+        # fused (CUDA's path, here on the CPU's fused kernel): clip_and_step folds the clipping
+        # into AdamW's grad_scale; torch clips, then steps its own fused AdamW
+        fused_root, fused_whole = build(mesh), [torch.nn.Parameter(full(p)) for p in ours]
+        fused = list(fused_root.parameters())
+        with torch.no_grad():
+            for p, q, w in zip(fused, ours, fused_whole):
+                p.copy_(q)
+                w.copy_(full(q))
+        fused_opt = LocalShardAdamW(fused, fused=True, **kw)
+        fused_ref = torch.optim.AdamW(fused_whole, fused=True, **kw)
+        out["fused"] = []
+        for step in range(3):
+            max_norm = 1e9 if step == 0 else 0.5
+            set_grads(fused, step, 3.0)
+            set_grads(fused_whole, step, 3.0)
+            norm = fused_opt.clip_and_step(max_norm)
+            ref = torch.nn.utils.clip_grad_norm_(fused_whole, max_norm)
+            fused_ref.step()
+            out["fused"].append((
+                float(norm), float(ref),
+                max(float((full(p.grad) - w.grad).abs().max()) for p, w in zip(fused, fused_whole)),
+                max(float((full(p) - w).abs().max()) for p, w in zip(fused, fused_whole))))
+        try:
+            opt.step(grad_scale=torch.ones(()))
+            out["unfused_grad_scale"] = "accepted"
+        except ValueError as e:
+            out["unfused_grad_scale"] = str(e)
         # sharded-only sets: the norm of the full tensors
         shards = [p.grad for p in root.sharded.parameters()]
         want = torch.cat([full(g).flatten() for g in shards]).norm()
@@ -142,6 +169,18 @@ def test_clip_matches_torch_on_whole_tensors(results):
         assert sharded == pytest.approx(want, rel=1e-6)
     assert results[0]["norms"] == results[1]["norms"]  # identical on every rank
     assert "Partial" in results[0]["partial"]
+
+
+def test_fused_clip_and_step_is_clip_then_adamw(results):
+    """The clipping folded into the fused AdamW's grad_scale: the norm, the gradients left
+    behind (clipped) and the stepped parameters are torch's clip_grad_norm_ + fused AdamW's to
+    fp32 rounding (a division by 1/coef where torch multiplies by coef)."""
+    for out in results:
+        for i, (norm, ref, grad_err, param_err) in enumerate(out["fused"]):
+            assert norm == pytest.approx(ref, rel=1e-6)
+            assert grad_err < 1e-6 and param_err < 1e-6, (i, grad_err, param_err)
+        assert out["fused"][1][0] > 0.5  # the clipped steps did clip
+        assert "fused" in out["unfused_grad_scale"]
 
 
 def test_adamw_is_torchs_and_resumes(results):

@@ -22,7 +22,7 @@ from .config import TrainConfig
 from .dist import (all_reduce_scalar, all_reduce_tensor, close_distributed, init_distributed,
                    on_primary)
 from .envs import make_env
-from .local_shards import clip_grad_norm, global_norm
+from .local_shards import LocalShardAdamW, clip_grad_norm, global_norm
 from .loss import compute_advantages, k3_kl, ppo_loss
 from .optimizer_offload import offload_optimizer
 from .parallelize import is_sink_param
@@ -173,9 +173,8 @@ class Trainer:
                 sums += forward_backward(self.policy, mb, global_tokens, self.cfg.loss,
                                          self.dist.world_size, replay=self.cfg.model.r3)
             sink_norm = self.sink_grad_norm()
-            grad_norm = clip_gradients(self.optimizer, self.cfg.optim.max_grad_norm)
+            grad_norm = clip_and_step(self.optimizer, self.cfg.optim.max_grad_norm)
             norms = torch.stack([grad_norm.float().to(norms.device), sink_norm.to(norms.device)])
-            self.optimizer.step()
         self.scheduler.step()
         # The step's one read of device metrics: one all-reduce, one copy to the host.
         loss, pg, kl, clip, tis = all_reduce_tensor(sums).tolist()
@@ -300,10 +299,15 @@ def forward_backward(policy: Policy, mb: MicroBatch, global_tokens: float, loss_
                         terms.clip_frac_sum, terms.tis_sum]).double()
 
 
-def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
-    """Clips the gradients of the optimizer's parameters (the trained ones) to ``max_norm`` in
-    place -> their total norm before clipping, on the device (no host sync)."""
-    return clip_grad_norm([p for g in optimizer.param_groups for p in g["params"]], max_norm)
+def clip_and_step(optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+    """Clips the gradients of the optimizer's parameters (the trained ones) to ``max_norm`` and
+    steps the optimizer -> their total norm before clipping, on the device (no host sync). Our
+    AdamW folds the clipping into its fused kernel (LocalShardAdamW.clip_and_step)."""
+    if isinstance(optimizer, LocalShardAdamW):
+        return optimizer.clip_and_step(max_norm)
+    norm = clip_grad_norm([p for g in optimizer.param_groups for p in g["params"]], max_norm)
+    optimizer.step()
+    return norm
 
 
 def _full(t: Any) -> torch.Tensor:
