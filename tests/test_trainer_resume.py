@@ -20,8 +20,19 @@ pytestmark = pytest.mark.timeout(240)
 BASELINE = os.path.join(os.path.dirname(__file__), "assets", "losses", "tiny_offline_cpu.txt")
 
 
-@pytest.fixture(scope="module")
-def offline_rollouts(tmp_path_factory) -> str:
+# The loss baseline is a trajectory of Adam on a tiny model: its first steps are about lr x
+# sign(gradient), so a gradient element near zero whose sign the last bit of rounding decides
+# moves a weight by 2 lr, and the next losses by percents. Measured on one machine: the trainer
+# and the sampler on MKL's AVX2 vs its AVX-512 kernels gave step-1 losses 5% apart (rollouts with
+# the same tokens, logprobs 5e-7 apart). So the sampler and the trainer here run on numerics
+# that do not depend on the x86 machine: aten's unvectorised kernels, MKL's conditional
+# numerical reproducibility, oneDNN capped at SSE4.1, one thread (the same losses to the bit
+# with MKL on AVX2 or AVX-512 kernels).
+CANONICAL_CPU_NUMERICS = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE",
+                          "ONEDNN_MAX_CPU_ISA": "SSE41", "OMP_NUM_THREADS": "1"}
+
+
+def write_offline_rollouts(path: str) -> None:
     """Two steps of rollouts sampled in-process from the tiny checkpoint (fixed seed)."""
     from trainer_bridge.config import RolloutConfig
     from trainer_bridge.envs import make_env
@@ -30,16 +41,28 @@ def offline_rollouts(tmp_path_factory) -> str:
     from trainer_bridge.trainer import byte_tokenizer
     from trainer_local_sampler import LocalRolloutSource
 
-    path = str(tmp_path_factory.mktemp("rollouts") / "tiny.jsonl")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # oversubscribed OpenMP threads make the token loop crawl
+    torch.set_num_threads(1)
     model = load_policy_model("tiny")
     cfg = RolloutConfig(prompts_per_step=2, group_size=4, max_new_tokens=6)
     src = LocalRolloutSource(model, make_env("byte_target", byte_tokenizer(model.cfg)), cfg,
                              seed=0)
     for step in range(2):
         append_record(path, step, src.collect(step))
-    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def offline_rollouts(tmp_path_factory) -> str:
+    """write_offline_rollouts in a fresh interpreter, on CANONICAL_CPU_NUMERICS (read when
+    torch and MKL load: this process loaded them long ago)."""
+    path = str(tmp_path_factory.mktemp("rollouts") / "tiny.jsonl")
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = f"import test_trainer_resume as t; t.write_offline_rollouts({path!r})"
+    out = subprocess.run([sys.executable, "-c", code], cwd=here, capture_output=True,
+                         text=True, timeout=120,
+                         env=dict(os.environ, **CANONICAL_CPU_NUMERICS,
+                                  PYTHONPATH=os.pathsep.join(
+                                      [here, os.environ.get("PYTHONPATH", "")])))
+    assert out.returncode == 0, out.stderr[-3000:]
     return path
 
 
@@ -53,7 +76,7 @@ def torchrun(out_dir: str, rollouts: str, *extra: str) -> None:
            # the baseline was recorded with (the tiny recipe's until it moved to 5e-3)
            "optim.sink_frozen_frac=0.5", "optim.sink_ramp_frac=0.25", "optim.lr=1e-2",
            "optim.sink_lr=1e-2", *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, **CANONICAL_CPU_NUMERICS)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True, text=True)
     try:
