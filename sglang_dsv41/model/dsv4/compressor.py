@@ -17,11 +17,14 @@ Mirrors transformers' DeepseekV4HCACompressor / DeepseekV4CSACompressor / Deepse
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
 from ...attention.indexer_scores import indexer_scores
 from .config import DSV4Config
+from .context import host_to_device
 from .norm import RMSNorm
 from .rope import apply_rope
 
@@ -39,27 +42,52 @@ class Compressor(nn.Module):
     def forward(self, x: torch.Tensor, bounds: list[tuple[int, int]], freqs: torch.Tensor
                 ) -> tuple[torch.Tensor, list[int]]:
         """x [T, hidden] -> entries [C, head_dim] (normed, RoPE'd) and entry_starts [B+1], a
-        host list: sequence s owns entries entry_starts[s]..entry_starts[s+1]-1."""
+        host list: sequence s owns entries entry_starts[s]..entry_starts[s+1]-1. Every
+        sequence's entries are pooled together (the same kernels for one sequence or many: a
+        loop over the packed sequences cost ~20 launches each way per sequence and layer)."""
         kv_all, gate_all = self.wkv(x), self.wgate(x)
         r, d = self.ratio, self.head_dim
-        entries, starts = [], [0]
-        for start, end in bounds:
-            n = (end - start) // r
-            starts.append(starts[-1] + n)
-            if n == 0:
-                continue
-            kv = kv_all[start:start + n * r].view(n, r, -1)
-            gate = gate_all[start:start + n * r].view(n, r, -1).float() + self.ape.float()
-            if self.overlap:
-                prev_kv = torch.cat([kv.new_zeros(1, r, d), kv[:-1, :, :d]])
-                prev_gate = torch.cat([gate.new_full((1, r, d), float("-inf")), gate[:-1, :, :d]])
-                kv = torch.cat([prev_kv, kv[..., d:]], dim=1)
-                gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
-            pooled = (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)
-            pos = torch.arange(n, device=x.device) * r
-            entries.append(apply_rope(self.norm(pooled), pos, freqs))
-        out = torch.cat(entries) if entries else x.new_zeros(0, d)
-        return out, starts
+        counts = [(end - start) // r for start, end in bounds]
+        starts = [0, *itertools.accumulate(counts)]
+        if starts[-1] == 0:
+            return x.new_zeros(0, d), starts
+        windows, rel = entry_windows(bounds, counts, r, x.device)
+        kv = windows(kv_all)
+        gate = windows(gate_all).float() + self.ape.float()
+        if self.overlap:
+            # entry w also pools window w-1's first half; a sequence's entry 0 has none (its
+            # weights 0: kv 0, gate -inf)
+            prev_kv = torch.cat([kv.new_zeros(1, r, d), kv[:-1, :, :d]])
+            prev_gate = torch.cat([gate.new_full((1, r, d), float("-inf")), gate[:-1, :, :d]])
+            if sum(n > 0 for n in counts) > 1:  # entry 0 of a later sequence follows another's
+                first = (rel == 0)[:, None, None]
+                prev_kv = prev_kv.masked_fill(first, 0)
+                prev_gate = prev_gate.masked_fill(first, float("-inf"))
+            kv = torch.cat([prev_kv, kv[..., d:]], dim=1)
+            gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
+        pooled = (kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1)
+        return apply_rope(self.norm(pooled), rel * r, freqs), starts
+
+
+def entry_windows(bounds: list[tuple[int, int]], counts: list[int], ratio: int,
+                  device: torch.device):
+    """The whole windows of ``ratio`` rows that the packed sequences' entries pool: -> (a
+    function t [T, ...] -> [C, ratio, ...] of every entry's rows, and each entry's index in its
+    sequence [C]). One sequence: views of t. Several: one gather by row index (index_select:
+    its backward writes each row's gradient once, rows outside every window get zeros)."""
+    total = sum(counts)
+    entry = torch.arange(total, device=device)
+    if len(bounds) == 1:
+        start = bounds[0][0]
+        return lambda t: t[start:start + total * ratio].view(total, ratio, *t.shape[1:]), entry
+    # per sequence: its entries' first index and (first row - ratio x first index)
+    firsts = [0, *itertools.accumulate(counts)][:-1]
+    host = torch.tensor([firsts, [a - ratio * f for (a, _), f in zip(bounds, firsts)], counts])
+    firsts_d, offsets_d, counts_d = host_to_device(host, device).unbind(0)
+    rel = entry - firsts_d.repeat_interleave(counts_d, output_size=total)
+    rows = ((offsets_d.repeat_interleave(counts_d, output_size=total) + ratio * entry)[:, None]
+            + torch.arange(ratio, device=device)).flatten()
+    return lambda t: t.index_select(0, rows).view(total, ratio, *t.shape[1:]), rel
 
 
 def stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,99 @@
+"""The compressor pools every packed sequence's entries in one pass (compressor.entry_windows):
+the entries and gradients of a packed batch equal those of each sequence alone (to fp32
+rounding: the parameters' gradients are summed over all entries at once), sequences too short
+for an entry included, and the number of kernels a forward and backward launch does not grow
+with the number of sequences."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from sglang_dsv41.model.dsv4.compressor import Compressor
+
+FREQS = 1.0 / (10000 ** (torch.arange(0, 8, dtype=torch.float32) / 8))
+# metadata-only ops launch no kernel
+NO_KERNEL = {"view", "_unsafe_view", "detach", "alias", "t", "transpose", "as_strided", "slice",
+             "select", "unsqueeze", "squeeze", "expand", "permute", "reshape", "split", "unbind",
+             "empty", "empty_strided", "new_empty", "lift_fresh", "_local_scalar_dense"}
+
+
+def compressor(ratio: int, seed: int = 0) -> Compressor:
+    torch.manual_seed(seed)
+    m = Compressor(32, 16, ratio, 1e-6)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn_like(p))
+    return m
+
+
+def bounds_of(lens: list[int]) -> list[tuple[int, int]]:
+    ends = [0]
+    for n in lens:
+        ends.append(ends[-1] + n)
+    return list(zip(ends[:-1], ends[1:]))
+
+
+def run(m: Compressor, x: torch.Tensor, bounds, grad_seed: int = 1):
+    x = x.clone().requires_grad_()
+    m.zero_grad()
+    entries, starts = m(x, bounds, FREQS)
+    if entries.numel():
+        gen = torch.Generator().manual_seed(grad_seed)
+        entries.backward(torch.randn(entries.shape, generator=gen))
+    return entries.detach(), starts, x.grad, {n: p.grad for n, p in m.named_parameters()}
+
+
+@pytest.mark.parametrize("ratio,lens", [(4, [9, 3, 17, 4, 0, 8]), (4, [8, 8]),
+                                        (128, [300, 100, 520, 256]), (2, [3, 2, 7])])
+def test_packed_entries_and_gradients_equal_each_sequence_alone(ratio, lens):
+    m = compressor(ratio)
+    x = torch.randn(sum(lens), 32, generator=torch.Generator().manual_seed(2))
+    bounds = bounds_of(lens)
+    entries, starts, gx, gp = run(m, x, bounds)
+    assert starts == [0, *torch.tensor([n // ratio for n in lens]).cumsum(0).tolist()]
+    want_gx = torch.zeros_like(x)
+    want_gp = collections.defaultdict(float)
+    for s, (a, b) in enumerate(bounds):
+        # each sequence alone, fed the slice of the packed output gradient that is its own
+        alone = compressor(ratio)
+        xs = x[a:b].clone().requires_grad_()
+        e, st = alone(xs, [(0, b - a)], FREQS)
+        torch.testing.assert_close(entries[starts[s]:starts[s + 1]], e.detach(), rtol=0,
+                                   atol=1e-6)
+        if e.numel():
+            gen = torch.Generator().manual_seed(1)
+            g = torch.randn(entries.shape, generator=gen)[starts[s]:starts[s + 1]]
+            e.backward(g)
+            want_gx[a:b] = xs.grad
+            for n, p in alone.named_parameters():
+                want_gp[n] = want_gp[n] + p.grad
+    torch.testing.assert_close(gx, want_gx, rtol=1e-5, atol=1e-6)
+    for n, g in gp.items():
+        torch.testing.assert_close(g, want_gp[n], rtol=1e-5, atol=1e-6)
+
+
+class KernelCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func.overloadpacket.__name__ not in NO_KERNEL
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_kernels_do_not_grow_with_the_packed_sequences(ratio):
+    m = compressor(ratio)
+    counts = {}
+    for n_seqs in (2, 7):
+        lens = [3 * ratio + 1] * n_seqs
+        x = torch.randn(sum(lens), 32)
+        with KernelCount() as k:
+            run(m, x, bounds_of(lens))
+        counts[n_seqs] = k.calls
+    assert counts[2] == counts[7], counts
