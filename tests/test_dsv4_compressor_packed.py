@@ -1,4 +1,5 @@
-"""The compressor pools every packed sequence's entries in one pass (compressor.entry_windows):
+"""The compressor pools every packed sequence's entries in one pass (compressor.entry_windows),
+and HCA's selection covers them in one pass too (all_visible_index):
 the entries and gradients of a packed batch equal those of each sequence alone (to fp32
 rounding: the parameters' gradients are summed over all entries at once), sequences too short
 for an entry included, and the number of kernels a forward and backward launch does not grow
@@ -12,7 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sglang_dsv41.model.dsv4.compressor import Compressor
+from sglang_dsv41.model.dsv4.compressor import Compressor, all_visible_index
 
 FREQS = 1.0 / (10000 ** (torch.arange(0, 8, dtype=torch.float32) / 8))
 # metadata-only ops launch no kernel
@@ -97,3 +98,33 @@ def test_kernels_do_not_grow_with_the_packed_sequences(ratio):
             run(m, x, bounds_of(lens))
         counts[n_seqs] = k.calls
     assert counts[2] == counts[7], counts
+
+
+@pytest.mark.parametrize("ratio,lens", [(4, [9, 3, 17, 4, 0, 8]), (128, [600, 1, 700]),
+                                        (4, [37])])
+def test_hca_selection_of_packed_sequences(ratio, lens):
+    """Row t of sequence s selects its sequence's entries 0..seen-1 (seen = (position + 1) //
+    ratio) as packed rows entry_starts[s] + j, -1 past them; in int32, one pass."""
+    bounds = bounds_of(lens)
+    positions = torch.cat([torch.arange(n) for n in lens])
+    counts = [n // ratio for n in lens]
+    starts = [0, *torch.tensor(counts).cumsum(0).tolist()]
+    got = all_visible_index(positions, bounds, starts, ratio)
+    assert got.dtype == torch.int32 and got.shape == (sum(lens), max(counts))
+    for s, (a, b) in enumerate(bounds):
+        for t in range(a, b):
+            seen = (t - a + 1) // ratio
+            want = [starts[s] + j if j < seen else -1 for j in range(max(counts))]
+            assert got[t].tolist() == want, (s, t)
+
+
+def test_hca_selection_launches_do_not_grow_with_the_packed_sequences():
+    calls = {}
+    for n_seqs in (2, 7):
+        lens = [300] * n_seqs
+        starts = [0, *range(2, 2 * n_seqs + 1, 2)]
+        positions = torch.cat([torch.arange(n) for n in lens])
+        with KernelCount() as k:
+            all_visible_index(positions, bounds_of(lens), starts, 128)
+        calls[n_seqs] = k.calls
+    assert calls[2] == calls[7], calls

@@ -133,14 +133,18 @@ def visible_entries(positions: torch.Tensor, ratio: int) -> torch.Tensor:
 def all_visible_index(positions: torch.Tensor, bounds: list[tuple[int, int]],
                       entry_starts: list[int], ratio: int) -> torch.Tensor:
     """HCA selection: every visible entry of the query's sequence, as rows of the packed
-    entries; [T, max entries], -1 past the visible ones."""
+    entries; [T, max entries], -1 past the visible ones. ``bounds`` cover the T rows in order
+    (the packed sequences): one pass for all of them."""
     width = max((b - a for a, b in zip(entry_starts[:-1], entry_starts[1:])), default=0)
-    out = torch.full((positions.shape[0], width), -1, dtype=torch.int32, device=positions.device)
     cols = torch.arange(width, dtype=torch.int32, device=positions.device)
-    for s, (start, end) in enumerate(bounds):
-        seen = visible_entries(positions[start:end], ratio)
-        out[start:end] = torch.where(cols[None, :] < seen[:, None], cols + entry_starts[s], -1)
-    return out
+    seen = visible_entries(positions, ratio)
+    if len(bounds) == 1:
+        first = entry_starts[0]
+    else:  # each row's sequence's first entry
+        host = torch.tensor([entry_starts[:-1], [b - a for a, b in bounds]], dtype=torch.int32)
+        firsts, lens = host_to_device(host, positions.device).unbind(0)
+        first = firsts.repeat_interleave(lens, output_size=positions.shape[0])[:, None]
+    return torch.where(cols[None, :] < seen[:, None], cols + first, -1).to(torch.int32)
 
 
 class Indexer(nn.Module):
