@@ -128,3 +128,10 @@ def test_hca_selection_launches_do_not_grow_with_the_packed_sequences():
             all_visible_index(positions, bounds_of(lens), starts, 128)
         calls[n_seqs] = k.calls
     assert calls[2] == calls[7], calls
+
+
+def test_hca_selection_refuses_bounds_that_do_not_tile_the_rows():
+    positions = torch.arange(10)
+    for bounds in ([(0, 4), (5, 10)], [(0, 4), (4, 9)], [(1, 10)]):
+        with pytest.raises(ValueError, match="do not tile"):
+            all_visible_index(positions, bounds, [0] * (len(bounds) + 1), 4)

@@ -43,8 +43,9 @@ class Compressor(nn.Module):
                 ) -> tuple[torch.Tensor, list[int]]:
         """x [T, hidden] -> entries [C, head_dim] (normed, RoPE'd) and entry_starts [B+1], a
         host list: sequence s owns entries entry_starts[s]..entry_starts[s+1]-1. Every
-        sequence's entries are pooled together (the same kernels for one sequence or many: a
-        loop over the packed sequences cost ~20 launches each way per sequence and layer)."""
+        sequence's entries are pooled together: the same kernels for one sequence or many (a
+        loop over the packed sequences added launches with each one,
+        bench/results/packed_launches_cpu.txt)."""
         kv_all, gate_all = self.wkv(x), self.wgate(x)
         r, d = self.ratio, self.head_dim
         counts = [(end - start) // r for start, end in bounds]
@@ -135,6 +136,10 @@ def all_visible_index(positions: torch.Tensor, bounds: list[tuple[int, int]],
     """HCA selection: every visible entry of the query's sequence, as rows of the packed
     entries; [T, max entries], -1 past the visible ones. ``bounds`` cover the T rows in order
     (the packed sequences): one pass for all of them."""
+    if bounds and ([a for a, _ in bounds] != [0, *(b for _, b in bounds[:-1])]
+                   or bounds[-1][1] != positions.shape[0]):
+        raise ValueError(f"all_visible_index: bounds {bounds[:4]}... do not tile the "
+                         f"{positions.shape[0]} query rows in order")
     width = max((b - a for a, b in zip(entry_starts[:-1], entry_starts[1:])), default=0)
     cols = torch.arange(width, dtype=torch.int32, device=positions.device)
     seen = visible_entries(positions, ratio)
