@@ -11,15 +11,11 @@ import collections
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.packed_launches import KernelCalls
 from sglang_dsv41.model.dsv4.compressor import Compressor, all_visible_index
 
 FREQS = 1.0 / (10000 ** (torch.arange(0, 8, dtype=torch.float32) / 8))
-# metadata-only ops launch no kernel
-NO_KERNEL = {"view", "_unsafe_view", "detach", "alias", "t", "transpose", "as_strided", "slice",
-             "select", "unsqueeze", "squeeze", "expand", "permute", "reshape", "split", "unbind",
-             "empty", "empty_strided", "new_empty", "lift_fresh", "_local_scalar_dense"}
 
 
 def compressor(ratio: int, seed: int = 0) -> Compressor:
@@ -77,16 +73,6 @@ def test_packed_entries_and_gradients_equal_each_sequence_alone(ratio, lens):
         torch.testing.assert_close(g, want_gp[n], rtol=1e-5, atol=1e-6)
 
 
-class KernelCount(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += func.overloadpacket.__name__ not in NO_KERNEL
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("ratio", [4, 128])
 def test_kernels_do_not_grow_with_the_packed_sequences(ratio):
     m = compressor(ratio)
@@ -94,7 +80,7 @@ def test_kernels_do_not_grow_with_the_packed_sequences(ratio):
     for n_seqs in (2, 7):
         lens = [3 * ratio + 1] * n_seqs
         x = torch.randn(sum(lens), 32)
-        with KernelCount() as k:
+        with KernelCalls() as k:
             run(m, x, bounds_of(lens))
         counts[n_seqs] = k.calls
     assert counts[2] == counts[7], counts
@@ -124,7 +110,7 @@ def test_hca_selection_launches_do_not_grow_with_the_packed_sequences():
         lens = [300] * n_seqs
         starts = [0, *range(2, 2 * n_seqs + 1, 2)]
         positions = torch.cat([torch.arange(n) for n in lens])
-        with KernelCount() as k:
+        with KernelCalls() as k:
             all_visible_index(positions, bounds_of(lens), starts, 128)
         calls[n_seqs] = k.calls
     assert calls[2] == calls[7], calls
