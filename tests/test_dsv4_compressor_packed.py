@@ -116,8 +116,17 @@ def test_hca_selection_launches_do_not_grow_with_the_packed_sequences():
     assert calls[2] == calls[7], calls
 
 
-def test_hca_selection_refuses_bounds_that_do_not_tile_the_rows():
-    positions = torch.arange(10)
-    for bounds in ([(0, 4), (5, 10)], [(0, 4), (4, 9)], [(1, 10)]):
-        with pytest.raises(ValueError, match="do not tile"):
-            all_visible_index(positions, bounds, [0] * (len(bounds) + 1), 4)
+def test_hca_selection_of_rows_outside_the_sequences_is_empty():
+    """Rows no sequence's bounds cover (the engine pads a batch) select nothing; bounds out of
+    order or overlapping are refused."""
+    positions = torch.cat([torch.arange(9), torch.zeros(2, dtype=torch.long),
+                           torch.arange(6), torch.zeros(3, dtype=torch.long)])
+    bounds, starts = [(0, 9), (11, 17)], [0, 2, 3]  # a gap of 2 rows, 3 padding rows at the end
+    got = all_visible_index(positions, bounds, starts, 4)
+    assert (got[9:11] == -1).all() and (got[17:] == -1).all()
+    assert got.dtype == torch.int32
+    assert got[8].tolist() == [0, 1] and got[11 + 2].tolist() == [-1, -1]
+    assert got[11 + 3].tolist() == [2, -1]
+    for bad in ([(0, 9), (8, 17)], [(11, 17), (0, 9)], [(0, 21)]):
+        with pytest.raises(ValueError, match="not ordered"):
+            all_visible_index(positions, bad, starts, 4)

@@ -134,22 +134,28 @@ def visible_entries(positions: torch.Tensor, ratio: int) -> torch.Tensor:
 def all_visible_index(positions: torch.Tensor, bounds: list[tuple[int, int]],
                       entry_starts: list[int], ratio: int) -> torch.Tensor:
     """HCA selection: every visible entry of the query's sequence, as rows of the packed
-    entries; [T, max entries], -1 past the visible ones. ``bounds`` cover the T rows in order
-    (the packed sequences): one pass for all of them."""
-    if bounds and ([a for a, _ in bounds] != [0, *(b for _, b in bounds[:-1])]
-                   or bounds[-1][1] != positions.shape[0]):
-        raise ValueError(f"all_visible_index: bounds {bounds[:4]}... do not tile the "
-                         f"{positions.shape[0]} query rows in order")
+    entries; [T, max entries], -1 past the visible ones and on rows outside every sequence's
+    bounds (the engine pads a batch's rows). One pass for all sequences."""
+    t = positions.shape[0]
     width = max((b - a for a, b in zip(entry_starts[:-1], entry_starts[1:])), default=0)
     cols = torch.arange(width, dtype=torch.int32, device=positions.device)
     seen = visible_entries(positions, ratio)
-    if len(bounds) == 1:
-        first = entry_starts[0]
-    else:  # each row's sequence's first entry
-        host = torch.tensor([entry_starts[:-1], [b - a for a, b in bounds]], dtype=torch.int32)
-        firsts, lens = host_to_device(host, positions.device).unbind(0)
-        first = firsts.repeat_interleave(lens, output_size=positions.shape[0])[:, None]
-    return torch.where(cols[None, :] < seen[:, None], cols + first, -1).to(torch.int32)
+    if len(bounds) == 1 and bounds[0] == (0, t):
+        return torch.where(cols[None, :] < seen[:, None], cols + entry_starts[0], -1)
+    # the rows as segments: (first entry, rows, 1) for a sequence, (0, rows, 0) for a gap
+    segments, row = [], 0
+    for (a, b), first in zip(bounds, entry_starts):
+        if not row <= a <= b <= t:
+            raise ValueError(f"all_visible_index: bounds {bounds[:4]}... are not ordered, "
+                             f"disjoint rows of the {t} queries")
+        segments += [(0, a - row, 0), (first, b - a, 1)]
+        row = b
+    segments.append((0, t - row, 0))
+    host = torch.tensor(segments, dtype=torch.int32).t()
+    first, lens, inside = host_to_device(host, positions.device).unbind(0)
+    per_row = torch.stack([first, inside]).repeat_interleave(lens, dim=1, output_size=t)
+    seen = seen * per_row[1]
+    return torch.where(cols[None, :] < seen[:, None], cols + per_row[0, :, None], -1)
 
 
 class Indexer(nn.Module):
