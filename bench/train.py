@@ -36,6 +36,7 @@ import argparse
 import gc
 import os
 import re
+import statistics
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -151,8 +152,8 @@ def time_steps(step, args, device, profile_label: str | None
         print_profile(prof, profile_label, args.steps, device, args.trace_dir)
         print(host_syncs(step, device), flush=True)
         print(host_python_profile(step, device, args.trace_dir), flush=True)
-    return (sorted(times)[len(times) // 2], peak, sorted(host)[len(host) // 2],
-            sorted(process)[len(process) // 2])
+    return (statistics.median_high(times), peak, statistics.median_high(host),
+            statistics.median_high(process))
 
 
 # Runtime calls that start work on the GPU, and those that make the host wait for it.

@@ -382,6 +382,7 @@ def lm_head(args) -> None:
     base = None
     runs = [(mode, lambda h, w, m=mode: tl.token_logprobs(h, w, targets, m))
             for mode in tl.FP32_GEMMS]
+
     def rel(got, ref):
         return ((got.double() - ref).abs().max() / ref.abs().max()).item()
 
@@ -558,8 +559,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     {"sources": sources, "grouped-proj": grouped_proj, "fused": fused_kernels,
      "hc-weights": hc_weights_kernels, "hc-mix": hc_mix_kernels, "lm-head": lm_head,
-     "norm": rms_norm,
-     "parity": parity}[args.cmd](args)
+     "norm": rms_norm, "parity": parity}[args.cmd](args)
     return 0
 
 

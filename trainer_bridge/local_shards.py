@@ -86,6 +86,10 @@ class LocalShardAdamW(torch.optim.AdamW):
     parameters, then torch's functional ``adam`` over the shards of the parameters, gradients,
     moments and steps (fused on CUDA, as the trainer asks)."""
 
+    @property
+    def fused(self) -> bool:
+        return all(g["fused"] for g in self.param_groups)
+
     def clip_and_step(self, max_norm: float) -> torch.Tensor:
         """Clips the gradients to a global 2-norm of ``max_norm`` and steps -> the norm before
         clipping (a 0-d device tensor). Fused, the clipping rides in the AdamW kernel: its
@@ -96,7 +100,7 @@ class LocalShardAdamW(torch.optim.AdamW):
         gradients after the step are the clipped ones either way."""
         params = [p for g in self.param_groups for p in g["params"]]
         grads = [p.grad for p in params if p.grad is not None]
-        if not grads or not all(g["fused"] for g in self.param_groups):
+        if not grads or not self.fused:
             total = clip_grad_norm(params, max_norm)
             self.step()
             return total
@@ -108,7 +112,7 @@ class LocalShardAdamW(torch.optim.AdamW):
     def step(self, closure=None, *, grad_scale: torch.Tensor | None = None):
         """``grad_scale`` (fused only, as torch's AMP grad scaler passes it): every gradient is
         divided by it before the update, and left so."""
-        if grad_scale is not None and not all(g["fused"] for g in self.param_groups):
+        if grad_scale is not None and not self.fused:
             raise ValueError("grad_scale needs a fused AdamW (torch applies it only there)")
         loss = None
         if closure is not None:

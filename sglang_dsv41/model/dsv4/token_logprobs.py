@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 
 # fp32 logits held at once (one chunk's, 512 MiB); read at call time so tests can shrink it.
 LOGPROB_CHUNK_ELEMENTS = 1 << 27
@@ -159,10 +158,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 
 def _logits(hidden: torch.Tensor, w_parts: tuple[torch.Tensor, ...], fp32_gemm: str
             ) -> torch.Tensor:
-    """hidden @ W^T from W's split_operand parts."""
-    if len(w_parts) == 1:
-        with fp32_matmul("ieee"):
-            return F.linear(hidden, w_parts[0])
+    """hidden @ W^T from W's split_operand parts (head_mm: one GEMM or the three products)."""
     return head_mm(split_operand(hidden, fp32_gemm), transposed(w_parts))
 
 
