@@ -11,8 +11,8 @@ sequence adds comes from the model's own per-sequence loops, which both take.
 
   python bench/packed_launches.py [--tokens 2048] [--packs 1,2,4,8]
 
-Each row: calls a step, and the calls a sequence adds over the single-sequence step of the same
-run (its first row).
+Each row: calls a step, its ratio to the first row's (the baseline, measured in the same run),
+and the calls each sequence beyond the first row's adds.
 """
 
 from __future__ import annotations
@@ -63,12 +63,19 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=2048, help="tokens a micro-batch")
     p.add_argument("--packs", default="1,2,4,8", help="sequences a micro-batch, comma-separated")
     args = p.parse_args(argv)
-    packs = [int(n) for n in args.packs.split(",")]
+    try:
+        packs = [int(n) for n in args.packs.split(",")]
+    except ValueError:
+        p.error(f"--packs {args.packs!r}: comma-separated integers")
+    bad = [n for n in packs if n < 1 or args.tokens % n]
+    if args.tokens < 1 or bad:
+        p.error(f"--packs {bad}: each must be >= 1 and divide --tokens {args.tokens}")
     device = torch.device("cpu")
     info = init_distributed(device)
     try:
         ours = Ours(narrow_small(), info, device, None, "none", one_rank="copies")
-        print(f"{'micro-batch':>12s} {'calls a step':>13s} {'added a sequence':>17s}")
+        print(f"{'micro-batch':>12s} {'calls a step':>13s} {'x first row':>12s} "
+              f"{'added a sequence':>17s}")
         first = None
         for n in packs:
             step = ours.stepper(Shape(n, args.tokens // n), 1)
@@ -77,7 +84,8 @@ def main(argv=None) -> int:
                 step()
             first = (n, k.calls) if first is None else first
             added = ((k.calls - first[1]) / (n - first[0])) if n != first[0] else float("nan")
-            print(f"{f'{n}x{args.tokens // n}':>12s} {k.calls:13d} {added:17.1f}", flush=True)
+            print(f"{f'{n}x{args.tokens // n}':>12s} {k.calls:13d} {k.calls / first[1]:12.3f} "
+                  f"{added:17.1f}", flush=True)
     finally:
         close_distributed()
     return 0

@@ -275,3 +275,13 @@ def test_optimizer_dtensor_bench_times_both_sides():
         assert line is not None and all(float(v) > 0 for v in line.split()[-2:]), out.stdout
     for what in ("clipping", "AdamW.step"):  # each pair's ratio, from the same run
         assert f"{what}: torch over DTensors " in out.stdout, out.stdout
+
+
+def test_packed_launches_bench_refuses_bad_packs():
+    """bench/packed_launches.py: --packs must be positive integers dividing --tokens; refused
+    before anything is built."""
+    for packs, msg in (("0,2", "must be >= 1 and divide"), ("3", "must be >= 1 and divide"),
+                       ("a", "comma-separated integers")):
+        out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "packed_launches.py"),
+                              "--packs", packs], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and msg in out.stderr, (packs, out.stderr[-500:])
