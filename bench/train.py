@@ -54,6 +54,7 @@ from sglang_dsv41.model.dsv4.moe import MoE  # noqa: E402
 from trainer_bridge.batch import Sample, pack  # noqa: E402
 from trainer_bridge.config import LossConfig, OptimConfig  # noqa: E402
 from trainer_bridge.dist import close_distributed, init_distributed  # noqa: E402
+from trainer_bridge.micro_batch_graphs import MicroBatchGraphs  # noqa: E402
 from trainer_bridge.parallelize import (ONE_RANK_MODES, accumulates_unsharded,  # noqa: E402
                                         parallelize_policy)
 from trainer_bridge.policy import (ForwardState, Policy, lm_head_gemm_for,  # noqa: E402
@@ -295,11 +296,13 @@ class Ours:
 
     def __init__(self, cfg: DSV4Config, info, device, attention_backend: str | None,
                  checkpointing: str, compute_dtype: torch.dtype | None = None,
-                 accumulate: str = "auto", one_rank: str = "auto", head_gemm: str = "auto"):
+                 accumulate: str = "auto", one_rank: str = "auto", head_gemm: str = "auto",
+                 cuda_graphs: bool = False):
         """compute_dtype: FSDP's parameter dtype (default bf16 on CUDA, fp32 on the CPU);
         accumulate: the trainer's model.accumulate_unsharded (auto | always | never);
         one_rank: the trainer's model.one_rank (auto | fsdp | copies); head_gemm: the
-        trainer's model.lm_head_gemm (auto | ieee | tf32x3)."""
+        trainer's model.lm_head_gemm (auto | ieee | tf32x3); cuda_graphs: the trainer's
+        model.cuda_graphs (micro-batch layouts captured as CUDA graphs)."""
         t0 = time.perf_counter()
         self.cfg, self.device, self.info = cfg, device, info
         torch.manual_seed(0)
@@ -317,6 +320,8 @@ class Ours:
         self.policy = Policy(model, "bench", device, attention_backend=attention_backend,
                              accumulate_unsharded=accumulates_unsharded(model, info.mesh, dtype,
                                                                         accumulate))
+        if cuda_graphs:
+            self.policy.graphs = MicroBatchGraphs(self.policy, LossConfig(), info.world_size)
         self.optim_cfg = OptimConfig(lr=1e-5, sink_frozen_frac=0, sink_ramp_frac=0)
         self.opt, _ = build_optimizer(self.policy, self.optim_cfg, 1)
         self.allocated_after_build = memory(device)[0]
@@ -575,6 +580,9 @@ def main(argv=None) -> int:
                         "compute-dtype copies of the weights; auto: copies when they fit)")
     p.add_argument("--lm-head-gemm", default="auto", choices=("auto", *token_logprobs.FP32_GEMMS),
                    help="ours: the trainer's model.lm_head_gemm (the fp32 head's GEMMs)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="ours: the trainer's model.cuda_graphs (each micro-batch layout a CUDA "
+                   "graph from its second micro-batch on: warm-up steps capture)")
     p.add_argument("--attention", default=None, help="triton | reference (default: triton on "
                    "CUDA, the torch reference on CPU)")
     p.add_argument("--checkpointing", default="none",
@@ -653,7 +661,8 @@ def main(argv=None) -> int:
                 if runner is None:
                     runner = Ours(c, info, device, args.attention, policies[ac],
                                   accumulate=args.accumulate, one_rank=args.one_rank,
-                                  head_gemm=args.lm_head_gemm)
+                                  head_gemm=args.lm_head_gemm,
+                                  cuda_graphs=args.cuda_graphs)
                     try:
                         plan = (runner.planned_memory(biggest.tokens, shortest, policies[ac],
                                                       args.micro_batches)
@@ -666,10 +675,12 @@ def main(argv=None) -> int:
                         free(device)
                     print(f"{label}: {plan}", flush=True)
                     plans.append(f"{label}: {plan}")
-                name = f"{label} ac={policies[ac]}"
+                name = f"{label} ac={policies[ac]}" + (" graphs" if args.cuda_graphs else "")
                 r = measure(runner, name, seq, profile and seq == profile_shape)
                 rows.append((name, c, seq, r))
                 print_row(rows[-1], peak, args.micro_batches, flush=True)
+                if runner.policy.graphs is not None:
+                    print(f"{name} @ {seq}: {runner.policy.graphs.summary()}", flush=True)
                 if r != "OOM" or ac + 1 == len(policies):
                     break
                 runner.close()

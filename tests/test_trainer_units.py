@@ -14,7 +14,7 @@ from sglang_dsv41.tokenizer import ByteTokenizer
 from trainer_bridge.batch import Sample, pack, split_by_token_budget
 from trainer_bridge.config import LossConfig, load_config
 from trainer_bridge.envs import make_env
-from trainer_bridge.loss import compute_advantages, k3_kl, ppo_loss
+from trainer_bridge.loss import compute_advantages, k3_kl, loss_scale, ppo_loss
 from trainer_bridge.parallelize import is_fp32_param, server_param_name
 from trainer_bridge.schedule import SinkWarmupLR
 from trainer_bridge.trainer import routing_agreement
@@ -87,7 +87,7 @@ def test_ppo_loss_clip_dual_clip_tis_and_normalisation():
     adv = torch.tensor([1.0, -1.0, -1.0, 1.0])
     rollout = torch.tensor([0.0, 0.0, 0.0, math.log(0.25)])  # token 3: ratio old/rollout 4 -> 2
     mask = torch.ones(4)
-    t = ppo_loss(logp, old, rollout, adv, mask, cfg, global_tokens=8.0, world_size=2)
+    t = ppo_loss(logp, old, rollout, adv, mask, cfg, scale=loss_scale(8.0, world_size=2))
     # per token: A>0 ratio 1.5 clipped at 1.28; A<0 ratio .5 -> max(.5, .8) = .8;
     # A<0 ratio 10 -> dual clip min(10, 3) = 3; last: ratio 1, TIS weight min(4, 2) = 2.
     expected = (-1.28 + 0.8 + 3.0 + 2 * -1.0) * 2 / 8.0
@@ -95,8 +95,13 @@ def test_ppo_loss_clip_dual_clip_tis_and_normalisation():
     t.loss.backward()
     assert logp.grad[0] == 0 and logp.grad[2] == 0 and logp.grad[3] != 0  # clipped: no gradient
     assert t.clip_frac_sum == 2.0
-    with pytest.raises(ValueError):
-        ppo_loss(logp, old, rollout, adv, mask, cfg, global_tokens=0, world_size=1)
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="global_tokens must be positive"):
+            loss_scale(bad, world_size=1)
+    # the scale as a 0-d tensor (what a captured CUDA graph reads): the same bits
+    scale = torch.tensor(loss_scale(8.0, 2), dtype=torch.float32)
+    again = ppo_loss(logp.detach(), old, rollout, adv, mask, cfg, scale=scale)
+    assert torch.equal(again.loss, t.loss.detach())
 
 
 def test_k3_kl_is_nonnegative_and_zero_at_equality():
@@ -112,7 +117,7 @@ def test_k3_kl_is_nonnegative_and_zero_at_equality():
     assert torch.allclose(k3_kl(a, a), torch.zeros(100))
     cfg = LossConfig(kl_coef=0.5)
     z = torch.zeros(3)
-    t = ppo_loss(z, z, z, z, torch.ones(3), cfg, global_tokens=3, world_size=1,
+    t = ppo_loss(z, z, z, z, torch.ones(3), cfg, scale=loss_scale(3, world_size=1),
                  ref_logp=torch.full((3,), -1.0))
     assert float(t.loss) == pytest.approx(0.5 * (math.exp(-1) + 1 - 1))
 

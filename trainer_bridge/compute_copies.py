@@ -51,7 +51,7 @@ class ComputeCopies:
         self._versions: list[int] | None = None  # the masters' when last copied
         self._stepped = False  # an optimizer stepped since
         self._graphs = 0  # forwards whose backward has not ended
-        self._master_ids = {id(p) for p in self.masters}
+        self._copy_of = {id(p): c for p, c in zip(self.masters, self.copies)}
         self._hooks = [model.register_forward_pre_hook(self._swap_in),
                        model.register_forward_hook(self._after_forward),
                        register_optimizer_step_post_hook(_mark_stepped(weakref.ref(self)))]
@@ -60,12 +60,23 @@ class ComputeCopies:
     def nbytes(self) -> int:
         return sum(c.numel() * c.element_size() for c in self.copies)
 
-    def _swap_in(self, module, args) -> None:
+    def in_forward(self, p: nn.Parameter) -> torch.Tensor:
+        """The tensor the forward computes with for the model's parameter ``p``: its compute
+        copy, or ``p`` itself (a parameter kept fp32)."""
+        return self._copy_of.get(id(p), p)
+
+    def refresh(self) -> None:
+        """The masters into the copies when a master may have changed since the last copy (one
+        ``_foreach_copy_``). The forward's pre-hook calls it; so does a captured micro-batch
+        graph before each replay (micro_batch_graphs.py), since a replay runs no hooks."""
         versions = [p._version for p in self.masters]
         if self.masters and (self._stepped or versions != self._versions):
             with torch.no_grad():
                 torch._foreach_copy_(self.copies, self.masters)  # the masters' versions stay
             self._versions, self._stepped = versions, False
+
+    def _swap_in(self, module, args) -> None:
+        self.refresh()
         for (owner, name), copy in zip(self.slots, self.copies):
             owner._parameters[name] = copy
 
@@ -120,7 +131,7 @@ def _mark_stepped(ref: weakref.ref):
     does not keep them alive."""
     def hook(optimizer, args, kwargs) -> None:
         copies = ref()
-        if copies is not None and any(id(p) in copies._master_ids
+        if copies is not None and any(id(p) in copies._copy_of
                                       for group in optimizer.param_groups
                                       for p in group["params"]):
             copies._stepped = True

@@ -56,6 +56,10 @@ class ModelConfig:
     # trainer_bridge/compute_copies.py); auto: copies on CUDA when they fit in 10% of the
     # device and the optimizer is not offloaded.
     one_rank: str = "auto"
+    # Each micro-batch layout (its sequence lengths) as a CUDA graph of forward, loss and
+    # backward, captured on the layout's second micro-batch and replayed from then on: for a
+    # step bound by kernel launches (micro_batch_graphs.py). One rank without FSDP only.
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         _choice("model.device", self.device, ("auto", "cpu", "cuda"))

@@ -57,12 +57,19 @@ class LossTerms:
     tis_sum: torch.Tensor
 
 
+def loss_scale(global_tokens: float, world_size: int) -> float:
+    """The factor ppo_loss multiplies a micro-batch's token sum by: world_size / global_tokens
+    (the module docstring's normalisation)."""
+    if not global_tokens > 0:
+        raise ValueError(f"global_tokens must be positive, got {global_tokens}")
+    return world_size / global_tokens
+
+
 def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp: torch.Tensor,
              advantages: torch.Tensor, mask: torch.Tensor, cfg: LossConfig, *,
-             global_tokens: float, world_size: int,
-             ref_logp: torch.Tensor | None = None) -> LossTerms:
-    if global_tokens <= 0:
-        raise ValueError("global_tokens must be positive")
+             scale: float | torch.Tensor, ref_logp: torch.Tensor | None = None) -> LossTerms:
+    """``scale``: loss_scale(global_tokens, world_size); a 0-d fp32 device tensor holding that
+    value gives the same bits (a captured CUDA graph reads it anew at each replay)."""
     ratio = torch.exp(logp - old_logp)
     pg_unclipped = -advantages * ratio
     pg_clipped = -advantages * ratio.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps_high)
@@ -76,7 +83,6 @@ def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp: torch.Ten
     if ref_logp is not None and cfg.kl_coef > 0:
         kl = k3_kl(logp, ref_logp)
         token_loss = token_loss + cfg.kl_coef * kl
-    scale = world_size / global_tokens
     loss = (token_loss * mask).sum() * scale
     clipped = (pg_clipped > pg_unclipped).float()
     return LossTerms(loss=loss, pg_sum=(pg * mask).sum().detach(),

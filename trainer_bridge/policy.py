@@ -131,6 +131,8 @@ class Policy:
         # (SGLang's default), so the trainer's are of the same distribution; greedy: 1.
         self.temperature = temperature if temperature > 0 else 1.0
         self.config = model.cfg
+        # model.cuda_graphs: the trainer's MicroBatchGraphs, which forward_backward then uses
+        self.graphs = None
 
     def micro_batch(self, index: int, count: int) -> None:
         """Call before micro-batch ``index`` of an optimizer step's ``count`` (the same count on

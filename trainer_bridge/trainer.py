@@ -23,7 +23,8 @@ from .dist import (all_reduce_scalar, all_reduce_tensor, close_distributed, init
                    on_primary)
 from .envs import make_env
 from .local_shards import LocalShardAdamW, clip_grad_norm, global_norm
-from .loss import compute_advantages, k3_kl, ppo_loss
+from .micro_batch_graphs import MicroBatchGraphs
+from .loss import compute_advantages, k3_kl, loss_scale, ppo_loss
 from .optimizer_offload import offload_optimizer
 from .parallelize import is_sink_param
 from .policy import Policy, build_policy, resolve_device
@@ -49,6 +50,8 @@ class Trainer:
         temperature = cfg.rollout.temperature  # logprobs of the distribution rollouts sample
         self.policy = build_policy(cfg.model, self.dist.mesh, self.device,
                                    optimizer_offload=offload, temperature=temperature)
+        if cfg.model.cuda_graphs:
+            self.policy.graphs = MicroBatchGraphs(self.policy, cfg.loss, self.dist.world_size)
         self.ref_policy: Policy | None = None
         if cfg.loss.kl_coef > 0:
             self.ref_policy = build_policy(cfg.model, self.dist.mesh, self.device, trainable=False,
@@ -278,7 +281,15 @@ def forward_backward(policy: Policy, mb: MicroBatch, global_tokens: float, loss_
                      world_size: int, replay: bool) -> torch.Tensor:
     """Forward, PPO loss and backward of one micro-batch (mb.old_logprobs set) -> float64 [5]
     on the device: loss, and the token sums of pg, kl, clipped and tis (STEP_SUMS). The
-    trainer's step and bench/train.py both run it; its ranges name the phases in a profile."""
+    trainer's step and bench/train.py both run it; its ranges name the phases in a profile.
+    With the policy's micro-batch graphs (model.cuda_graphs) the same work runs as a CUDA graph
+    of the micro-batch's layout (micro_batch_graphs.py)."""
+    if policy.graphs is not None:
+        if world_size != policy.graphs.world_size:
+            raise ValueError(f"micro-batch graphs were built for world size "
+                             f"{policy.graphs.world_size}, not {world_size}")
+        with torch.profiler.record_function("trainer.graphed_micro_batch"):
+            return policy.graphs.forward_backward(mb, global_tokens, loss_cfg, replay)
     with torch.profiler.record_function("trainer.forward"):
         out = policy.forward(mb, replay=replay)
     try:
@@ -287,7 +298,7 @@ def forward_backward(policy: Policy, mb: MicroBatch, global_tokens: float, loss_
         terms = ppo_loss(out.logprobs, host_to_device(mb.old_logprobs, dev),
                          host_to_device(mb.rollout_logprobs, dev),
                          host_to_device(mb.advantages, dev), host_to_device(mb.loss_mask, dev),
-                         loss_cfg, global_tokens=global_tokens, world_size=world_size,
+                         loss_cfg, scale=loss_scale(global_tokens, world_size),
                          ref_logp=None if mb.ref_logprobs is None
                          else host_to_device(mb.ref_logprobs, dev))
         with torch.profiler.record_function("trainer.backward"):

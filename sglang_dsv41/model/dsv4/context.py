@@ -9,12 +9,18 @@ variable-length sequences without a cache.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+
+# While a CUDA graph is captured: where host_to_device keeps the pinned tensors it copies from
+# (keeping_host_inputs).
+_graph_host_inputs: list[torch.Tensor] | None = None
 
 
 def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -25,7 +31,24 @@ def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     must not write to it until the copy has run."""
     if device.type != "cuda" or t.is_cuda:
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    pinned = t.pin_memory()
+    if _graph_host_inputs is not None and torch.cuda.is_current_stream_capturing():
+        _graph_host_inputs.append(pinned)
+    return pinned.to(device, non_blocking=True)
+
+
+@contextlib.contextmanager
+def keeping_host_inputs(keep: list[torch.Tensor]):
+    """Around a CUDA graph's capture: the pinned tensors host_to_device copies from while the
+    stream captures go into ``keep``. A replay copies from that host memory again (a packed
+    batch's per-sequence tables, compressor.py), so it must outlive the capture: the caching
+    host allocator would hand it to the next pinned tensor once its copy had run."""
+    global _graph_host_inputs
+    previous, _graph_host_inputs = _graph_host_inputs, keep
+    try:
+        yield keep
+    finally:
+        _graph_host_inputs = previous
 
 
 def rank_part(t: torch.Tensor, dim: int, part: range) -> torch.Tensor:
