@@ -30,6 +30,11 @@ projection fastest, and what the model's Triton kernels of its torch paths cost 
       fp32_gemm (ieee: plain fp32 GEMMs; tf32x3), device time, and the relative error of logp,
       d hidden and d head against float64 on the same inputs; also one plain TF32 pass (what
       torch's "high" fp32 precision gives), for the error it would cost.
+  python bench/train_ops.py swiglu [--rows 24576 --inter 512]
+      CUDA: the routed experts' clamped SwiGLU on [rows, 2I] bf16 (4k tokens x top-6 of the
+      small preset by default): the torch expression vs the fused Triton kernels
+      (swiglu_triton.py), device time forward and forward + backward, and the relative error
+      of the output and d gate_up against float64.
   python bench/train_ops.py norm [--tokens 4096 --repeats 200]
       CUDA: the model's RMSNorm (torch's fused kernels) vs the plain fp32 expression under
       autograd, bf16 input with an fp32 and a bf16 weight: host time per forward + backward
@@ -520,6 +525,37 @@ def rms_norm(args) -> None:
                   f"{rel(dx0, dx1):.1e}, d weight {rel(dw0, dw1):.1e}")
 
 
+def swiglu_kernels(args) -> None:
+    """The routed experts' clamped SwiGLU on the grouped GEMM's [rows, 2I] bf16 output: the torch
+    expression (two views, clamps, silu, product; autograd's backward and its cat) vs the fused
+    Triton kernels (swiglu_triton.py); time forward and forward+backward, and each side's
+    relative error against the expression in float64 on the same inputs."""
+    from sglang_dsv41.model.dsv4 import moe
+    from sglang_dsv41.model.dsv4.swiglu_triton import swiglu_packed_triton
+
+    dev, limit = torch.device("cuda"), 10.0
+    gu = (torch.randn(args.rows, 2 * args.inter, device=dev) * 4).to(torch.bfloat16)
+    grad = torch.randn(args.rows, args.inter, device=dev, dtype=torch.bfloat16)
+    cases = {"torch": lambda x: moe.swiglu(*x.chunk(2, dim=-1), limit),
+             "triton": lambda x: swiglu_packed_triton(x, limit)}
+    exact = gu.double().requires_grad_(True)
+    out64 = cases["torch"](exact)
+    out64.backward(grad.double())
+    times = {}
+    for name, fn in cases.items():
+        x = gu.clone().requires_grad_(True)
+        out = fn(x)
+        out.backward(grad)
+        errs = [((a.double() - b).norm() / b.norm()).item()
+                for a, b in ((out.detach(), out64.detach()), (x.grad, exact.grad))]
+        fwd = median_us(lambda: fn(x), grad, [x], False, args.repeats)
+        times[name] = median_us(lambda: fn(x), grad, [x], True, args.repeats)
+        print(f"swiglu {name:6s} rows {args.rows} I {args.inter}: fwd {fwd:7.1f} us  fwd+bwd "
+              f"{times[name]:7.1f} us ({times['torch'] / times[name]:.2f}x the torch "
+              f"expression's)  rel. error vs float64 (out, d gate_up): {errs[0]:.1e}, "
+              f"{errs[1]:.1e}", flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
@@ -552,6 +588,10 @@ def main(argv=None) -> int:
     nm = sub.add_parser("norm")
     nm.add_argument("--tokens", type=int, default=4096)
     nm.add_argument("--repeats", type=int, default=200)
+    sw = sub.add_parser("swiglu")
+    sw.add_argument("--rows", type=int, default=4096 * 6, help="expert rows (tokens x top-k)")
+    sw.add_argument("--inter", type=int, default=512)
+    sw.add_argument("--repeats", type=int, default=50)
     pa = sub.add_parser("parity")
     pa.add_argument("--preset", default="small")
     pa.add_argument("--seq", type=int, default=1024)
@@ -559,7 +599,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     {"sources": sources, "grouped-proj": grouped_proj, "fused": fused_kernels,
      "hc-weights": hc_weights_kernels, "hc-mix": hc_mix_kernels, "lm-head": lm_head,
-     "norm": rms_norm, "parity": parity}[args.cmd](args)
+     "norm": rms_norm, "swiglu": swiglu_kernels, "parity": parity}[args.cmd](args)
     return 0
 
 

@@ -10,8 +10,11 @@ gradients of the loss with respect to the tensors the forward computed with
 (``torch.autograd.grad``: the compute copies', and the parameters kept fp32), and one
 ``_foreach_add_`` of those gradients into the masters' fp32 gradients: persistent buffers
 outside the graph's memory pool, attached to the parameters before every run (a
-``zero_grad(set_to_none=True)`` in between gets them back zeroed). The result is what the
-plain path (trainer.forward_backward) leaves, to the bit (tests/test_trainer_micro_batch_graphs.py).
+``zero_grad(set_to_none=True)`` in between gets them back zeroed). A step's first micro-batch
+(every .grad None) copies instead of adding: no zeroing pass and no read of the buffers, as the
+plain path's first backward makes its gradients; its layout then has a graph of its own. The
+result is what the plain path (trainer.forward_backward) leaves, to the bit
+(tests/test_trainer_micro_batch_graphs.py).
 
 A layout is what a graph bakes in: the sequence lengths, the replayed layers, whether
 reference logprobs take part. Everything else of a micro-batch (tokens, targets, logprobs,
@@ -103,11 +106,14 @@ class MicroBatchGraphs:
                              "bakes the loss's constants in")
         if mb.old_logprobs is None:
             raise ValueError("forward_backward needs mb.old_logprobs (the reference pass's)")
-        layout = self._layout(mb, replay)
+        # The step's first micro-batch (every .grad None, as zero_grad(set_to_none=True)
+        # leaves them) copies its gradients into the buffers: no zeroing pass, no read of them.
+        fresh = all(p.grad is None for p in self.params)
+        layout = self._layout(mb, replay, fresh)
         self._load(layout, mb, global_tokens)
         if self.copies is not None:
             self.copies.refresh()  # after an optimizer step; a replay runs no pre-hook
-        self._attach_grads(layout.grad_params)
+        self._attach_grads(layout.grad_params, zero=not fresh)
         layout.runs += 1
         if layout.graph is not None:
             layout.graph.replay()
@@ -125,9 +131,11 @@ class MicroBatchGraphs:
                 + f"; layouts kept {len(self.layouts)}")
 
     # ---- layouts and their inputs -----------------------------------------------------------
-    def _layout(self, mb: MicroBatch, replay: bool) -> Layout:
+    def _layout(self, mb: MicroBatch, replay: bool, fresh: bool) -> Layout:
+        """``fresh``: the layout's graph copies its gradients into the buffers (the step's
+        first micro-batch) rather than adding: two graphs where a layout is met both ways."""
         replayed = tuple(self.policy.replayed_layers) if replay and mb.routing is not None else ()
-        key = (tuple(mb.seq_lens), replayed, mb.ref_logprobs is not None)
+        key = (tuple(mb.seq_lens), replayed, mb.ref_logprobs is not None, fresh)
         layout = self.layouts.get(key)
         if layout is not None:
             self.layouts.move_to_end(key)
@@ -167,23 +175,25 @@ class MicroBatchGraphs:
         layout.scale.fill_(loss_scale(global_tokens, self.world_size))
 
     # ---- gradients ----------------------------------------------------------------------------
-    def _attach_grads(self, params: list[torch.nn.Parameter]) -> None:
+    def _attach_grads(self, params: list[torch.nn.Parameter], zero: bool) -> None:
         """Puts each parameter's persistent gradient buffer back as its .grad (where a graph
-        adds): zeroed where .grad was None, holding .grad's values where it was another
-        tensor."""
-        zero = []
+        writes): zeroed where .grad was None when ``zero`` (a graph that adds), holding
+        .grad's values where it was another tensor."""
+        to_zero = []
         for p in params:
             buf = self.grad_buffers[id(p)]
             if p.grad is None:
-                zero.append(buf)
+                if zero:
+                    to_zero.append(buf)
             elif p.grad is not buf:
                 buf.copy_(p.grad)
             p.grad = buf
-        if zero:
-            torch._foreach_zero_(zero)
+        if to_zero:
+            torch._foreach_zero_(to_zero)
 
     def _add_grads(self, layout: Layout, grads) -> None:
         pairs = [(p, g) for p, g in zip(self.params, grads) if g is not None]
+        fresh = layout.key[-1]
         if layout.runs == 1 or not layout.grad_params:  # eager: learn which get gradients
             for p, g in pairs:
                 if id(p) not in self.grad_buffers:
@@ -193,13 +203,16 @@ class MicroBatchGraphs:
                         self.grad_buffers[id(p)].copy_(p.grad)
                     p.grad = self.grad_buffers[id(p)]
             layout.grad_params = [p for p, _ in pairs]
-            self._attach_grads(layout.grad_params)
-        # fp32 += compute dtype: the add promotes, as ComputeCopies' and FSDP's do
-        torch._foreach_add_([p.grad for p, _ in pairs], [g for _, g in pairs])
+            self._attach_grads(layout.grad_params, zero=not fresh)
+        # fp32 (+)= compute dtype: exact as the plain path's first copy and later adds
+        # (ComputeCopies._backward_end; FSDP's reduce output likewise)
+        write = torch._foreach_copy_ if fresh else torch._foreach_add_
+        write([p.grad for p, _ in pairs], [g for _, g in pairs])
 
     # ---- the work -----------------------------------------------------------------------------
     def _body(self, layout: Layout) -> torch.Tensor:
-        """What a graph holds (and an eager run runs): forward, loss, gradients, their add."""
+        """What a graph holds (and an eager run runs): forward, loss, gradients, their copy or
+        add into the buffers."""
         x, policy = layout.inputs, self.policy
         try:
             logp = policy.model(x["input_ids"], layout.ctx, hidden_index=x["hidden_index"],

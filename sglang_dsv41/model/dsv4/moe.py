@@ -71,6 +71,16 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
+def swiglu_packed(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    """swiglu of gate_up [rows, 2I] (gate columns, then up) -> [rows, I]: on CUDA one Triton
+    kernel each way (swiglu_triton.py), elsewhere the torch expression."""
+    if gate_up.is_cuda:
+        from .swiglu_triton import swiglu_packed_triton
+
+        return swiglu_packed_triton(gate_up, limit)
+    return swiglu(*gate_up.chunk(2, dim=-1), limit)
+
+
 class Expert(nn.Module):
     """One SwiGLU MLP of nn.Linear layers (the shared expert)."""
 
@@ -227,8 +237,8 @@ class MoE(nn.Module):
         rows = _GatherRows.apply(rows, slot_order)
         w13 = rank_part(self.experts.w13, 0, experts)  # [E, 2I, H]
         w2 = rank_part(self.experts.w2, 0, experts)    # [E, H, I]
-        gate, up = grouped_mm(rows, w13.transpose(1, 2), offs).chunk(2, dim=-1)
-        y = grouped_mm(swiglu(gate, up, self.limit), w2.transpose(1, 2), offs)
+        gate_up = grouped_mm(rows, w13.transpose(1, 2), offs)
+        y = grouped_mm(swiglu_packed(gate_up, self.limit), w2.transpose(1, 2), offs)
         if slots is None:
             y_slot = torch.empty_like(y)
         else:  # slots of other ranks' experts contribute zero
