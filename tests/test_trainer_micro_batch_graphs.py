@@ -5,7 +5,8 @@ stepped weights, bit for bit, over three optimizer steps of two micro-batches ea
 that repeat and a new one, R3 routing replayed, reference logprobs and a KL term, and
 ``zero_grad(set_to_none=True)`` between steps; the refusals. On CUDA: the second micro-batch of
 a layout is captured and later ones replay the graph, with the plain path's results to the
-kernels' own run-to-run spread, also after optimizer steps (the copies refreshed)."""
+kernels' own run-to-run spread, also after optimizer steps (the copies refreshed); a capture
+that fails (a forward that synchronizes) is logged and its layout runs eagerly."""
 
 from __future__ import annotations
 
@@ -244,3 +245,62 @@ def test_graphs_capture_and_replay_on_cuda():
         for name, g in grads_a.items():
             want = grads_b[name]
             assert np.abs(g - want).max() <= 1e-2 * max(np.abs(want).max(), 1e-6), (i, name)
+
+
+def failing_capture(mesh) -> dict:
+    """A forward that makes the host wait for the GPU (a synchronize, which a capture cannot
+    hold): the capture fails, is logged, and the layout runs eagerly with the right result."""
+    import logging
+
+    from trainer_bridge.config import LossConfig, ModelConfig
+    from trainer_bridge.micro_batch_graphs import MicroBatchGraphs
+    from trainer_bridge.policy import build_policy
+    from trainer_bridge.trainer import forward_backward
+
+    device = torch.device("cuda", 0)
+    policy = build_policy(ModelConfig(model_path=PRESET, one_rank="copies"), mesh, device)
+    policy.model.layers[0].register_forward_pre_hook(lambda *_: torch.cuda.synchronize())
+    loss_cfg = LossConfig()
+    graphs = MicroBatchGraphs(policy, loss_cfg, world_size=1)
+    mb = micro_batches(policy, 0, r3=False)[1]
+    tokens = float(mb.loss_mask.sum())
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("trainer_bridge").addHandler(handler)
+    sums = []
+    for runner in (None, graphs, graphs, graphs):
+        policy.graphs = runner
+        sums.append(forward_backward(policy, mb, tokens, loss_cfg, 1, replay=False).cpu())
+        for p in policy.model.parameters():
+            p.grad = None
+    return {"sums": [s.numpy() for s in sums], "counts": dict(graphs.counts),
+            "warnings": warnings}
+
+
+def failing_worker(queue) -> None:
+    import os
+
+    from sglang_dsv41.server_process import free_port
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()), LOCAL_WORLD_SIZE="1")
+    from trainer_bridge.dist import close_distributed, init_distributed
+
+    try:
+        queue.put(failing_capture(init_distributed(torch.device("cuda", 0)).mesh))
+        close_distributed()
+    except Exception:
+        import traceback
+
+        queue.put(traceback.format_exc())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_failed_capture_runs_eagerly():
+    (out,) = run_spawned(failing_worker, [()], timeout=200)
+    assert isinstance(out, dict), out
+    assert out["counts"] == {"eager": 3, "captured": 0, "replayed": 0, "capture_failed": 1}
+    assert any("capture" in w and "runs eagerly" in w for w in out["warnings"]), out["warnings"]
+    for s in out["sums"][1:]:
+        assert np.allclose(s, out["sums"][0], rtol=1e-3, atol=1e-5), (s, out["sums"][0])
