@@ -213,7 +213,9 @@ def cuda_rounds(mesh) -> dict:
             "host inputs": {k[0]: len(v.host_inputs) for k, v in graphs.layouts.items()}}
 
 
-def cuda_worker(queue) -> None:
+def on_cuda(body, queue) -> None:
+    """Runs body(mesh) as rank 0 of a world of one on CUDA device 0 and puts its result (or the
+    traceback) on the queue."""
     import os
 
     from sglang_dsv41.server_process import free_port
@@ -223,7 +225,7 @@ def cuda_worker(queue) -> None:
     from trainer_bridge.dist import close_distributed, init_distributed
 
     try:
-        queue.put(cuda_rounds(init_distributed(torch.device("cuda", 0)).mesh))
+        queue.put(body(init_distributed(torch.device("cuda", 0)).mesh))
         close_distributed()
     except Exception:
         import traceback
@@ -233,7 +235,7 @@ def cuda_worker(queue) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graphs_capture_and_replay_on_cuda():
-    (out,) = run_spawned(cuda_worker, [()], timeout=280)
+    (out,) = run_spawned(on_cuda, [(cuda_rounds,)], timeout=280)
     assert isinstance(out, dict), out
     assert out["counts"] == {"eager": 2, "captured": 2, "replayed": 4, "capture_failed": 0}
     # the packed layout's per-sequence tables are copied from host memory the graph keeps
@@ -278,27 +280,9 @@ def failing_capture(mesh) -> dict:
             "warnings": warnings}
 
 
-def failing_worker(queue) -> None:
-    import os
-
-    from sglang_dsv41.server_process import free_port
-
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(free_port()), LOCAL_WORLD_SIZE="1")
-    from trainer_bridge.dist import close_distributed, init_distributed
-
-    try:
-        queue.put(failing_capture(init_distributed(torch.device("cuda", 0)).mesh))
-        close_distributed()
-    except Exception:
-        import traceback
-
-        queue.put(traceback.format_exc())
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_failed_capture_runs_eagerly():
-    (out,) = run_spawned(failing_worker, [()], timeout=200)
+    (out,) = run_spawned(on_cuda, [(failing_capture,)], timeout=200)
     assert isinstance(out, dict), out
     assert out["counts"] == {"eager": 3, "captured": 0, "replayed": 0, "capture_failed": 1}
     assert any("capture" in w and "runs eagerly" in w for w in out["warnings"]), out["warnings"]
