@@ -40,12 +40,11 @@ from sglang_dsv41.model.dsv4.presets import get_preset  # noqa: E402
 from sglang_dsv41.server_process import free_port  # noqa: E402
 from trainer_bridge.dist import run_spawned  # noqa: E402
 from trainer_bridge.batch import Sample, pack  # noqa: E402
-from trainer_bridge.config import OptimConfig  # noqa: E402
+from trainer_bridge.config import ModelConfig, OptimConfig  # noqa: E402
 from trainer_bridge.optimizer_offload import (MIB, OFFLOAD_MODES, host_mapping,  # noqa: E402
                                               host_mappings, offload_optimizer,
                                               set_pinned_alloc_conf)
-from trainer_bridge.parallelize import parallelize_policy  # noqa: E402
-from trainer_bridge.policy import Policy  # noqa: E402
+from trainer_bridge.policy import Policy, policy_from_model  # noqa: E402
 from trainer_bridge.schedule import build_optimizer  # noqa: E402
 
 
@@ -67,12 +66,13 @@ def build(cfg: DSV4Config, mesh, device: torch.device, mode: str, chunk_mb: floa
     them; router gates stay trainable so fp32 router weights go through the optimizer."""
     model = DSV4ForCausalLM(cfg)
     init_weights(model, seed=seed)
-    model.to(device)
-    # FSDP in every mode, also on one GPU (one_rank's copies would change the baseline).
-    parallelize_policy(model, mesh, compute_dtype=torch.float32 if device.type == "cpu"
-                       else torch.bfloat16, lm_head_fp32=lm_head_fp32, optimizer_offload=mode,
-                       one_rank="fsdp")
-    policy = Policy(model, "bench", device)
+    # FSDP in every mode, also on one GPU (one_rank's copies would change the baseline); the
+    # plain fp32 head GEMMs and no unsharded accumulation, as this bench has always measured.
+    policy = policy_from_model(
+        model, ModelConfig(model_path="bench", freeze_router=False, lm_head_fp32=lm_head_fp32,
+                           lm_head_gemm="ieee", serving_numerics=False,
+                           accumulate_unsharded="never", one_rank="fsdp"),
+        mesh, device, optimizer_offload=mode)
     optim_cfg = OptimConfig(lr=1e-3, sink_lr=2e-3, weight_decay=0.1, sink_frozen_frac=0.0,
                             sink_ramp_frac=0.5, optimizer_offload=mode, offload_chunk_mb=chunk_mb)
     opt, sched = build_optimizer(policy, optim_cfg, steps)

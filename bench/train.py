@@ -52,13 +52,11 @@ from sglang_dsv41.model.dsv4.context import DSV4Context  # noqa: E402
 from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM, init_weights  # noqa: E402
 from sglang_dsv41.model.dsv4.moe import MoE  # noqa: E402
 from trainer_bridge.batch import Sample, pack  # noqa: E402
-from trainer_bridge.config import LossConfig, OptimConfig  # noqa: E402
+from trainer_bridge.config import LossConfig, ModelConfig, OptimConfig  # noqa: E402
 from trainer_bridge.dist import close_distributed, init_distributed  # noqa: E402
 from trainer_bridge.micro_batch_graphs import MicroBatchGraphs  # noqa: E402
-from trainer_bridge.parallelize import (ONE_RANK_MODES, accumulates_unsharded,  # noqa: E402
-                                        parallelize_policy)
-from trainer_bridge.policy import (ForwardState, Policy, lm_head_gemm_for,  # noqa: E402
-                                   resolve_device)
+from trainer_bridge.parallelize import ONE_RANK_MODES  # noqa: E402
+from trainer_bridge.policy import ForwardState, policy_from_model, resolve_device  # noqa: E402
 from trainer_bridge.schedule import build_optimizer  # noqa: E402
 from trainer_bridge.trainer import clip_and_step, forward_backward  # noqa: E402
 
@@ -295,31 +293,26 @@ class Ours:
     """Our trainer's policy on ``cfg``: built once, stepped at every sequence length."""
 
     def __init__(self, cfg: DSV4Config, info, device, attention_backend: str | None,
-                 checkpointing: str, compute_dtype: torch.dtype | None = None,
+                 checkpointing: str, compute_dtype: str = "auto",
                  accumulate: str = "auto", one_rank: str = "auto", head_gemm: str = "auto",
                  cuda_graphs: bool = False):
-        """compute_dtype: FSDP's parameter dtype (default bf16 on CUDA, fp32 on the CPU);
-        accumulate: the trainer's model.accumulate_unsharded (auto | always | never);
-        one_rank: the trainer's model.one_rank (auto | fsdp | copies); head_gemm: the
-        trainer's model.lm_head_gemm (auto | ieee | tf32x3); cuda_graphs: the trainer's
-        model.cuda_graphs (micro-batch layouts captured as CUDA graphs)."""
+        """compute_dtype, accumulate, one_rank, head_gemm, cuda_graphs: the trainer's
+        model.compute_dtype (auto: bf16 on CUDA, fp32 on the CPU), accumulate_unsharded (auto |
+        always | never), one_rank (auto | fsdp | copies), lm_head_gemm (auto | ieee | tf32x3)
+        and cuda_graphs (micro-batch layouts captured as CUDA graphs)."""
         t0 = time.perf_counter()
         self.cfg, self.device, self.info = cfg, device, info
         torch.manual_seed(0)
         model = DSV4ForCausalLM(cfg)
         init_weights(model, seed=0)
-        for name, p in model.named_parameters():
-            if name.endswith("ffn.gate.weight"):
-                p.requires_grad_(False)  # RL keeps the router frozen (model.freeze_router)
-        model.to(device)
-        model.head.fp32_gemm = lm_head_gemm_for(device, head_gemm)
-        dtype = compute_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        parallelize_policy(model, info.mesh, compute_dtype=dtype, lm_head_fp32=True,
-                           activation_checkpointing=checkpointing, one_rank=one_rank)
+        # the trainer's own build, on this model (its router frozen: model.freeze_router)
+        self.policy = policy_from_model(
+            model, ModelConfig(model_path="bench", compute_dtype=compute_dtype,
+                               lm_head_gemm=head_gemm, serving_numerics=False,
+                               activation_checkpointing=checkpointing,
+                               accumulate_unsharded=accumulate, one_rank=one_rank),
+            info.mesh, device, attention_backend=attention_backend)
         self.copies = getattr(model, "compute_copies", None)
-        self.policy = Policy(model, "bench", device, attention_backend=attention_backend,
-                             accumulate_unsharded=accumulates_unsharded(model, info.mesh, dtype,
-                                                                        accumulate))
         if cuda_graphs:
             self.policy.graphs = MicroBatchGraphs(self.policy, LossConfig(), info.world_size)
         self.optim_cfg = OptimConfig(lr=1e-5, sink_frozen_frac=0, sink_ramp_frac=0)

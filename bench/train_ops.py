@@ -75,7 +75,7 @@ def ours_step(preset: str, seq: int, dtype: torch.dtype, device: torch.device,
     compute: forward, PPO loss, backward and, with ``optimizer``, AdamW; the step returns the
     loss and the policy."""
     runner = Ours(get_preset(preset), init_distributed(device), device, None, "none",
-                  compute_dtype=dtype)
+                  compute_dtype=str(dtype).removeprefix("torch."))
     step = runner.stepper(Shape(1, seq), 1, optimizer=optimizer)
     return lambda: (step(), runner.policy)
 

@@ -53,10 +53,21 @@ def lm_head_gemm_for(device: torch.device, lm_head_gemm: str) -> str:
 def build_policy(cfg: ModelConfig, mesh: DeviceMesh, device: torch.device, *,
                  trainable: bool = True, optimizer_offload: str = "none",
                  temperature: float = 1.0) -> "Policy":
-    """Loads the checkpoint the server serves (fp32 master weights) and shards it. The router
-    gate is frozen when cfg.freeze_router (its correction bias and the frozen tables are
-    buffers, never trained)."""
-    model = load_policy_model(cfg.model_path)
+    """Loads the checkpoint the server serves (fp32 master weights) and makes it the policy
+    (policy_from_model)."""
+    return policy_from_model(load_policy_model(cfg.model_path), cfg, mesh, device,
+                             trainable=trainable, optimizer_offload=optimizer_offload,
+                             temperature=temperature)
+
+
+def policy_from_model(model: DSV4ForCausalLM, cfg: ModelConfig, mesh: DeviceMesh,
+                      device: torch.device, *, trainable: bool = True,
+                      optimizer_offload: str = "none", temperature: float = 1.0,
+                      attention_backend: str | None = None) -> "Policy":
+    """A built model (fp32 master weights) as the trainer's policy: the router gate frozen when
+    cfg.freeze_router (its correction bias and the frozen tables are buffers, never trained),
+    on ``device``, the head's GEMMs as cfg.lm_head_gemm, sharded (parallelize_policy).
+    build_policy and the benchmarks (models built from a config, not loaded) both use it."""
     for name, p in model.named_parameters():
         if not trainable or (cfg.freeze_router and name.endswith("ffn.gate.weight")):
             p.requires_grad_(False)
@@ -71,8 +82,9 @@ def build_policy(cfg: ModelConfig, mesh: DeviceMesh, device: torch.device, *,
         model.eval()
     accumulate = trainable and accumulates_unsharded(model, mesh, compute_dtype,
                                                      cfg.accumulate_unsharded, optimizer_offload)
-    return Policy(model, cfg.model_path, device, serving_numerics=cfg.serving_numerics,
-                  temperature=temperature, accumulate_unsharded=accumulate)
+    return Policy(model, cfg.model_path, device, attention_backend=attention_backend,
+                  serving_numerics=cfg.serving_numerics, temperature=temperature,
+                  accumulate_unsharded=accumulate)
 
 
 class ForwardState(MutableMapping):

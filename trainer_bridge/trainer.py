@@ -23,8 +23,8 @@ from .dist import (all_reduce_scalar, all_reduce_tensor, close_distributed, init
                    on_primary)
 from .envs import make_env
 from .local_shards import LocalShardAdamW, clip_grad_norm, global_norm
-from .micro_batch_graphs import MicroBatchGraphs
 from .loss import compute_advantages, k3_kl, loss_scale, ppo_loss
+from .micro_batch_graphs import MicroBatchGraphs
 from .optimizer_offload import offload_optimizer
 from .parallelize import is_sink_param
 from .policy import Policy, build_policy, resolve_device
