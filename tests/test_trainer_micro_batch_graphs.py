@@ -3,10 +3,13 @@ both on one rank with compute copies in bf16 (a gloo world of one on the CPU, wh
 function runs eagerly every time): the same loss sums, fp32 gradients, gradient norms and
 stepped weights, bit for bit, over three optimizer steps of two micro-batches each, with layouts
 that repeat and a new one, R3 routing replayed, reference logprobs and a KL term, and
-``zero_grad(set_to_none=True)`` between steps; the refusals. On CUDA: the second micro-batch of
+``zero_grad(set_to_none=True)`` between steps; the reference pass's no-grad forwards (logprobs,
+the routing recorded); a frozen policy forwards only; what a run returns is the caller's; the
+refusals. On CUDA: the second micro-batch of
 a layout is captured and later ones replay the graph, with the plain path's results to the
-kernels' own run-to-run spread, also after optimizer steps (the copies refreshed); a capture
-that fails (a forward that synchronizes) is logged and its layout runs eagerly."""
+kernels' own run-to-run spread, also after optimizer steps (the copies refreshed), the no-grad
+forwards too; a capture that fails (a forward that synchronizes) is logged and its layout runs
+eagerly."""
 
 from __future__ import annotations
 
@@ -65,6 +68,7 @@ def run_mode(mesh, graphs: bool, r3: bool, device=torch.device("cpu")) -> dict:
     for step in range(len(LENGTHS)):
         mbs = micro_batches(policy, step, r3)
         tokens = sum(float(mb.loss_mask.sum()) for mb in mbs)
+        passes = [reference_pass(policy, mb, r3) for mb in mbs]
         sums = [forward_backward(policy, mb, tokens, loss_cfg, 1, replay=r3).cpu().numpy()
                 for mb in mbs]
         # copies: the graphed path's gradient buffers persist (a numpy view would change)
@@ -72,13 +76,26 @@ def run_mode(mesh, graphs: bool, r3: bool, device=torch.device("cpu")) -> dict:
                  for n, p in policy.model.named_parameters() if p.grad is not None}
         norm = clip_and_step(opt, 1.0).item()
         opt.zero_grad(set_to_none=True)
-        out["steps"].append((sums, grads, norm))
+        out["steps"].append((sums, grads, norm, passes))
     out["weights"] = {n: p.detach().float().cpu().numpy().copy()
                       for n, p in policy.model.named_parameters()}
     out["dtypes"] = sorted({str(p.dtype) for p in policy.model.parameters()})
     out["counts"] = dict(policy.graphs.counts) if graphs else None
     out["layouts"] = len(policy.graphs.layouts) if graphs else None
     return out
+
+
+def reference_pass(policy, mb, replay: bool) -> tuple:
+    """The trainer's no-grad forwards (Trainer.reference_pass): with the routing recorded, and
+    without -> numpy (logprobs, {layer: (ids, weights)}, logprobs)."""
+    with torch.no_grad():
+        recorded = policy.forward(mb, replay=replay, record_routing=True)
+        plain = policy.forward(mb, replay=replay)
+    assert plain.routed == {}
+    return (recorded.logprobs.cpu().numpy().copy(),
+            {k: (i.cpu().numpy().copy(), w.cpu().numpy().copy())
+             for k, (i, w) in recorded.routed.items()},
+            plain.logprobs.cpu().numpy().copy())
 
 
 def both_modes(mesh, sample):
@@ -98,11 +115,20 @@ def runs():
 @pytest.mark.parametrize("r3", [False, True])
 def test_graphed_function_equals_plain_path(runs, r3):
     plain, graphed = runs[(False, r3)], runs[(True, r3)]
-    # On the CPU every micro-batch runs the graphed function eagerly; three layouts were met.
-    assert graphed["counts"] == {"eager": 6, "captured": 0, "replayed": 0, "capture_failed": 0}
-    assert graphed["layouts"] == 3
-    for step, ((sums_a, grads_a, norm_a), (sums_b, grads_b, norm_b)) in enumerate(
-            zip(plain["steps"], graphed["steps"])):
+    # On the CPU every run is eager: 6 micro-batches, each with two no-grad forwards; 3 training
+    # layouts and 6 forward ones were met, the least recently used past 8 dropped.
+    assert graphed["counts"] == {"eager": 18, "captured": 0, "replayed": 0,
+                                 "capture_failed": 0}
+    assert graphed["layouts"] == 8
+    for step, ((sums_a, grads_a, norm_a, passes_a), (sums_b, grads_b, norm_b, passes_b)) in \
+            enumerate(zip(plain["steps"], graphed["steps"])):
+        for (logp_a, routed_a, bare_a), (logp_b, routed_b, bare_b) in zip(passes_a, passes_b):
+            assert np.array_equal(logp_a, logp_b) and np.array_equal(bare_a, bare_b), step
+            assert np.array_equal(logp_a, bare_a), step
+            assert set(routed_a) == set(routed_b) == set(range(len(routed_a))), step
+            assert len(routed_a) > 1
+            for k, (ids, w) in routed_a.items():
+                assert np.array_equal(ids, routed_b[k][0]) and np.array_equal(w, routed_b[k][1])
         for a, b in zip(sums_a, sums_b):
             assert np.array_equal(a, b), f"step {step}: loss sums {a} vs {b}"
         assert sums_a[0][2] > 0, "the KL term took part"
@@ -196,10 +222,11 @@ def cuda_rounds(mesh) -> dict:
 
     def run(runner):
         policy.graphs = runner
+        passes = [reference_pass(policy, mb, True) for mb in mbs]
         sums = [forward_backward(policy, mb, tokens, loss_cfg, 1, replay=True).cpu().numpy()
                 for mb in mbs]
         return sums, {n: p.grad.detach().float().cpu().numpy().copy()
-                      for n, p in policy.model.named_parameters() if p.grad is not None}
+                      for n, p in policy.model.named_parameters() if p.grad is not None}, passes
 
     rounds = []
     for _ in range(3):
@@ -210,7 +237,48 @@ def cuda_rounds(mesh) -> dict:
         opt.zero_grad(set_to_none=True)
         rounds.append((plain, graphed))
     return {"rounds": rounds, "counts": dict(graphs.counts),
-            "host inputs": {k[0]: len(v.host_inputs) for k, v in graphs.layouts.items()}}
+            "host inputs": {k[0]: len(v.host_inputs) for k, v in graphs.layouts.items()
+                            if k[-1] == "fresh"}}
+
+
+def outputs_are_owned(mesh, sample):
+    """A frozen policy (the KL reference: no trained parameters) with graphs: its no-grad
+    forwards work, its forward_backward is refused; what a forward returns (a replayed
+    routing it recorded) is the caller's, not a static input the next micro-batch of the
+    layout overwrites."""
+    from trainer_bridge.config import LossConfig, ModelConfig
+    from trainer_bridge.micro_batch_graphs import MicroBatchGraphs
+    from trainer_bridge.policy import build_policy
+    from trainer_bridge.trainer import forward_backward
+
+    policy = build_policy(ModelConfig(model_path=PRESET, compute_dtype="bfloat16",
+                                      one_rank="copies"), mesh, torch.device("cpu"),
+                          trainable=False)
+    policy.graphs = MicroBatchGraphs(policy, LossConfig(), 1)
+    first, second = micro_batches(policy, 0, r3=True)[0], micro_batches(policy, 1, r3=True)[0]
+    assert first.seq_lens == second.seq_lens  # one layout
+    with torch.no_grad():
+        kept = policy.forward(first, replay=True, record_routing=True)
+        layer = policy.replayed_layers[0]
+        before = kept.routed[layer][1].clone()
+        policy.forward(second, replay=True, record_routing=True)
+    out = {"kept": torch.equal(kept.routed[layer][1], before),
+           "replayed": torch.equal(before, first.routing[layer][1])}
+    try:
+        forward_backward(policy, first, 10.0, LossConfig(), 1, replay=True)
+        out["train"] = "accepted"
+    except ValueError as e:
+        out["train"] = str(e)
+    return out
+
+
+def test_forward_outputs_are_owned_and_frozen_policies_forward_only():
+    from test_trainer_long_context import on_world_of_one
+
+    (out,) = run_spawned(on_world_of_one, [(outputs_are_owned,)], timeout=150)
+    assert isinstance(out, dict), out
+    assert out["replayed"] and out["kept"]
+    assert "no trained parameters" in out["train"]
 
 
 def on_cuda(body, queue) -> None:
@@ -237,10 +305,17 @@ def on_cuda(body, queue) -> None:
 def test_graphs_capture_and_replay_on_cuda():
     (out,) = run_spawned(on_cuda, [(cuda_rounds,)], timeout=280)
     assert isinstance(out, dict), out
-    assert out["counts"] == {"eager": 2, "captured": 2, "replayed": 4, "capture_failed": 0}
+    # 6 layouts (2 micro-batches x fresh or accumulating training, forward with and without
+    # the routing recorded): eager in round 0, captured in round 1, replayed in rounds 1-2
+    assert out["counts"] == {"eager": 6, "captured": 6, "replayed": 12, "capture_failed": 0}
     # the packed layout's per-sequence tables are copied from host memory the graph keeps
     assert out["host inputs"][(23, 30)] > 0, out["host inputs"]
-    for i, ((sums_a, grads_a), (sums_b, grads_b)) in enumerate(out["rounds"]):
+    for i, ((sums_a, grads_a, passes_a), (sums_b, grads_b, passes_b)) in enumerate(
+            out["rounds"]):
+        for (logp_a, routed_a, _), (logp_b, routed_b, _) in zip(passes_a, passes_b):
+            assert np.allclose(logp_a, logp_b, rtol=1e-3, atol=1e-3), i
+            for k, (ids, _) in routed_a.items():
+                assert np.array_equal(ids, routed_b[k][0]), (i, k)
         for x, y in zip(sums_a, sums_b):  # within the kernels' atomics (bf16 compute)
             assert np.allclose(x, y, rtol=1e-3, atol=1e-5), f"round {i}: sums {x} vs {y}"
         assert set(grads_a) == set(grads_b), i

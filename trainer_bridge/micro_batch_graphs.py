@@ -14,14 +14,17 @@ outside the graph's memory pool, attached to the parameters before every run (a
 (every .grad None) copies instead of adding: no zeroing pass and no read of the buffers, as the
 plain path's first backward makes its gradients; its layout then has a graph of its own. The
 result is what the plain path (trainer.forward_backward) leaves, to the bit
-(tests/test_trainer_micro_batch_graphs.py).
+(tests/test_trainer_micro_batch_graphs.py). The reference pass's no-grad forwards (old and
+reference logprobs, the routing it checks: Policy.forward without autograd) run as graphs of
+their own layouts the same way.
 
 A layout is what a graph bakes in: the sequence lengths, the replayed layers, whether
-reference logprobs take part. Everything else of a micro-batch (tokens, targets, logprobs,
-advantages, mask, replayed routing, and the loss's normaliser, which changes every step) is
-copied into the layout's static inputs before each run. A layout's first micro-batch runs
-eagerly (the same function, on the same inputs: it also warms Triton and cuBLAS up); its
-second is captured, then replayed, as is every later one. Training that repeats layouts
+reference logprobs take part, the kind of run (first or later micro-batch of a step, no-grad
+forward with or without the routing recorded). Everything else of a micro-batch (tokens,
+targets, logprobs, advantages, mask, replayed routing, and the loss's normaliser, which changes
+every step) is copied into the layout's static inputs before each run. A layout's first
+micro-batch runs eagerly (the same function, on the same inputs: it also warms Triton and cuBLAS
+up); its second is captured, then replayed, as is every later one. Training that repeats layouts
 (fixed-length packing, benchmarks, lengths bucketed by the data pipeline) gains; a layout seen
 once costs nothing extra. A capture that fails (an operation a graph cannot hold) is logged
 and that layout runs eagerly from then on.
@@ -36,9 +39,11 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.distributed.fsdp import FSDPModule
+from torch.utils._pytree import tree_leaves, tree_map
 
 from sglang_dsv41.model.dsv4.context import DSV4Context, keeping_host_inputs
 from sglang_dsv41.model.dsv4.token_logprobs import check_targets
@@ -61,7 +66,7 @@ class Layout:
     scale: torch.Tensor                       # fp32 0-d: loss_scale(global_tokens, world size)
     runs: int = 0
     graph: torch.cuda.CUDAGraph | None = None
-    out: torch.Tensor | None = None           # the graph's static output (the loss sums)
+    out: Any = None                           # the graph's static outputs
     eager_only: bool = False                  # its capture failed
     grad_params: list[torch.nn.Parameter] = field(default_factory=list)
     # pinned host tensors the graph copies from at each replay (context.keeping_host_inputs)
@@ -84,9 +89,7 @@ class MicroBatchGraphs:
         self.policy, self.loss_cfg, self.world_size = policy, loss_cfg, world_size
         self.max_layouts = max_layouts
         self.copies = getattr(model, "compute_copies", None)
-        self.params = [p for _, p in policy.trainable_parameters()]
-        if not self.params:
-            raise ValueError("model.cuda_graphs: the policy has no trained parameters")
+        self.params = [p for _, p in policy.trainable_parameters()]  # none: forwards only
         in_forward = self.copies.in_forward if self.copies is not None else (lambda p: p)
         self.leaves = [in_forward(p) for p in self.params]
         self.capture = policy.device.type == "cuda"
@@ -106,36 +109,37 @@ class MicroBatchGraphs:
                              "bakes the loss's constants in")
         if mb.old_logprobs is None:
             raise ValueError("forward_backward needs mb.old_logprobs (the reference pass's)")
+        if not self.params:
+            raise ValueError("forward_backward: the policy has no trained parameters")
         # The step's first micro-batch (every .grad None, as zero_grad(set_to_none=True)
         # leaves them) copies its gradients into the buffers: no zeroing pass, no read of them.
         fresh = all(p.grad is None for p in self.params)
-        layout = self._layout(mb, replay, fresh)
+        layout = self._layout(mb, replay, "fresh" if fresh else "accumulate")
         self._load(layout, mb, global_tokens)
-        if self.copies is not None:
-            self.copies.refresh()  # after an optimizer step; a replay runs no pre-hook
         self._attach_grads(layout.grad_params, zero=not fresh)
-        layout.runs += 1
-        if layout.graph is not None:
-            layout.graph.replay()
-            self.counts["replayed"] += 1
-            return layout.out.clone()
-        if layout.runs >= 2 and self.capture and not layout.eager_only and self._capture(layout):
-            layout.graph.replay()
-            self.counts["replayed"] += 1
-            return layout.out.clone()
-        self.counts["eager"] += 1
-        return self._run_eager(layout)
+        return self._run(layout)
+
+    def forward(self, mb: MicroBatch, replay: bool, record_routing: bool
+                ) -> tuple[torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+        """Policy.forward without autograd (the trainer's reference pass: old and reference
+        logprobs, the routing it checks) -> (fp32 logprobs [N], layer -> (ids, weights) when
+        ``record_routing``), as graphs of their own layouts."""
+        layout = self._layout(mb, replay, "routing" if record_routing else "forward")
+        self._load(layout, mb, None)
+        return self._run(layout)
 
     def summary(self) -> str:
         return ("micro-batch graphs: " + ", ".join(f"{k} {v}" for k, v in self.counts.items())
                 + f"; layouts kept {len(self.layouts)}")
 
     # ---- layouts and their inputs -----------------------------------------------------------
-    def _layout(self, mb: MicroBatch, replay: bool, fresh: bool) -> Layout:
-        """``fresh``: the layout's graph copies its gradients into the buffers (the step's
-        first micro-batch) rather than adding: two graphs where a layout is met both ways."""
+    def _layout(self, mb: MicroBatch, replay: bool, kind: str) -> Layout:
+        """``kind``: fresh (forward and backward, the gradients copied into the buffers: the
+        step's first micro-batch), accumulate (added), forward (no autograd), routing (forward,
+        the routing recorded): a graph each where a layout is met several ways."""
         replayed = tuple(self.policy.replayed_layers) if replay and mb.routing is not None else ()
-        key = (tuple(mb.seq_lens), replayed, mb.ref_logprobs is not None, fresh)
+        training = kind in ("fresh", "accumulate")
+        key = (tuple(mb.seq_lens), replayed, training and mb.ref_logprobs is not None, kind)
         layout = self.layouts.get(key)
         if layout is not None:
             self.layouts.move_to_end(key)
@@ -143,9 +147,12 @@ class MicroBatchGraphs:
         dev = self.policy.device
         ctx = DSV4Context.packed(mb.seq_lens, device=dev,
                                  attention_backend=self.policy.attention_backend,
-                                 serving_numerics=self.policy.serving_numerics)
-        names = ["input_ids", "hidden_index", "targets", "old_logprobs", "rollout_logprobs",
-                 "advantages", "loss_mask"] + (["ref_logprobs"] if key[2] else [])
+                                 serving_numerics=self.policy.serving_numerics,
+                                 record_routing=kind == "routing")
+        names = ["input_ids", "hidden_index", "targets"]
+        if training:
+            names += ["old_logprobs", "rollout_logprobs", "advantages", "loss_mask"]
+            names += ["ref_logprobs"] if key[2] else []
         inputs = {n: torch.empty_like(getattr(mb, n), device=dev) for n in names}
         routing = None
         if replayed:
@@ -159,9 +166,11 @@ class MicroBatchGraphs:
             self.layouts.popitem(last=False)
         return layout
 
-    def _load(self, layout: Layout, mb: MicroBatch, global_tokens: float) -> None:
+    def _load(self, layout: Layout, mb: MicroBatch, global_tokens: float | None) -> None:
         """The micro-batch into the layout's static inputs: queued copies from pinned memory
-        (no host wait), checked on the host first as Policy.forward checks them."""
+        (no host wait), checked on the host first as Policy.forward checks them; the loss's
+        normaliser (training kinds); the compute copies refreshed after an optimizer step (a
+        replay runs no pre-hook)."""
         check_targets(mb.targets, self.policy.config.vocab_size)
         for name, dst in layout.inputs.items():
             src = getattr(mb, name)
@@ -172,7 +181,10 @@ class MicroBatchGraphs:
         for k, (ids, weights) in (layout.routing or {}).items():
             _queued_copy(ids, mb.routing[k][0])
             _queued_copy(weights, mb.routing[k][1])
-        layout.scale.fill_(loss_scale(global_tokens, self.world_size))
+        if global_tokens is not None:
+            layout.scale.fill_(loss_scale(global_tokens, self.world_size))
+        if self.copies is not None:
+            self.copies.refresh()
 
     # ---- gradients ----------------------------------------------------------------------------
     def _attach_grads(self, params: list[torch.nn.Parameter], zero: bool) -> None:
@@ -193,7 +205,7 @@ class MicroBatchGraphs:
 
     def _add_grads(self, layout: Layout, grads) -> None:
         pairs = [(p, g) for p, g in zip(self.params, grads) if g is not None]
-        fresh = layout.key[-1]
+        fresh = layout.key[-1] == "fresh"
         if layout.runs == 1 or not layout.grad_params:  # eager: learn which get gradients
             for p, g in pairs:
                 if id(p) not in self.grad_buffers:
@@ -210,9 +222,42 @@ class MicroBatchGraphs:
         write([p.grad for p, _ in pairs], [g for _, g in pairs])
 
     # ---- the work -----------------------------------------------------------------------------
-    def _body(self, layout: Layout) -> torch.Tensor:
-        """What a graph holds (and an eager run runs): forward, loss, gradients, their copy or
-        add into the buffers."""
+    def _run(self, layout: Layout):
+        """Eager at a layout's first run, captured at its second, replayed from then on ->
+        copies of the body's outputs: a graph's are static, and an eager run's may be a static
+        input (a replayed routing the forward records as it is)."""
+        layout.runs += 1
+        if layout.graph is None and layout.runs >= 2 and self.capture and not layout.eager_only:
+            self._capture(layout)
+        if layout.graph is not None:
+            layout.graph.replay()
+            self.counts["replayed"] += 1
+            out = layout.out
+        else:
+            self.counts["eager"] += 1
+            out = self._run_eager(layout)
+        return tree_map(torch.clone, out)
+
+    def _body(self, layout: Layout):
+        return (self._train_body if layout.key[-1] in ("fresh", "accumulate")
+                else self._forward_body)(layout)
+
+    def _forward_body(self, layout: Layout):
+        """A no-grad forward -> (logprobs, the routing it recorded)."""
+        x, policy = layout.inputs, self.policy
+        try:
+            with torch.no_grad():
+                logp = policy.model(x["input_ids"], layout.ctx, hidden_index=x["hidden_index"],
+                                    targets=x["targets"], temperature=policy.temperature)
+            return logp, dict(layout.ctx.routed)
+        finally:
+            layout.ctx.shared.clear()
+            layout.ctx.routed.clear()
+            if self.copies is not None:
+                self.copies.abandon()
+
+    def _train_body(self, layout: Layout) -> torch.Tensor:
+        """forward, loss, gradients, their copy or add into the buffers."""
         x, policy = layout.inputs, self.policy
         try:
             logp = policy.model(x["input_ids"], layout.ctx, hidden_index=x["hidden_index"],
@@ -230,7 +275,7 @@ class MicroBatchGraphs:
         return torch.stack([terms.loss.detach(), terms.pg_sum, terms.kl_sum,
                             terms.clip_frac_sum, terms.tis_sum]).double()
 
-    def _run_eager(self, layout: Layout) -> torch.Tensor:
+    def _run_eager(self, layout: Layout):
         if self.stream is None:
             return self._body(layout)
         # On the side stream the captures use (PyTorch's advice: warm up where you capture).
@@ -239,10 +284,11 @@ class MicroBatchGraphs:
         with torch.cuda.stream(self.stream):
             out = self._body(layout)
         current.wait_stream(self.stream)
-        out.record_stream(current)
+        for t in tree_leaves(out):
+            t.record_stream(current)  # _run copies them on this stream
         return out
 
-    def _capture(self, layout: Layout) -> bool:
+    def _capture(self, layout: Layout) -> None:
         graph = torch.cuda.CUDAGraph()
         try:
             with keeping_host_inputs(layout.host_inputs), \
@@ -255,10 +301,9 @@ class MicroBatchGraphs:
             log.warning("CUDA graph capture of a micro-batch layout (%d sequences, %d tokens) "
                         "failed; it runs eagerly: %s", len(layout.key[0]), sum(layout.key[0]),
                         e)
-            return False
+            return
         layout.graph, layout.out = graph, out
         self.counts["captured"] += 1
-        return True
 
 
 def _queued_copy(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -143,7 +143,8 @@ class Policy:
         # (SGLang's default), so the trainer's are of the same distribution; greedy: 1.
         self.temperature = temperature if temperature > 0 else 1.0
         self.config = model.cfg
-        # model.cuda_graphs: the trainer's MicroBatchGraphs, which forward_backward then uses
+        # model.cuda_graphs: the trainer's MicroBatchGraphs, which forward_backward and a
+        # forward without autograd (the reference pass) then use
         self.graphs = None
 
     def micro_batch(self, index: int, count: int) -> None:
@@ -170,6 +171,9 @@ class Policy:
 
     def forward(self, mb: MicroBatch, *, replay: bool, record_routing: bool = False
                 ) -> ForwardOut:
+        if self.graphs is not None and not torch.is_grad_enabled():
+            logp, routed = self.graphs.forward(mb, replay, record_routing)
+            return ForwardOut(logp, routed)
         dev = self.device
         routing = None
         if replay and mb.routing is not None:

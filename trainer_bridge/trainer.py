@@ -50,12 +50,13 @@ class Trainer:
         temperature = cfg.rollout.temperature  # logprobs of the distribution rollouts sample
         self.policy = build_policy(cfg.model, self.dist.mesh, self.device,
                                    optimizer_offload=offload, temperature=temperature)
-        if cfg.model.cuda_graphs:
-            self.policy.graphs = MicroBatchGraphs(self.policy, cfg.loss, self.dist.world_size)
         self.ref_policy: Policy | None = None
         if cfg.loss.kl_coef > 0:
             self.ref_policy = build_policy(cfg.model, self.dist.mesh, self.device, trainable=False,
                                            temperature=temperature)
+        if cfg.model.cuda_graphs:
+            for policy in filter(None, (self.policy, self.ref_policy)):
+                policy.graphs = MicroBatchGraphs(policy, cfg.loss, self.dist.world_size)
         self.optimizer, self.scheduler = offload_optimizer(
             *build_optimizer(self.policy, cfg.optim, cfg.steps), offload,
             cfg.optim.offload_chunk_mb)
