@@ -325,10 +325,13 @@ class Ours:
                  f"{self.policy.accumulate_unsharded} (with more than one a step: FSDP's fp32 "
                  "unsharded gradients too, in the memory plan)"), flush=True)
 
-    def stepper(self, shape: Shape, micro_batches: int, optimizer: bool = True):
+    def stepper(self, shape: Shape, micro_batches: int, optimizer: bool = True,
+                reference_pass: bool = False):
         """One optimizer step over ``micro_batches`` micro-batches of ``shape`` per rank, with
         the trainer's own functions (forward_backward per micro-batch, then clip_and_step:
-        clipping and AdamW; without ``optimizer`` the gradients stay). The step returns the last
+        clipping and AdamW; without ``optimizer`` the gradients stay); with
+        ``reference_pass`` each micro-batch's no-grad forward first, as the trainer's
+        reference pass runs it (Policy.forward: its old logprobs). The step returns the last
         micro-batch's loss."""
         batches = []
         for m in range(micro_batches):
@@ -340,6 +343,10 @@ class Ours:
         tokens = sum(float(mb.loss_mask.sum()) for mb in batches) * self.info.world_size
 
         def step():
+            if reference_pass:
+                with torch.no_grad(), torch.profiler.record_function("trainer.reference_pass"):
+                    for mb in batches:
+                        mb.old_logprobs = self.policy.forward(mb, replay=False).logprobs
             for i, mb in enumerate(batches):
                 self.policy.micro_batch(i, len(batches))
                 sums = forward_backward(self.policy, mb, tokens, LossConfig(),
@@ -481,12 +488,17 @@ class Transformers:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
         print(f"built transformers {experts} in {time.perf_counter() - t0:.1f} s", flush=True)
 
-    def stepper(self, shape: Shape, micro_batches: int):
+    def stepper(self, shape: Shape, micro_batches: int, reference_pass: bool = False):
+        """``reference_pass``: each micro-batch's no-grad forward first, as Ours.stepper's."""
         batches = [torch.tensor([random_tokens(self.cfg, shape.length, seed=m * shape.n + i)
                                  for i in range(shape.n)], device=self.device)
                    for m in range(micro_batches)]
 
         def step():
+            if reference_pass:
+                with torch.no_grad():  # every position's logits: what logprobs need
+                    for ids in batches:
+                        self.model(input_ids=ids)
             for ids in batches:
                 (self.model(input_ids=ids, labels=ids).loss / micro_batches).backward()
             self.opt.step()
@@ -576,6 +588,10 @@ def main(argv=None) -> int:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="ours: the trainer's model.cuda_graphs (each micro-batch layout a CUDA "
                    "graph from its second micro-batch on: warm-up steps capture)")
+    p.add_argument("--reference-pass", action="store_true",
+                   help="each micro-batch's no-grad forward first, in ours and transformers "
+                   "(the trainer's reference pass: old logprobs); MFU still counts 6 x active "
+                   "x tokens, not the pass's forward")
     p.add_argument("--attention", default=None, help="triton | reference (default: triton on "
                    "CUDA, the torch reference on CPU)")
     p.add_argument("--checkpointing", default="none",
@@ -629,7 +645,8 @@ def main(argv=None) -> int:
     def measure(runner, label, seq, profile):
         try:
             step_s, peak_b, host_s, cpu_s = time_steps(
-                runner.stepper(seq, args.micro_batches), args, device,
+                runner.stepper(seq, args.micro_batches, reference_pass=args.reference_pass),
+                args, device,
                 f"{label} @ {seq}" if profile else None)
         except torch.OutOfMemoryError:
             if info.world_size > 1:
@@ -668,7 +685,8 @@ def main(argv=None) -> int:
                         free(device)
                     print(f"{label}: {plan}", flush=True)
                     plans.append(f"{label}: {plan}")
-                name = f"{label} ac={policies[ac]}" + (" graphs" if args.cuda_graphs else "")
+                name = (f"{label} ac={policies[ac]}" + (" graphs" if args.cuda_graphs else "")
+                        + (" +ref" if args.reference_pass else ""))
                 r = measure(runner, name, seq, profile and seq == profile_shape)
                 rows.append((name, c, seq, r))
                 print_row(rows[-1], peak, args.micro_batches, flush=True)
@@ -686,7 +704,8 @@ def main(argv=None) -> int:
     try:
         run_ours(f"ours {args.preset}", cfg, True)
         for experts in [e for e in args.transformers.split(",") if e != "none"]:
-            label = f"transformers {args.preset}-v4 experts={experts}"
+            label = (f"transformers {args.preset}-v4 experts={experts}"
+                     + (" +ref" if args.reference_pass else ""))
             try:
                 runner = Transformers(twin, device, experts)
             except torch.OutOfMemoryError:

@@ -78,6 +78,30 @@ def test_bench_train_runs_with_activation_checkpointing(policy):
     assert tokens_per_s * step_ms / 1e3 == pytest.approx(2 * 64, rel=0.02), row
 
 
+@pytest.mark.timeout(120)
+def test_bench_train_reference_pass_with_graphs():
+    """--reference-pass: each micro-batch's no-grad forward first in ours and transformers; with
+    --cuda-graphs ours runs it through the micro-batch graphs (on the CPU eagerly): a forward
+    layout and a training layout, two micro-batches a step over two steps."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    code = RUN.format(tests=os.path.join(ROOT, "tests"),
+                      bench=os.path.join(ROOT, "bench", "train.py"))
+    out = subprocess.run([sys.executable, "-c", code, "--preset", "tiny", "--seqs", "32",
+                          "--steps", "1", "--warmup", "1", "--micro-batches", "2",
+                          "--transformers", "eager", "--no-twin", "--one-rank", "copies",
+                          "--cuda-graphs", "--reference-pass"],
+                         env=env, capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert any(line.startswith("ours tiny ac=none graphs +ref ") for line in lines), lines[-8:]
+    assert any(line.startswith("transformers tiny-v4 experts=eager +ref ") for line in lines)
+    # 2 steps x 2 micro-batches x (a no-grad forward + a training run), all eager on the CPU;
+    # layouts: forward, training first of a step (fresh), training accumulating
+    summary = next(line for line in lines if "micro-batch graphs:" in line)
+    assert "eager 8, captured 0, replayed 0, capture_failed 0; layouts kept 3" in summary, summary
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("args, message", [
     (["--seqs", "64,2xk"], "--seqs item '2xk': expected LENGTH or NxLENGTH"),
