@@ -56,6 +56,12 @@ class LossTerms:
     clip_frac_sum: torch.Tensor
     tis_sum: torch.Tensor
 
+    def sums(self) -> torch.Tensor:
+        """float64 [5] on the device: the loss and the token sums of pg, kl, clipped and tis
+        (trainer.STEP_SUMS), read once a step."""
+        return torch.stack([self.loss.detach(), self.pg_sum, self.kl_sum, self.clip_frac_sum,
+                            self.tis_sum]).double()
+
 
 def loss_scale(global_tokens: float, world_size: int) -> float:
     """The factor ppo_loss multiplies a micro-batch's token sum by: world_size / global_tokens

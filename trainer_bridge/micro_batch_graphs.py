@@ -36,6 +36,7 @@ eagerly every time (what the CPU tests check).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -207,13 +208,10 @@ class MicroBatchGraphs:
         pairs = [(p, g) for p, g in zip(self.params, grads) if g is not None]
         fresh = layout.key[-1] == "fresh"
         if layout.runs == 1 or not layout.grad_params:  # eager: learn which get gradients
-            for p, g in pairs:
+            for p, _ in pairs:  # _attach_grads zeroes or fills a new buffer as it needs
                 if id(p) not in self.grad_buffers:
-                    self.grad_buffers[id(p)] = torch.zeros_like(p, memory_format=torch.
-                                                                contiguous_format)
-                    if p.grad is not None:
-                        self.grad_buffers[id(p)].copy_(p.grad)
-                    p.grad = self.grad_buffers[id(p)]
+                    self.grad_buffers[id(p)] = torch.empty_like(
+                        p, memory_format=torch.contiguous_format)
             layout.grad_params = [p for p, _ in pairs]
             self._attach_grads(layout.grad_params, zero=not fresh)
         # fp32 (+)= compute dtype: exact as the plain path's first copy and later adds
@@ -242,38 +240,38 @@ class MicroBatchGraphs:
         return (self._train_body if layout.key[-1] in ("fresh", "accumulate")
                 else self._forward_body)(layout)
 
-    def _forward_body(self, layout: Layout):
-        """A no-grad forward -> (logprobs, the routing it recorded)."""
-        x, policy = layout.inputs, self.policy
+    @contextlib.contextmanager
+    def _released(self, layout: Layout):
+        """Around a body's forward (and gradients), as ForwardOut.release after it: the shared
+        entries and the recorded routing cleared, the masters back in the modules."""
         try:
-            with torch.no_grad():
-                logp = policy.model(x["input_ids"], layout.ctx, hidden_index=x["hidden_index"],
-                                    targets=x["targets"], temperature=policy.temperature)
-            return logp, dict(layout.ctx.routed)
+            yield
         finally:
             layout.ctx.shared.clear()
             layout.ctx.routed.clear()
             if self.copies is not None:
                 self.copies.abandon()
 
+    def _logprobs(self, layout: Layout) -> torch.Tensor:
+        x, policy = layout.inputs, self.policy
+        return policy.model(x["input_ids"], layout.ctx, hidden_index=x["hidden_index"],
+                            targets=x["targets"], temperature=policy.temperature)
+
+    def _forward_body(self, layout: Layout):
+        """A no-grad forward -> (logprobs, the routing it recorded)."""
+        with self._released(layout), torch.no_grad():
+            return self._logprobs(layout), dict(layout.ctx.routed)
+
     def _train_body(self, layout: Layout) -> torch.Tensor:
         """forward, loss, gradients, their copy or add into the buffers."""
-        x, policy = layout.inputs, self.policy
-        try:
-            logp = policy.model(x["input_ids"], layout.ctx, hidden_index=x["hidden_index"],
-                                targets=x["targets"], temperature=policy.temperature)
-            terms = ppo_loss(logp, x["old_logprobs"], x["rollout_logprobs"], x["advantages"],
-                             x["loss_mask"], self.loss_cfg, scale=layout.scale,
+        x = layout.inputs
+        with self._released(layout):
+            terms = ppo_loss(self._logprobs(layout), x["old_logprobs"], x["rollout_logprobs"],
+                             x["advantages"], x["loss_mask"], self.loss_cfg, scale=layout.scale,
                              ref_logp=x.get("ref_logprobs"))
             grads = torch.autograd.grad(terms.loss, self.leaves, allow_unused=True)
-        finally:  # as ForwardOut.release: the shared entries, the masters back
-            layout.ctx.shared.clear()
-            layout.ctx.routed.clear()
-            if self.copies is not None:
-                self.copies.abandon()
         self._add_grads(layout, grads)
-        return torch.stack([terms.loss.detach(), terms.pg_sum, terms.kl_sum,
-                            terms.clip_frac_sum, terms.tis_sum]).double()
+        return terms.sums()
 
     def _run_eager(self, layout: Layout):
         if self.stream is None:

@@ -307,8 +307,7 @@ def forward_backward(policy: Policy, mb: MicroBatch, global_tokens: float, loss_
     finally:  # a failed step must not keep its graph alive (ForwardOut.release)
         out.release()
     # On the device, read once per step (train_step): no host sync per micro-batch.
-    return torch.stack([terms.loss.detach(), terms.pg_sum, terms.kl_sum,
-                        terms.clip_frac_sum, terms.tis_sum]).double()
+    return terms.sums()
 
 
 def clip_and_step(optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...attention.triton_common import interpreting, to_dtype
+from ...attention.triton_common import dot_precision, to_dtype
 
 
 @triton.jit
@@ -59,11 +59,12 @@ def _swiglu_bwd_kernel(gu_ptr, dy_ptr, dgu_ptr, inter, stride_gu, stride_dy, str
     tl.store(dgu_ptr + row * stride_dgu + inter + cols, to_dtype(du, out_ty, ROUND), mask=mask)
 
 
-def _launch(kernel, rows: int, inter: int, *args):
+def _launch(kernel, rows: int, inter: int, dtype: torch.dtype, *args):
     block = min(1024, triton.next_power_of_2(max(inter, 16)))
-    # the interpreter truncates fp32 -> bf16: to_dtype rounds on the bits there ("widen")
-    rnd = "widen" if interpreting() else "tf32"
-    kernel[(rows, triton.cdiv(inter, block))](*args, BLOCK=block, ROUND=rnd, num_warps=4)
+    # the interpreter truncates fp32 -> bf16: to_dtype rounds on the bits there (the "widen"
+    # mode dot_precision gives bf16 under TRITON_INTERPRET=1)
+    kernel[(rows, triton.cdiv(inter, block))](*args, BLOCK=block, ROUND=dot_precision(dtype),
+                                              num_warps=4)
 
 
 class _SwiGLUPacked(torch.autograd.Function):
@@ -73,8 +74,8 @@ class _SwiGLUPacked(torch.autograd.Function):
         rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
         y = gate_up.new_empty(rows, inter)
         if rows:
-            _launch(_swiglu_fwd_kernel, rows, inter, gate_up, y, inter, gate_up.stride(0),
-                    y.stride(0), float(limit))
+            _launch(_swiglu_fwd_kernel, rows, inter, y.dtype, gate_up, y, inter,
+                    gate_up.stride(0), y.stride(0), float(limit))
         ctx.save_for_backward(gate_up)
         ctx.limit = float(limit)
         return y
@@ -86,8 +87,8 @@ class _SwiGLUPacked(torch.autograd.Function):
         rows, inter = dy.shape
         dgu = torch.empty_like(gate_up)
         if rows:
-            _launch(_swiglu_bwd_kernel, rows, inter, gate_up, dy, dgu, inter, gate_up.stride(0),
-                    dy.stride(0), dgu.stride(0), ctx.limit)
+            _launch(_swiglu_bwd_kernel, rows, inter, dgu.dtype, gate_up, dy, dgu, inter,
+                    gate_up.stride(0), dy.stride(0), dgu.stride(0), ctx.limit)
         return dgu, None
 
 
