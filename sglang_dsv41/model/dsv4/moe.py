@@ -156,24 +156,52 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return torch.cat(parts) if parts else x.new_zeros(0, w.shape[-1])
 
 
-class _GatherRows(torch.autograd.Function):
-    """rows[index] for distinct indices (a permutation of the rows, or some of them under
-    expert parallelism). The backward writes each gradient row back to its one source row: one
-    index_put without accumulation, where indexing's own backward accumulates (a sort and about
-    sixteen kernels a layer on CUDA). Deterministic either way: no row is written twice."""
+class _PermuteRows(torch.autograd.Function):
+    """``src[index]`` where ``index`` is a permutation of ``src``'s rows and ``inverse`` its
+    inverse (``inverse[index] = arange``). The backward is the gather by ``inverse``: each
+    gradient row goes back to its one source row, no index_put (the one indexing's backward
+    makes: an element-wise kernel at a fraction of a gather's bandwidth, ~117 us a layer at 4k
+    tokens x 6 slots x 1024 on an H200), and no row written twice: deterministic."""
 
     @staticmethod
-    def forward(ctx, rows, index):
-        ctx.save_for_backward(index)
-        ctx.n_rows = rows.shape[0]
-        return rows.index_select(0, index)
+    def forward(ctx, src, index, inverse):
+        ctx.save_for_backward(inverse)
+        return src.index_select(0, index)
 
     @staticmethod
     def backward(ctx, grad):
-        index, = ctx.saved_tensors
-        full = index.shape[0] == ctx.n_rows  # a permutation: every row is written
-        out = grad.new_empty if full else grad.new_zeros
-        return out(ctx.n_rows, *grad.shape[1:]).index_put_((index,), grad), None
+        inverse, = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+class _TokenSlotRows(torch.autograd.Function):
+    """The rows of the first ``n`` (token, slot) pairs ``order`` lists, each its token's row of
+    ``x`` [T, H] (k slots per token, ``order`` a permutation of the T*k pairs): one gather,
+    never the [T*k, H] broadcast of ``x``. ``inverse`` is ``order``'s inverse; the backward
+    gathers the rows' gradients back into (token, slot) order (pairs past ``n``: zero) and sums
+    each token's k of them in slot order: no accumulating scatter, deterministic."""
+
+    @staticmethod
+    def forward(ctx, x, order, inverse, k, n):
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return x.index_select(0, torch.div(order[:n], k, rounding_mode="floor"))
+
+    @staticmethod
+    def backward(ctx, grad):
+        inverse, = ctx.saved_tensors
+        if grad.shape[0] < inverse.shape[0]:
+            grad = torch.cat([grad, grad.new_zeros(inverse.shape[0] - grad.shape[0],
+                                                   grad.shape[-1])])
+        by_slot = grad.index_select(0, inverse)
+        return by_slot.view(-1, ctx.k, grad.shape[-1]).sum(dim=1), None, None, None, None
+
+
+def inverse_permutation(index: torch.Tensor) -> torch.Tensor:
+    """inverse[index[j]] = j for a permutation ``index`` (one scatter, on the device)."""
+    inverse = torch.empty_like(index)
+    inverse[index] = torch.arange(index.shape[0], device=index.device, dtype=index.dtype)
+    return inverse
 
 
 class MoE(nn.Module):
@@ -217,8 +245,9 @@ class MoE(nn.Module):
                        experts: range) -> torch.Tensor:
         """The (token, slot) pairs sorted by expert (stable: then by token, slot), w1|w3 in one
         grouped GEMM, w2 in another; back in slot order by a permutation and summed over the k
-        slots in a fixed order. Every gather is a permutation or a broadcast, so the backward has
-        no atomically accumulated index_add: bit-reproducible run to run."""
+        slots in a fixed order. Every gather is a permutation or one token row per pair, whose
+        backwards are gathers and a sum over the k slots: no accumulating scatter,
+        bit-reproducible run to run."""
         n_tok, k = ids.shape
         local = ids.reshape(-1) - experts.start
         slots = None
@@ -231,18 +260,21 @@ class MoE(nn.Module):
         # back to the host (a sync per layer); this stays on the device.
         bounds = torch.arange(1, len(experts) + 1, device=local.device, dtype=torch.int16)
         offs = torch.searchsorted(sorted_ids, bounds, out_int32=True)
-        # [T*k, H] broadcast of each token to its k slots, then gathered in expert order.
-        rows = x[:, None, :].expand(n_tok, k, x.shape[-1]).reshape(n_tok * k, x.shape[-1])
-        slot_order = order if slots is None else slots[order]
-        rows = _GatherRows.apply(rows, slot_order)
+        if slots is None:
+            slot_order = order  # a permutation of the T*k (token, slot) pairs
+        else:  # other ranks' pairs last, in slot order: still a permutation
+            other = torch.ones(n_tok * k, dtype=torch.bool, device=ids.device)
+            other[slots] = False
+            slot_order = torch.cat([slots[order], torch.nonzero(other).squeeze(1)])
+        inverse = inverse_permutation(slot_order)
+        n_local = order.shape[0]  # this rank's pairs, the first in slot_order
+        rows = _TokenSlotRows.apply(x, slot_order, inverse, k, n_local)  # in expert order
         w13 = rank_part(self.experts.w13, 0, experts)  # [E, 2I, H]
         w2 = rank_part(self.experts.w2, 0, experts)    # [E, H, I]
         gate_up = grouped_mm(rows, w13.transpose(1, 2), offs)
         y = grouped_mm(swiglu_packed(gate_up, self.limit), w2.transpose(1, 2), offs)
-        if slots is None:
-            y_slot = torch.empty_like(y)
-        else:  # slots of other ranks' experts contribute zero
-            y_slot = y.new_zeros(n_tok * k, y.shape[-1])
-        y_slot = y_slot.index_put((slot_order,), y)
+        if n_local < n_tok * k:  # slots of other ranks' experts contribute zero
+            y = torch.cat([y[:n_local], y.new_zeros(n_tok * k - n_local, y.shape[-1])])
+        y_slot = _PermuteRows.apply(y, inverse, slot_order)  # back in (token, slot) order
         y_slot = y_slot.view(n_tok, k, y.shape[-1]) * weights.to(x.dtype)[..., None]
         return y_slot.sum(dim=1).to(x.dtype)
