@@ -43,55 +43,65 @@ def full(t):
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().numpy().copy()
 
 
-def worker(rank: int, port: int, checkpointing: str, queue) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(WORLD))
-    torch.set_num_threads(1)
+MODES = ("none", "selective", "none+accumulate")
+
+
+def run_mode(rank: int, mode: str, info) -> tuple:
+    """One policy of ``mode`` (activation checkpointing, "+accumulate": unsharded accumulation)
+    on this rank: its logprobs, routing check, gradients, dtypes, trainable and optimizer
+    parameters, and (rank 0) the pushed tensors' dtypes."""
     from trainer_bridge.config import ModelConfig, OptimConfig
-    from trainer_bridge.dist import close_distributed, init_distributed
     from trainer_bridge.policy import build_policy, load_policy_model
     from trainer_bridge.schedule import build_optimizer
     from trainer_bridge.weight_sync import full_state_dict, pushed_tensors, served_dtypes
 
+    checkpointing, _, accumulate = mode.partition("+")
+    policy = build_policy(ModelConfig(model_path=PRESET, activation_checkpointing=checkpointing,
+                                      accumulate_unsharded="always" if accumulate else "never"),
+                          info.mesh, torch.device("cpu"))
+    assert policy.accumulate_unsharded == bool(accumulate)
+    samples = rank_samples(load_policy_model(PRESET), rank)
+    layers, top_k = policy.routed_layers, policy.config.num_experts_per_tok
+    # Rank 0 runs both samples in one micro-batch plus a dummy; rank 1 one per micro-batch.
+    mbs = ([pack(samples, layers, True, top_k), pack([], layers, True, top_k)]
+           if rank == 0 else [pack([s], layers, True, top_k) for s in samples])
+    logps, routed_ok = [], True
+    for i, mb in enumerate(mbs):
+        policy.micro_batch(i, len(mbs))  # "+accumulate": the first adds in unsharded
+        out = policy.forward(mb, replay=True, record_routing=True)
+        # The server routed every position but each sequence's last.
+        rows = torch.ones(mb.input_ids.shape[0], dtype=torch.bool)
+        rows[torch.tensor(mb.seq_lens).cumsum(0) - 1] = False
+        for layer, (ids, w) in (mb.routing.items() if mb.num_samples else ()):
+            # replayed on top-k layers, from tid2eid on hash layers (as the server did)
+            got_ids, got_w = (t.cpu()[rows] for t in out.routed[layer])
+            routed_ok &= torch.equal(got_ids.long(), ids[rows].long())
+            if layer in policy.replayed_layers:
+                routed_ok &= torch.equal(got_w, w[rows])
+        (-(out.logprobs * mb.advantages * mb.loss_mask).sum()).backward()
+        logps.append(out.logprobs.detach().numpy())
+    grads = {n: full(p.grad) for n, p in policy.model.named_parameters() if p.grad is not None}
+    dtypes = {n: str(p.dtype) for n, p in policy.model.named_parameters()}
+    trainable = [n for n, _ in policy.trainable_parameters()]
+    opt, _ = build_optimizer(policy, OptimConfig(), 4)
+    in_opt = sum(len(g["params"]) for g in opt.param_groups)
+    state = full_state_dict(policy.model)
+    pushed = {n: (str(t.dtype), str(served_dtypes(policy.model, torch.bfloat16)[n]))
+              for n, t in pushed_tensors(state)} if rank == 0 else {}
+    return rank, logps, routed_ok, grads, dtypes, trainable, in_opt, pushed
+
+
+def worker(rank: int, port: int, queue) -> None:
+    """Every mode in one process group (one spawn for the three: the spawn and imports cost
+    more than a mode's run)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(1)
+    from trainer_bridge.dist import close_distributed, init_distributed
+
     try:
         info = init_distributed(torch.device("cpu"))
-        checkpointing, _, accumulate = checkpointing.partition("+")
-        policy = build_policy(ModelConfig(model_path=PRESET,
-                                          activation_checkpointing=checkpointing,
-                                          accumulate_unsharded="always" if accumulate
-                                          else "never"),
-                              info.mesh, torch.device("cpu"))
-        assert policy.accumulate_unsharded == bool(accumulate)
-        samples = rank_samples(load_policy_model(PRESET), rank)
-        layers, top_k = policy.routed_layers, policy.config.num_experts_per_tok
-        # Rank 0 runs both samples in one micro-batch plus a dummy; rank 1 one per micro-batch.
-        mbs = ([pack(samples, layers, True, top_k), pack([], layers, True, top_k)]
-               if rank == 0 else [pack([s], layers, True, top_k) for s in samples])
-        logps, routed_ok = [], True
-        for i, mb in enumerate(mbs):
-            policy.micro_batch(i, len(mbs))  # "+accumulate": the first adds in unsharded
-            out = policy.forward(mb, replay=True, record_routing=True)
-            # The server routed every position but each sequence's last.
-            rows = torch.ones(mb.input_ids.shape[0], dtype=torch.bool)
-            rows[torch.tensor(mb.seq_lens).cumsum(0) - 1] = False
-            for layer, (ids, w) in (mb.routing.items() if mb.num_samples else ()):
-                # replayed on top-k layers, from tid2eid on hash layers (as the server did)
-                got_ids, got_w = (t.cpu()[rows] for t in out.routed[layer])
-                routed_ok &= torch.equal(got_ids.long(), ids[rows].long())
-                if layer in policy.replayed_layers:
-                    routed_ok &= torch.equal(got_w, w[rows])
-            (-(out.logprobs * mb.advantages * mb.loss_mask).sum()).backward()
-            logps.append(out.logprobs.detach().numpy())
-        grads = {n: full(p.grad) for n, p in policy.model.named_parameters()
-                 if p.grad is not None}
-        dtypes = {n: str(p.dtype) for n, p in policy.model.named_parameters()}
-        trainable = [n for n, _ in policy.trainable_parameters()]
-        opt, _ = build_optimizer(policy, OptimConfig(), 4)
-        in_opt = sum(len(g["params"]) for g in opt.param_groups)
-        state = full_state_dict(policy.model)
-        pushed = {n: (str(t.dtype), str(served_dtypes(policy.model, torch.bfloat16)[n]))
-                  for n, t in pushed_tensors(state)} if rank == 0 else {}
-        queue.put((rank, logps, routed_ok, grads, dtypes, trainable, in_opt, pushed))
+        queue.put((rank, {mode: run_mode(rank, mode, info) for mode in MODES}))
         close_distributed()
     except Exception:  # report instead of hanging the parent
         import traceback
@@ -99,14 +109,19 @@ def worker(rank: int, port: int, checkpointing: str, queue) -> None:
         queue.put((rank, "error", traceback.format_exc()))
 
 
-@pytest.fixture(scope="module", params=["none", "selective", "none+accumulate"])
-def results(request):
+@pytest.fixture(scope="module")
+def every_mode():
     port = free_port()
-    out = sorted(run_spawned(worker, [(r, port, request.param) for r in range(WORLD)],
-                             timeout=150), key=lambda r: r[0])
+    out = sorted(run_spawned(worker, [(r, port) for r in range(WORLD)], timeout=170),
+                 key=lambda r: r[0])
     for r in out:
         assert r[1] != "error", r[2]
     return out
+
+
+@pytest.fixture(params=MODES)
+def results(every_mode, request):
+    return [modes[request.param] for _, modes in every_mode]
 
 
 def test_fsdp_policy_matches_unsharded_model(results):
