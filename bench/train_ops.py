@@ -40,6 +40,11 @@ projection fastest, and what the model's Triton kernels of its torch paths cost 
       autograd, bf16 input with an fp32 and a bf16 weight: host time per forward + backward
       (a wall time equal to it means the host, not the GPU, bounds the loop), how many outputs
       differ and the gradients' relative differences.
+  python bench/train_ops.py adamw [--preset small]
+      CUDA: one AdamW step over the preset's parameter shapes with the clipping's grad_scale and
+      the bf16 compute copies written: torch's fused AdamW + one _foreach_copy_ vs the Triton
+      kernel that writes the copies (adamw_triton.py); device time, GB/s, the parameters'
+      largest relative difference after 3 steps.
   python bench/train_ops.py parity [--preset small --seq 1024 --device cuda]
       one step's gradients: bf16 with those Triton kernels, bf16 with the torch expressions,
       fp32 (the reference); relative differences of each pair.
@@ -556,6 +561,75 @@ def swiglu_kernels(args) -> None:
               f"{errs[1]:.1e}", flush=True)
 
 
+def adamw_kernels(args) -> None:
+    """One AdamW step over the parameter shapes of a preset (the model built on the meta device,
+    its parameters made fp32 on CUDA, the clipping's grad_scale folded in) and the bf16 compute
+    copies written: torch's fused AdamW then one _foreach_copy_ (ComputeCopies.refresh) vs the
+    Triton kernel that writes the copies itself (adamw_triton.py); device time a step, the
+    bytes each moves, and the largest relative difference of the parameters after 3 steps."""
+    from torch.optim.adam import adam
+
+    from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM
+    from trainer_bridge.adamw_triton import ChunkTable, adamw_triton_
+
+    dev = torch.device("cuda")
+    with torch.device("meta"):
+        shapes = [p.shape for p in DSV4ForCausalLM(get_preset(args.preset)).parameters()]
+    numel = sum(s.numel() for s in shapes)
+    hyper = dict(lr=1e-5, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    gen = torch.Generator(dev).manual_seed(0)
+    start_params = [torch.randn(s, device=dev, generator=gen) * 0.02 for s in shapes]
+    # A grad_scale of 1 keeps the shared gradients as they are (both kernels write them back).
+    grads = [torch.randn(s, device=dev, generator=gen) * 1e-3 for s in shapes]
+    scale = torch.ones((), device=dev)
+    chunks = ChunkTable()
+
+    def state():
+        params = [p.clone() for p in start_params]
+        return (params, [torch.zeros_like(p) for p in params],
+                [torch.zeros_like(p) for p in params],
+                [torch.zeros((), device=dev) for _ in params],
+                [torch.empty_like(p, dtype=torch.bfloat16) for p in params])
+
+    sides = {"torch fused + copy": state(), "triton": state()}
+
+    def torch_step(params, m, v, steps, copies):
+        adam(params, grads, m, v, [], steps, foreach=False, capturable=False,
+             differentiable=False, fused=True, grad_scale=scale, found_inf=None,
+             has_complex=False, amsgrad=False, maximize=False, decoupled_weight_decay=True,
+             **hyper)
+        torch._foreach_copy_(copies, params)
+
+    def triton_step(params, m, v, steps, copies):
+        adamw_triton_(params, grads, m, v, steps, copies, grad_scale=scale, chunks=chunks,
+                      **hyper)
+
+    fns = {"torch fused + copy": torch_step, "triton": triton_step}
+    for name, fn in fns.items():
+        for _ in range(3):
+            fn(*sides[name])
+    diff = max(float(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)))
+               for a, b in zip(sides["triton"][0], sides["torch fused + copy"][0]))
+    bytes_per = {"torch fused + copy": 4 * 8 + 4 + 2, "triton": 4 * 8 + 2}
+    base = None
+    for name, fn in fns.items():
+        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+        times = []
+        for _ in range(args.repeats):
+            start.record()
+            fn(*sides[name])
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        ms = sorted(times)[len(times) // 2]
+        base = base or ms
+        gbs = bytes_per[name] * numel / ms / 1e6
+        print(f"adamw {name:18s} {args.preset}: {len(shapes)} tensors, {numel / 1e9:.2f}B "
+              f"parameters: {ms:7.2f} ms a step, {gbs:6.0f} GB/s of {bytes_per[name]} B a "
+              f"parameter ({base / ms:.2f}x torch's)", flush=True)
+    print(f"adamw: largest relative difference of the parameters after 3 steps: {diff:.1e}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
@@ -592,6 +666,9 @@ def main(argv=None) -> int:
     sw.add_argument("--rows", type=int, default=4096 * 6, help="expert rows (tokens x top-k)")
     sw.add_argument("--inter", type=int, default=512)
     sw.add_argument("--repeats", type=int, default=50)
+    aw = sub.add_parser("adamw")
+    aw.add_argument("--preset", default="small")
+    aw.add_argument("--repeats", type=int, default=10)
     pa = sub.add_parser("parity")
     pa.add_argument("--preset", default="small")
     pa.add_argument("--seq", type=int, default=1024)
@@ -599,7 +676,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     {"sources": sources, "grouped-proj": grouped_proj, "fused": fused_kernels,
      "hc-weights": hc_weights_kernels, "hc-mix": hc_mix_kernels, "lm-head": lm_head,
-     "norm": rms_norm, "swiglu": swiglu_kernels, "parity": parity}[args.cmd](args)
+     "norm": rms_norm, "swiglu": swiglu_kernels, "adamw": adamw_kernels,
+     "parity": parity}[args.cmd](args)
     return 0
 
 

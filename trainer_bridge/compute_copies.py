@@ -50,6 +50,7 @@ class ComputeCopies:
         self.trained = [i for i, p in enumerate(self.masters) if p.requires_grad]
         self._versions: list[int] | None = None  # the masters' when last copied
         self._stepped = False  # an optimizer stepped since
+        self._written_by_step = False  # the ending step wrote the copies itself
         self._graphs = 0  # forwards whose backward has not ended
         self._copy_of = {id(p): c for p, c in zip(self.masters, self.copies)}
         self._hooks = [model.register_forward_pre_hook(self._swap_in),
@@ -64,6 +65,15 @@ class ComputeCopies:
         """The tensor the forward computes with for the model's parameter ``p``: its compute
         copy, or ``p`` itself (a parameter kept fp32)."""
         return self._copy_of.get(id(p), p)
+
+    def copy_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The compute copy of the master ``p``, None for a parameter without one."""
+        return self._copy_of.get(id(p))
+
+    def written_by_step(self) -> None:
+        """The optimizer step that is ending wrote the copies of the masters it updated
+        (LocalShardAdamW with the Triton kernel): no refresh is due for it."""
+        self._written_by_step = True
 
     def refresh(self) -> None:
         """The masters into the copies when a master may have changed since the last copy (one
@@ -131,9 +141,12 @@ def _mark_stepped(ref: weakref.ref):
     does not keep them alive."""
     def hook(optimizer, args, kwargs) -> None:
         copies = ref()
-        if copies is not None and any(id(p) in copies._copy_of
-                                      for group in optimizer.param_groups
-                                      for p in group["params"]):
+        if copies is None:
+            return
+        if copies._written_by_step:
+            copies._written_by_step = False
+        elif any(id(p) in copies._copy_of for group in optimizer.param_groups
+                 for p in group["params"]):
             copies._stepped = True
     return hook
 

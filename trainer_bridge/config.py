@@ -15,6 +15,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from sglang_dsv41.model.dsv4.token_logprobs import FP32_GEMMS
 
+from .local_shards import ADAMW_KERNELS
 from .optimizer_offload import OFFLOAD_MODES
 from .parallelize import ACTIVATION_CHECKPOINTING, ONE_RANK_MODES
 
@@ -130,9 +131,14 @@ class OptimConfig:
     # offload_chunk_mb (trainer_bridge/optimizer_offload.py)
     optimizer_offload: str = "none"
     offload_chunk_mb: float = 64.0
+    # torch: torch's AdamW (fused on CUDA); triton: one Triton kernel per group that also writes
+    # the compute-dtype copies of one rank without FSDP (trainer_bridge/adamw_triton.py); auto:
+    # triton where there are such copies on CUDA, else torch
+    adamw_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         _choice("optim.optimizer_offload", self.optimizer_offload, OFFLOAD_MODES)
+        _choice("optim.adamw_kernel", self.adamw_kernel, ADAMW_KERNELS)
         _positive("optim", self, "offload_chunk_mb")
         if not (0 <= self.sink_frozen_frac and 0 <= self.sink_ramp_frac
                 and self.sink_frozen_frac + self.sink_ramp_frac <= 1):

@@ -23,6 +23,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.optim.adam import adam
 
+from .adamw_triton import ChunkTable, adamw_triton_
+
+ADAMW_KERNELS = ("auto", "torch", "triton")
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """The rank's shard of a DTensor (the tensor itself when plain). The attribute, not
@@ -84,11 +87,27 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Ten
 class LocalShardAdamW(torch.optim.AdamW):
     """torch's AdamW, stepped on the local shards: state made by torch for the (DTensor)
     parameters, then torch's functional ``adam`` over the shards of the parameters, gradients,
-    moments and steps (fused on CUDA, as the trainer asks)."""
+    moments and steps (fused on CUDA, as the trainer asks). ``kernel="triton"``: the same
+    arithmetic as one Triton kernel per group (adamw_triton.py) that also writes the
+    ``compute_copies`` of the parameters (ComputeCopies, one rank without FSDP), so that they
+    need no refresh pass before the next forward."""
+
+    def __init__(self, params, *args, kernel: str = "torch", compute_copies=None, **kwargs):
+        if kernel not in ("torch", "triton"):
+            raise ValueError(f"LocalShardAdamW kernel {kernel!r}: torch or triton")
+        super().__init__(params, *args, **kwargs)
+        self.kernel, self.compute_copies = kernel, compute_copies
+        if kernel == "triton":
+            bad = [k for k in ("amsgrad", "maximize", "differentiable")
+                   if any(g[k] for g in self.param_groups)]
+            if bad or not all(g["decoupled_weight_decay"] for g in self.param_groups):
+                raise ValueError(f"the Triton AdamW kernel is plain AdamW: {bad} unsupported")
+        self._chunks: dict[int, ChunkTable] = {}  # per group
 
     @property
     def fused(self) -> bool:
-        return all(g["fused"] for g in self.param_groups)
+        """The gradient clipping can ride in the step's kernel (``grad_scale``)."""
+        return self.kernel == "triton" or all(g["fused"] for g in self.param_groups)
 
     def clip_and_step(self, max_norm: float) -> torch.Tensor:
         """Clips the gradients to a global 2-norm of ``max_norm`` and steps -> the norm before
@@ -113,17 +132,28 @@ class LocalShardAdamW(torch.optim.AdamW):
         """``grad_scale`` (fused only, as torch's AMP grad scaler passes it): every gradient is
         divided by it before the update, and left so."""
         if grad_scale is not None and not self.fused:
-            raise ValueError("grad_scale needs a fused AdamW (torch applies it only there)")
+            raise ValueError("grad_scale needs a fused AdamW (torch applies it only there) or "
+                             "the Triton kernel")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             lists: tuple[list[torch.Tensor], ...] = ([], [], [], [], [], [])
             has_complex = self._init_group(group, *lists)
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = (
                 [local(t) for t in ts] for ts in lists)
             beta1, beta2 = group["betas"]
+            if self.kernel == "triton":
+                if has_complex:
+                    raise ValueError("the Triton AdamW kernel takes real parameters only")
+                copies = self.compute_copies
+                adamw_triton_(params, grads, exp_avgs, exp_avg_sqs, steps,
+                              [None if copies is None else copies.copy_of(p) for p in params],
+                              lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                              weight_decay=group["weight_decay"], grad_scale=grad_scale,
+                              chunks=self._chunks.setdefault(index, ChunkTable()))
+                continue
             adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
                  amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2,
                  lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
@@ -131,4 +161,6 @@ class LocalShardAdamW(torch.optim.AdamW):
                  capturable=group["capturable"], differentiable=group["differentiable"],
                  fused=group["fused"], grad_scale=grad_scale, found_inf=None,
                  decoupled_weight_decay=group["decoupled_weight_decay"])
+        if self.kernel == "triton" and self.compute_copies is not None:
+            self.compute_copies.written_by_step()
         return loss

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from sglang_dsv41.attention.triton_common import interpreting
+
 from .config import OptimConfig
 from .local_shards import LocalShardAdamW
 from .parallelize import is_sink_param
@@ -50,8 +52,16 @@ def build_optimizer(policy: "Policy", cfg: OptimConfig, total_steps: int
     # fused: one multi-tensor kernel per step on CUDA; stepped on the local shards
     # (local_shards.py: DTensor's per-op dispatch made the step host-bound)
     fused = all(p.is_cuda for p in main + sinks) and bool(main + sinks)
+    copies = getattr(policy.model, "compute_copies", None)
+    kernel = cfg.adamw_kernel
+    if kernel == "auto":
+        kernel = "triton" if fused and copies is not None else "torch"
+    if kernel == "triton" and not (fused or interpreting()):
+        raise ValueError("optim.adamw_kernel=triton: the parameters must be on CUDA (or Triton "
+                         "interpreted: TRITON_INTERPRET=1)")
     opt = LocalShardAdamW(groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
-                            fused=fused or None)
+                          fused=fused or None, kernel=kernel,
+                          compute_copies=copies if kernel == "triton" else None)
     sched = LambdaLR(opt, [MainLR(cfg.warmup_steps),
                            SinkWarmupLR(total_steps, cfg.sink_frozen_frac, cfg.sink_ramp_frac)])
     return opt, sched

@@ -1,0 +1,113 @@
+"""The Triton AdamW kernel (trainer_bridge/adamw_triton.py), under TRITON_INTERPRET=1 on the CPU
+(and on CUDA where there is one): torch's AdamW arithmetic over tensors of uneven sizes, the
+clipping's grad_scale, the compute copies written from the updated parameters; refusals that
+touch nothing; LocalShardAdamW with ComputeCopies: no refresh due after its step, the copies are
+the stepped masters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.optim.adam import adam
+
+from sglang_dsv41.attention.triton_common import interpreting
+from trainer_bridge.adamw_triton import BLOCK, adamw_triton_
+from trainer_bridge.compute_copies import apply_compute_copies
+from trainer_bridge.local_shards import LocalShardAdamW
+
+DEVICES = [d for d in ("cpu", "cuda") if (d == "cpu" and interpreting())
+           or (d == "cuda" and torch.cuda.is_available())]
+pytestmark = pytest.mark.skipif(not DEVICES, reason="needs TRITON_INTERPRET=1 or CUDA")
+SIZES = [(BLOCK + 3,), (7, 5), (1,), (0,), (2, BLOCK // 2 + 1)]  # a tensor past one chunk
+
+
+def tensors(device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen).to(device) for s in SIZES]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scaled", [False, True], ids=["no-scale", "grad-scale"])
+def test_equals_torch_adamw_and_writes_the_copies(device, scaled):
+    hyper = dict(lr=3e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    ours, ref = tensors(device), tensors(device)
+    m_ours, v_ours = ([torch.zeros_like(p) for p in ours] for _ in range(2))
+    m_ref, v_ref = ([torch.zeros_like(p) for p in ref] for _ in range(2))
+    s_ours, s_ref = ([torch.zeros((), device=device) for _ in ours] for _ in range(2))
+    copies = [torch.empty_like(p, dtype=torch.bfloat16) if i % 2 == 0 else None
+              for i, p in enumerate(ours)]
+    for step in range(3):
+        grads = tensors(device, seed=10 + step)
+        scale = torch.tensor(2.5 + step, device=device) if scaled else None
+        g_ours = [g.clone() for g in grads]
+        adamw_triton_(ours, g_ours, m_ours, v_ours, s_ours, copies, grad_scale=scale, **hyper)
+        g_ref = [g / scale if scaled else g.clone() for g in grads]
+        adam(ref, g_ref, m_ref, v_ref, [], s_ref, foreach=False, capturable=False,
+             differentiable=False, fused=None, grad_scale=None, found_inf=None,
+             has_complex=False, amsgrad=False, maximize=False, decoupled_weight_decay=True,
+             **hyper)
+        for a, b in zip(ours + m_ours + v_ours, ref + m_ref + v_ref):
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+        for g_o, g in zip(g_ours, grads):  # divided by the scale and left so, as torch's fused
+            torch.testing.assert_close(g_o, g / scale if scaled else g, rtol=1e-6, atol=0)
+        assert all(float(s) == step + 1 for s in s_ours)
+        for c, p in zip(copies, ours):
+            if c is not None:
+                assert torch.equal(c, p.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_refusals_touch_nothing(device):
+    p = tensors(device)
+    before = [t.clone() for t in p]
+    state = [[torch.zeros_like(t) for t in p] for _ in range(3)]
+    steps = [torch.zeros((), device=device) for _ in p]
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0)
+    bad = {
+        "lengths": (p, *state[:2], state[2][:-1], steps, [None] * len(p)),
+        "dtype": ([t.double() for t in p], *state, steps, [None] * len(p)),
+        "layout": ([t.t() if t.dim() == 2 else t for t in p], *state, steps, [None] * len(p)),
+        "copy dtypes": (p, *state, steps,
+                        [torch.empty_like(p[0], dtype=torch.bfloat16),
+                         torch.empty_like(p[1], dtype=torch.float16)] + [None] * (len(p) - 2)),
+        "copy shape": (p, *state, steps, [torch.empty(3, dtype=torch.bfloat16, device=device)]
+                       + [None] * (len(p) - 1)),
+    }
+    for name, args in bad.items():
+        with pytest.raises(ValueError, match="adamw_triton_"):
+            adamw_triton_(*args, **hyper)
+        assert all(torch.equal(a, b) for a, b in zip(p, before)), name
+        assert all(float(s) == 0 for s in steps), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_local_shard_adamw_writes_the_compute_copies(device):
+    """Two models, one stepped by torch's AdamW then refreshed as before, one by the Triton
+    kernel: the same masters, and the kernel's copies already the masters' (no refresh due),
+    over steps with the clipping folded in."""
+    results = []
+    for kernel in ("torch", "triton"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(40, 30), nn.LayerNorm(30), nn.Linear(30, 7)).to(device)
+        copies = apply_compute_copies(model, torch.bfloat16, lambda n: n.startswith("1."))
+        opt = LocalShardAdamW(model.parameters(), lr=1e-2, weight_decay=0.05,
+                              fused=True if device == "cuda" else None, kernel=kernel,
+                              compute_copies=copies if kernel == "triton" else None)
+        x = torch.randn(16, 40, generator=torch.Generator().manual_seed(1)).to(device)
+        for _ in range(3):
+            model(x.bfloat16()).float().square().sum().backward()
+            opt.clip_and_step(0.5)  # torch on the CPU: clips, then steps (not fused)
+            opt.zero_grad(set_to_none=True)
+            if kernel == "triton":
+                assert not copies._stepped  # the step wrote them: no refresh due
+                assert all(torch.equal(c, m.to(c.dtype))
+                           for c, m in zip(copies.copies, copies.masters))
+        results.append([p.detach().clone() for p in copies.masters])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_triton_kernel_refuses_amsgrad():
+    with pytest.raises(ValueError, match="amsgrad"):
+        LocalShardAdamW([nn.Parameter(torch.zeros(3))], amsgrad=True, kernel="triton")
