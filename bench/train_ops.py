@@ -570,7 +570,7 @@ def adamw_kernels(args) -> None:
     from torch.optim.adam import adam
 
     from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM
-    from trainer_bridge.adamw_triton import ChunkTable, adamw_triton_
+    from trainer_bridge.adamw_triton import AdamWTables, adamw_triton_
 
     dev = torch.device("cuda")
     with torch.device("meta"):
@@ -582,7 +582,7 @@ def adamw_kernels(args) -> None:
     # A grad_scale of 1 keeps the shared gradients as they are (both kernels write them back).
     grads = [torch.randn(s, device=dev, generator=gen) * 1e-3 for s in shapes]
     scale = torch.ones((), device=dev)
-    chunks = ChunkTable()
+    tables = AdamWTables()
 
     def state():
         params = [p.clone() for p in start_params]
@@ -601,7 +601,7 @@ def adamw_kernels(args) -> None:
         torch._foreach_copy_(copies, params)
 
     def triton_step(params, m, v, steps, copies):
-        adamw_triton_(params, grads, m, v, steps, copies, grad_scale=scale, chunks=chunks,
+        adamw_triton_(params, grads, m, v, steps, copies, grad_scale=scale, tables=tables,
                       **hyper)
 
     fns = {"torch fused + copy": torch_step, "triton": triton_step}

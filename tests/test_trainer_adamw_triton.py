@@ -81,6 +81,17 @@ def test_refusals_touch_nothing(device):
         assert all(float(s) == 0 for s in steps), name
 
 
+class Gain(nn.Module):
+    """A parameter kept fp32 (no compute copy), applied in fp32 as the model's mHC ones are."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        return (x.float() * self.weight).to(x.dtype)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_local_shard_adamw_writes_the_compute_copies(device):
     """Two models, one stepped by torch's AdamW then refreshed as before, one by the Triton
@@ -89,8 +100,10 @@ def test_local_shard_adamw_writes_the_compute_copies(device):
     results = []
     for kernel in ("torch", "triton"):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(40, 30), nn.LayerNorm(30), nn.Linear(30, 7)).to(device)
+        model = nn.Sequential(nn.Linear(40, 30), Gain(30), nn.Linear(30, 7)).to(device)
         copies = apply_compute_copies(model, torch.bfloat16, lambda n: n.startswith("1."))
+        # each copy on a 16-byte boundary (30 bf16 biases would put the next one off it)
+        assert all(c.data_ptr() % 16 == 0 for c in copies.copies)
         opt = LocalShardAdamW(model.parameters(), lr=1e-2, weight_decay=0.05,
                               fused=True if device == "cuda" else None, kernel=kernel,
                               compute_copies=copies if kernel == "triton" else None)

@@ -42,11 +42,10 @@ class ComputeCopies:
                 if p is not None and p.dtype != compute_dtype and not keeps_fp32(full):
                     self.slots.append((module, name))
                     self.masters.append(p)
-        numels = [p.numel() for p in self.masters]
-        flat = torch.empty(sum(numels), dtype=compute_dtype,
-                           device=self.masters[0].device if self.masters else "cpu")
+        views = aligned_views([p.numel() for p in self.masters], compute_dtype,
+                              self.masters[0].device if self.masters else torch.device("cpu"))
         self.copies = [nn.Parameter(view.view_as(p), requires_grad=p.requires_grad)
-                       for view, p in zip(flat.split(numels), self.masters)]
+                       for view, p in zip(views, self.masters)]
         self.trained = [i for i, p in enumerate(self.masters) if p.requires_grad]
         self._versions: list[int] | None = None  # the masters' when last copied
         self._stepped = False  # an optimizer stepped since
@@ -115,9 +114,9 @@ class ComputeCopies:
         if added:  # fp32 += compute dtype: the add promotes, as FSDP's reduce output does
             torch._foreach_add_([m.grad for m, _ in added], [c.grad for _, c in added])
         if fresh:
-            flat = torch.empty(sum(m.numel() for m, _ in fresh), dtype=fresh[0][0].dtype,
-                               device=fresh[0][0].device)
-            for (m, _), view in zip(fresh, flat.split([m.numel() for m, _ in fresh])):
+            views = aligned_views([m.numel() for m, _ in fresh], fresh[0][0].dtype,
+                                  fresh[0][0].device)
+            for (m, _), view in zip(fresh, views):
                 m.grad = view.view_as(m)
             torch._foreach_copy_([m.grad for m, _ in fresh], [c.grad for _, c in fresh])
         for _, c in pairs:
@@ -133,6 +132,23 @@ class ComputeCopies:
         for c in self.copies:
             c.grad = None
         self.restore()
+
+
+ALIGN_BYTES = 16
+
+
+def aligned_views(numels: list[int], dtype: torch.dtype, device: torch.device
+                  ) -> list[torch.Tensor]:
+    """1-D views of one new buffer, of these lengths, each starting on a 16-byte boundary (a
+    kernel moves 16-byte vectors only where a tensor starts on one: the Triton AdamW among
+    them, adamw_triton.py)."""
+    per = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+    starts, end = [], 0
+    for n in numels:
+        starts.append(end)
+        end += -(-n // per) * per
+    flat = torch.empty(end, dtype=dtype, device=device)
+    return [flat[s:s + n] for s, n in zip(starts, numels)]
 
 
 def _mark_stepped(ref: weakref.ref):

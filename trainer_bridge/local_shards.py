@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.optim.adam import adam
 
-from .adamw_triton import ChunkTable, adamw_triton_
+from .adamw_triton import AdamWTables, adamw_triton_
 
 ADAMW_KERNELS = ("auto", "torch", "triton")
 
@@ -102,7 +102,7 @@ class LocalShardAdamW(torch.optim.AdamW):
                    if any(g[k] for g in self.param_groups)]
             if bad or not all(g["decoupled_weight_decay"] for g in self.param_groups):
                 raise ValueError(f"the Triton AdamW kernel is plain AdamW: {bad} unsupported")
-        self._chunks: dict[int, ChunkTable] = {}  # per group
+        self._tables: dict[int, AdamWTables] = {}  # per group
 
     @property
     def fused(self) -> bool:
@@ -152,7 +152,7 @@ class LocalShardAdamW(torch.optim.AdamW):
                               [None if copies is None else copies.copy_of(p) for p in params],
                               lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                               weight_decay=group["weight_decay"], grad_scale=grad_scale,
-                              chunks=self._chunks.setdefault(index, ChunkTable()))
+                              tables=self._tables.setdefault(index, AdamWTables()))
                 continue
             adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
                  amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2,
