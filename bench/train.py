@@ -57,6 +57,7 @@ from trainer_bridge.dist import close_distributed, init_distributed  # noqa: E40
 from trainer_bridge.micro_batch_graphs import MicroBatchGraphs  # noqa: E402
 from trainer_bridge.parallelize import ONE_RANK_MODES  # noqa: E402
 from trainer_bridge.policy import ForwardState, policy_from_model, resolve_device  # noqa: E402
+from trainer_bridge import adamw_triton  # noqa: E402
 from trainer_bridge.schedule import build_optimizer  # noqa: E402
 from trainer_bridge.trainer import clip_and_step, forward_backward  # noqa: E402
 
@@ -595,6 +596,9 @@ def main(argv=None) -> int:
                         "compute-dtype copies of the weights; auto: copies when they fit)")
     p.add_argument("--lm-head-gemm", default="auto", choices=("auto", *token_logprobs.FP32_GEMMS),
                    help="ours: the trainer's model.lm_head_gemm (the fp32 head's GEMMs)")
+    p.add_argument("--adamw-tiles", default=None, metavar="ELEMENTSxWARPS",
+                   help="ours: the Triton AdamW kernel's tiles for this run (adamw_triton."
+                   "DEFAULT_TILES; bench/train_ops.py adamw --tiles times candidates)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="ours: the trainer's model.cuda_graphs (each micro-batch layout a CUDA "
                    "graph from its second micro-batch on: warm-up steps capture)")
@@ -625,6 +629,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.micro_batches < 1:
         raise SystemExit(f"--micro-batches {args.micro_batches}: at least 1")
+    if args.adamw_tiles:
+        adamw_triton.DEFAULT_TILES = tuple(int(x) for x in args.adamw_tiles.split("x"))
     cfg = get_preset(args.preset)
     seqs = [Shape.parse(s) for s in args.seqs.split(",")]
     longest = max(s.length for s in seqs)

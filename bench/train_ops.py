@@ -40,11 +40,12 @@ projection fastest, and what the model's Triton kernels of its torch paths cost 
       autograd, bf16 input with an fp32 and a bf16 weight: host time per forward + backward
       (a wall time equal to it means the host, not the GPU, bounds the loop), how many outputs
       differ and the gradients' relative differences.
-  python bench/train_ops.py adamw [--preset small]
+  python bench/train_ops.py adamw [--preset small --tiles 4096x8,1024x4]
       CUDA: one AdamW step over the preset's parameter shapes with the clipping's grad_scale and
       the bf16 compute copies written: torch's fused AdamW + one _foreach_copy_ vs the Triton
       kernel that writes the copies (adamw_triton.py); device time, GB/s, the parameters'
-      largest relative difference after 3 steps.
+      largest relative difference after 3 steps; each --tiles entry of the kernel timed, the
+      best named last.
   python bench/train_ops.py parity [--preset small --seq 1024 --device cuda]
       one step's gradients: bf16 with those Triton kernels, bf16 with the torch expressions,
       fp32 (the reference); relative differences of each pair.
@@ -600,9 +601,11 @@ def adamw_kernels(args) -> None:
              **hyper)
         torch._foreach_copy_(copies, params)
 
-    def triton_step(params, m, v, steps, copies):
+    tiles = [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",")]
+
+    def triton_step(params, m, v, steps, copies, tile=tiles[0]):
         adamw_triton_(params, grads, m, v, steps, copies, grad_scale=scale, tables=tables,
-                      **hyper)
+                      tiles=tile, **hyper)
 
     fns = {"torch fused + copy": torch_step, "triton": triton_step}
     for name, fn in fns.items():
@@ -611,22 +614,28 @@ def adamw_kernels(args) -> None:
     diff = max(float(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)))
                for a, b in zip(sides["triton"][0], sides["torch fused + copy"][0]))
     bytes_per = {"torch fused + copy": 4 * 8 + 4 + 2, "triton": 4 * 8 + 2}
-    base = None
-    for name, fn in fns.items():
+    base, best = None, None
+    for name, tile in [("torch fused + copy", None)] + [("triton", t) for t in tiles]:
         start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+        kwargs = {} if tile is None else {"tile": tile}
+        fns[name](*sides[name], **kwargs)  # compiles a new tile
         times = []
         for _ in range(args.repeats):
             start.record()
-            fn(*sides[name])
+            fns[name](*sides[name], **kwargs)
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
         ms = sorted(times)[len(times) // 2]
         base = base or ms
+        if tile is not None and (best is None or ms < best[0]):
+            best = (ms, tile)
         gbs = bytes_per[name] * numel / ms / 1e6
-        print(f"adamw {name:18s} {args.preset}: {len(shapes)} tensors, {numel / 1e9:.2f}B "
+        label = name if tile is None else f"{name} {tile[0]}x{tile[1]}"
+        print(f"adamw {label:18s} {args.preset}: {len(shapes)} tensors, {numel / 1e9:.2f}B "
               f"parameters: {ms:7.2f} ms a step, {gbs:6.0f} GB/s of {bytes_per[name]} B a "
               f"parameter ({base / ms:.2f}x torch's)", flush=True)
+    print(f"adamw best tiles: {best[1][0]}x{best[1][1]}", flush=True)
     print(f"adamw: largest relative difference of the parameters after 3 steps: {diff:.1e}; "
           f"the kernel's offset multiples (fp32, copies; 1: unaligned, scalar accesses) "
           f"{tables.multiples}")
@@ -671,6 +680,8 @@ def main(argv=None) -> int:
     aw = sub.add_parser("adamw")
     aw.add_argument("--preset", default="small")
     aw.add_argument("--repeats", type=int, default=10)
+    aw.add_argument("--tiles", default="4096x8",
+                    help="comma list of ELEMENTSxWARPS of the Triton kernel to time")
     pa = sub.add_parser("parity")
     pa.add_argument("--preset", default="small")
     pa.add_argument("--seq", type=int, default=1024)

@@ -12,13 +12,14 @@ from torch import nn
 from torch.optim.adam import adam
 
 from sglang_dsv41.attention.triton_common import interpreting
-from trainer_bridge.adamw_triton import BLOCK, adamw_triton_
+from trainer_bridge.adamw_triton import DEFAULT_TILES, adamw_triton_
 from trainer_bridge.compute_copies import apply_compute_copies
 from trainer_bridge.local_shards import LocalShardAdamW
 
 DEVICES = [d for d in ("cpu", "cuda") if (d == "cpu" and interpreting())
            or (d == "cuda" and torch.cuda.is_available())]
 pytestmark = pytest.mark.skipif(not DEVICES, reason="needs TRITON_INTERPRET=1 or CUDA")
+BLOCK = DEFAULT_TILES[0]
 SIZES = [(BLOCK + 3,), (7, 5), (1,), (0,), (2, BLOCK // 2 + 1)]  # a tensor past one chunk
 
 
@@ -28,8 +29,9 @@ def tensors(device, seed=0):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("scaled", [False, True], ids=["no-scale", "grad-scale"])
-def test_equals_torch_adamw_and_writes_the_copies(device, scaled):
+@pytest.mark.parametrize("scaled,tiles", [(False, None), (True, None), (True, (64, 2))],
+                         ids=["no-scale", "grad-scale", "grad-scale-64x2"])
+def test_equals_torch_adamw_and_writes_the_copies(device, scaled, tiles):
     hyper = dict(lr=3e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
     ours, ref = tensors(device), tensors(device)
     m_ours, v_ours = ([torch.zeros_like(p) for p in ours] for _ in range(2))
@@ -41,7 +43,8 @@ def test_equals_torch_adamw_and_writes_the_copies(device, scaled):
         grads = tensors(device, seed=10 + step)
         scale = torch.tensor(2.5 + step, device=device) if scaled else None
         g_ours = [g.clone() for g in grads]
-        adamw_triton_(ours, g_ours, m_ours, v_ours, s_ours, copies, grad_scale=scale, **hyper)
+        adamw_triton_(ours, g_ours, m_ours, v_ours, s_ours, copies, grad_scale=scale,
+                      tiles=tiles, **hyper)
         g_ref = [g / scale if scaled else g.clone() for g in grads]
         adam(ref, g_ref, m_ref, v_ref, [], s_ref, foreach=False, capturable=False,
              differentiable=False, fused=None, grad_scale=None, found_inf=None,
@@ -77,6 +80,10 @@ def test_refusals_touch_nothing(device):
     for name, args in bad.items():
         with pytest.raises(ValueError, match="adamw_triton_"):
             adamw_triton_(*args, **hyper)
+        assert all(torch.equal(a, b) for a, b in zip(p, before)), name
+        assert all(float(s) == 0 for s in steps), name
+    with pytest.raises(ValueError, match="power of two"):
+        adamw_triton_(p, *state, steps, [None] * len(p), tiles=(100, 4), **hyper)
         assert all(torch.equal(a, b) for a, b in zip(p, before)), name
         assert all(float(s) == 0 for s in steps), name
 

@@ -29,7 +29,9 @@ import triton.language as tl
 
 from sglang_dsv41.attention.triton_common import dot_precision, to_dtype
 
-BLOCK = 4096  # elements a program updates
+# (elements a program updates, warps): bench/train_ops.py adamw --tiles measures others;
+# bench/train.py --adamw-tiles sets this for its run.
+DEFAULT_TILES = (4096, 8)
 _FIELDS = 7  # param, grad, exp_avg, exp_avg_sq, copy offsets; has copy; numel
 _ALIGN_BYTES = 16
 
@@ -103,17 +105,19 @@ class AdamWTables:
     (gradients set to None and made anew each step move; a graph's persistent ones do not)."""
 
     def __init__(self):
-        self._numels: tuple[int, ...] | None = None
+        self._numels: tuple | None = None
         self.chunks: torch.Tensor | None = None
         self._addresses: tuple[int, ...] | None = None
         self.offsets: torch.Tensor | None = None
         self.multiples = (1, 1)
 
-    def chunks_for(self, numels: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        if numels != self._numels or self.chunks is None or self.chunks.device != device:
-            pairs = [(i, c) for i, n in enumerate(numels) for c in range(triton.cdiv(n, BLOCK))]
+    def chunks_for(self, numels: tuple[int, ...], block: int, device: torch.device
+                   ) -> torch.Tensor:
+        key = (numels, block)
+        if key != self._numels or self.chunks is None or self.chunks.device != device:
+            pairs = [(i, c) for i, n in enumerate(numels) for c in range(triton.cdiv(n, block))]
             self.chunks = torch.tensor(pairs, dtype=torch.int32).reshape(-1, 2).to(device)
-            self._numels = numels
+            self._numels = key
         return self.chunks
 
     def offsets_for(self, lists, copies, anchors) -> torch.Tensor:
@@ -168,12 +172,14 @@ def adamw_triton_(params: list[torch.Tensor], grads: list[torch.Tensor],
                   steps: list[torch.Tensor], copies: list[torch.Tensor | None], *, lr: float,
                   beta1: float, beta2: float, eps: float, weight_decay: float,
                   grad_scale: torch.Tensor | None = None,
-                  tables: AdamWTables | None = None) -> None:
+                  tables: AdamWTables | None = None,
+                  tiles: tuple[int, int] | None = None) -> None:
     """One AdamW step in place over fp32 contiguous tensors of one device (torch's
     ``adam(..., fused=True, decoupled_weight_decay=True)`` arithmetic): each step count
     incremented, each parameter, moment and (with ``grad_scale``: divided by it) gradient
     updated, and each parameter's ``copies`` entry (a tensor of its shape in one compute dtype,
-    or None) set to the new value in its dtype. ``tables``: the group's, kept between steps."""
+    or None) set to the new value in its dtype. ``tables``: the group's, kept between steps;
+    ``tiles``: (elements a program, warps), DEFAULT_TILES when None."""
     if not params:
         return
     lists = (params, grads, exp_avgs, exp_avg_sqs)
@@ -183,7 +189,10 @@ def adamw_triton_(params: list[torch.Tensor], grads: list[torch.Tensor],
     copy_anchor = next((c for c in copies if c is not None), params[0])
     offsets = tables.offsets_for(lists, copies, (params[0], copy_anchor))
     device = params[0].device
-    chunks = tables.chunks_for(tuple(p.numel() for p in params), device)
+    block, warps = tiles or DEFAULT_TILES
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"adamw_triton_: a block of {block} elements: a power of two >= 16")
+    chunks = tables.chunks_for(tuple(p.numel() for p in params), block, device)
     torch._foreach_add_(steps, 1)
     if chunks.shape[0] == 0:
         return
@@ -195,4 +204,4 @@ def adamw_triton_(params: list[torch.Tensor], grads: list[torch.Tensor],
         params[0], copy_anchor, offsets, chunks, coef, scale, float(lr), float(beta1),
         float(beta2), float(eps), float(weight_decay), HAS_SCALE=grad_scale is not None,
         ROUNDING=dot_precision(torch.bfloat16), F32_MULTIPLE=f32_multiple,
-        COPY_MULTIPLE=copy_multiple, BLOCK=BLOCK, num_warps=8)
+        COPY_MULTIPLE=copy_multiple, BLOCK=block, num_warps=warps)
