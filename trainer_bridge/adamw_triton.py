@@ -18,7 +18,8 @@ moments, the copy, whether there is a copy, the element count) and programs thro
 tensor starts on a 16-byte boundary (ComputeCopies aligns its views) the offsets are declared
 multiples of 16 bytes, which lets the loads and stores be 16-byte vectors: with raw addresses
 read from a table the compiler knows no alignment and moves 4 bytes at a time (23.2 vs 17.1 ms
-for torch's kernel over the ``small`` preset on an H200, bench/results/train_h200.txt).
+for torch's kernel over the ``small`` preset on an H200; 13.9 ms with vectors and the tiles
+below, bench/results/train_h200.txt run Y).
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ import triton.language as tl
 
 from sglang_dsv41.attention.triton_common import dot_precision, to_dtype
 
-# (elements a program updates, warps): bench/train_ops.py adamw --tiles measures others;
-# bench/train.py --adamw-tiles sets this for its run.
-DEFAULT_TILES = (4096, 8)
+# (elements a program updates, warps). On an H200 over the small preset's 1.46B parameters
+# (bench/train_ops.py adamw --tiles, bench/results/train_h200.txt run Y): 2048x8 13.86 ms,
+# 1024x4 13.98, 8192x16 14.65, 2048x4 15.05, 4096x8 16.84; torch's fused kernel and the
+# copies' refresh 17.11. bench/train.py --adamw-tiles sets this for its run.
+DEFAULT_TILES = (2048, 8)
 _FIELDS = 7  # param, grad, exp_avg, exp_avg_sq, copy offsets; has copy; numel
 _ALIGN_BYTES = 16
 
