@@ -12,7 +12,7 @@ from torch import nn
 from torch.optim.adam import adam
 
 from sglang_dsv41.attention.triton_common import interpreting
-from trainer_bridge.adamw_triton import DEFAULT_TILES, adamw_triton_
+from trainer_bridge.adamw_triton import DEFAULT_TILES, AdamWTables, adamw_triton_
 from trainer_bridge.compute_copies import apply_compute_copies
 from trainer_bridge.local_shards import LocalShardAdamW
 
@@ -82,6 +82,16 @@ def test_refusals_touch_nothing(device):
             adamw_triton_(*args, **hyper)
         assert all(torch.equal(a, b) for a, b in zip(p, before)), name
         assert all(float(s) == 0 for s in steps), name
+    # Kept tables: a step, then a gradient of another dtype is still refused (and moves nothing
+    # further: the step counts stay at the first step's 1).
+    tables = AdamWTables()
+    grads = [torch.zeros_like(t) for t in p]
+    adamw_triton_(p, grads, *state[1:], steps, [None] * len(p), tables=tables, **hyper)
+    kept = [t.clone() for t in p]
+    grads[1] = grads[1].double()
+    with pytest.raises(ValueError, match="adamw_triton_"):
+        adamw_triton_(p, grads, *state[1:], steps, [None] * len(p), tables=tables, **hyper)
+    assert all(torch.equal(a, b) for a, b in zip(p, kept)) and all(float(s) == 1 for s in steps)
     with pytest.raises(ValueError, match="power of two"):
         adamw_triton_(p, *state, steps, [None] * len(p), tiles=(100, 4), **hyper)
         assert all(torch.equal(a, b) for a, b in zip(p, before)), name

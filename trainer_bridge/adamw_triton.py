@@ -104,8 +104,9 @@ _COPY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 class AdamWTables:
     """A group's device tables, kept between steps: the (tensor, chunk) pairs, rebuilt when the
-    element counts change; the offsets, rebuilt (and the tensors checked) when an address does
-    (gradients set to None and made anew each step move; a graph's persistent ones do not)."""
+    element counts change; the offsets, rebuilt (and the tensors checked) when an address, a
+    gradient's dtype or an element count does (gradients set to None and made anew each step
+    may move; a graph's persistent ones do not)."""
 
     def __init__(self):
         self._numels: tuple | None = None
@@ -127,8 +128,11 @@ class AdamWTables:
         """lists: (params, grads, exp_avgs, exp_avg_sqs); anchors: (fp32 tensor, copy-dtype
         tensor). Checks the tensors when their addresses are new."""
         f32, cp = anchors
+        # The gradients are the tensors made anew (a new one may reuse a freed one's address):
+        # their dtypes are in the key too, the element counts for the table's last column.
         addresses = tuple(t.data_ptr() for group in lists for t in group) + tuple(
             0 if c is None else c.data_ptr() for c in copies) + (f32.data_ptr(), cp.data_ptr())
+        addresses += tuple(g.dtype for g in lists[1]) + tuple(p.numel() for p in lists[0])
         if addresses == self._addresses and self.offsets is not None:
             return self.offsets
         _check(lists, copies)

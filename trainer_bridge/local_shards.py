@@ -27,6 +27,7 @@ from .adamw_triton import AdamWTables, adamw_triton_
 
 ADAMW_KERNELS = ("auto", "torch", "triton")
 
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """The rank's shard of a DTensor (the tensor itself when plain). The attribute, not
     ``to_local()``: that is an autograd Function, host time per call that adds up here."""
