@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from refusals import outcome
 
 from trainer_bridge.batch import Sample, pack
 from trainer_bridge.dist import run_spawned
@@ -152,11 +153,7 @@ def refusals(mesh, sample):
     out = {}
     fsdp = build_policy(ModelConfig(model_path=PRESET, one_rank="fsdp"), mesh,
                         torch.device("cpu"))
-    try:
-        MicroBatchGraphs(fsdp, LossConfig(), 1)
-        out["fsdp"] = "accepted"
-    except ValueError as e:
-        out["fsdp"] = str(e)
+    out["fsdp"] = outcome(lambda: MicroBatchGraphs(fsdp, LossConfig(), 1))
     policy = build_policy(ModelConfig(model_path=PRESET, compute_dtype="bfloat16",
                                       one_rank="copies"), mesh, torch.device("cpu"))
     policy.graphs = MicroBatchGraphs(policy, LossConfig(), 1)
@@ -174,11 +171,7 @@ def refusals(mesh, sample):
             bad = pack([sample], policy.routed_layers, use_routing=False)
             bad.old_logprobs = mb.old_logprobs
             bad.targets[3] = policy.config.vocab_size
-        try:
-            call()
-            out[name] = "accepted"
-        except ValueError as e:
-            out[name] = str(e)
+        out[name] = outcome(call)
     # nothing was added by the refused calls; a good one still runs
     out["grads after refusals"] = sum(p.grad is not None for p in policy.model.parameters())
     forward_backward(policy, mb, 36.0, LossConfig(), 1, False)
@@ -264,11 +257,8 @@ def outputs_are_owned(mesh, sample):
         policy.forward(second, replay=True, record_routing=True)
     out = {"kept": torch.equal(kept.routed[layer][1], before),
            "replayed": torch.equal(before, first.routing[layer][1])}
-    try:
-        forward_backward(policy, first, 10.0, LossConfig(), 1, replay=True)
-        out["train"] = "accepted"
-    except ValueError as e:
-        out["train"] = str(e)
+    out["train"] = outcome(lambda: forward_backward(policy, first, 10.0, LossConfig(), 1,
+                                                    replay=True))
     return out
 
 
