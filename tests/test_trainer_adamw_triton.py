@@ -141,3 +141,21 @@ def test_local_shard_adamw_writes_the_compute_copies(device):
 def test_triton_kernel_refuses_amsgrad():
     with pytest.raises(ValueError, match="amsgrad"):
         LocalShardAdamW([nn.Parameter(torch.zeros(3))], amsgrad=True, kernel="triton")
+
+
+def test_kernel_compiles_for_the_h200_with_16_byte_accesses():
+    """Compiled for sm_90 here: with the alignment multiples the whole blocks move 16-byte
+    vectors (v4); without them (a tensor off a 16-byte boundary) every access is scalar."""
+    import re
+
+    from triton_compile import compile_many_sm90
+
+    types = {"f32_ptr": "*fp32", "copy_ptr": "*bf16", "table_ptr": "*i64", "chunk_ptr": "*i32",
+             "coef_ptr": "*fp32", "scale_ptr": "*fp32", "lr": "fp32", "beta1": "fp32",
+             "beta2": "fp32", "eps": "fp32", "weight_decay": "fp32"}
+    specs = [("trainer_bridge.adamw_triton", "_adamw_kernel", types,
+              dict(HAS_SCALE=True, ROUNDING="tf32", F32_MULTIPLE=f32, COPY_MULTIPLE=cp,
+                   BLOCK=DEFAULT_TILES[0]), DEFAULT_TILES[1]) for f32, cp in ((1, 1), (4, 8))]
+    scalar, aligned = (len(re.findall(r"ld\.global[^\n]*\.v4", ptx))
+                       for ptx in compile_many_sm90(specs))
+    assert scalar == 0 and aligned > 0, (scalar, aligned)

@@ -204,6 +204,24 @@ def inverse_permutation(index: torch.Tensor) -> torch.Tensor:
     return inverse
 
 
+def combine_slots(y: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor,
+                  order: torch.Tensor) -> torch.Tensor:
+    """The expert rows y [rows, H] (in the pairs' ``order``; rows past y's: other ranks'
+    experts) back on their tokens, weighted and summed over the k slots -> [T, H]: on CUDA one
+    Triton kernel each way (moe_combine_triton.py), elsewhere gathers and torch's product and
+    sum (the weights and products rounded to y's dtype)."""
+    if y.is_cuda:
+        from .moe_combine_triton import combine_slots_triton
+
+        return combine_slots_triton(y, weights, inverse)
+    n_tok, k = weights.shape
+    if y.shape[0] < n_tok * k:  # slots of other ranks' experts contribute zero
+        y = torch.cat([y, y.new_zeros(n_tok * k - y.shape[0], y.shape[-1])])
+    y_slot = _PermuteRows.apply(y, inverse, order)  # back in (token, slot) order
+    y_slot = y_slot.view(n_tok, k, y.shape[-1]) * weights.to(y.dtype)[..., None]
+    return y_slot.sum(dim=1)
+
+
 class MoE(nn.Module):
     """``grouped``: every expert in two grouped GEMMs (tokens sorted by expert); off, the plain
     per-expert loop (the reference the grouped path is tested against)."""
@@ -273,8 +291,4 @@ class MoE(nn.Module):
         w2 = rank_part(self.experts.w2, 0, experts)    # [E, H, I]
         gate_up = grouped_mm(rows, w13.transpose(1, 2), offs)
         y = grouped_mm(swiglu_packed(gate_up, self.limit), w2.transpose(1, 2), offs)
-        if n_local < n_tok * k:  # slots of other ranks' experts contribute zero
-            y = torch.cat([y[:n_local], y.new_zeros(n_tok * k - n_local, y.shape[-1])])
-        y_slot = _PermuteRows.apply(y, inverse, slot_order)  # back in (token, slot) order
-        y_slot = y_slot.view(n_tok, k, y.shape[-1]) * weights.to(x.dtype)[..., None]
-        return y_slot.sum(dim=1).to(x.dtype)
+        return combine_slots(y[:n_local], weights, inverse, slot_order).to(x.dtype)
