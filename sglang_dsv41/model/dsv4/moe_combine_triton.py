@@ -37,7 +37,10 @@ def _combine_fwd_kernel(y_ptr, w_ptr, inv_ptr, out_ptr, n_rows, hidden, stride_y
     for j in tl.static_range(K):
         row = tl.load(inv_ptr + t * K + j)
         w = tl.load(w_ptr + t * K + j).to(tl.float32)
-        y = tl.load(y_ptr + row * stride_y + cols, mask=mask & (row < n_rows), other=0.0)
+        # no columns of a row past y's (another rank's expert); a comparison, not a scalar
+        # and-ed into the mask (Triton 3.9's interpreter makes that int32, which load refuses)
+        here = cols < tl.where(row < n_rows, hidden, 0)
+        y = tl.load(y_ptr + row * stride_y + cols, mask=here, other=0.0)
         acc += w * y.to(tl.float32)
     tl.store(out_ptr + t * stride_out + cols, to_dtype(acc, out_ptr.dtype.element_ty, ROUND),
              mask=mask)
@@ -55,7 +58,7 @@ def _combine_bwd_kernel(dout_ptr, y_ptr, w_ptr, inv_ptr, dy_ptr, dw_ptr, n_rows,
     for j in tl.static_range(K):
         row = tl.load(inv_ptr + t * K + j)
         w = tl.load(w_ptr + t * K + j).to(tl.float32)
-        here = mask & (row < n_rows)
+        here = cols < tl.where(row < n_rows, hidden, 0)
         tl.store(dy_ptr + row * stride_dy + cols, to_dtype(w * dout, dy_ptr.dtype.element_ty,
                                                             ROUND), mask=here)
         if NEED_DW:
