@@ -145,12 +145,11 @@ def time_steps(step, args, device, profile_label: str | None
         acts = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             acts.append(torch.profiler.ProfilerActivity.CUDA)
-        with torch.profiler.profile(activities=acts, with_stack=args.profile_stacks > 0) as prof:
+        with torch.profiler.profile(activities=acts) as prof:
             for _ in range(args.steps):
                 step()
             sync(device)
-        print_profile(prof, profile_label, args.steps, device, args.trace_dir,
-                      args.profile_stacks)
+        print_profile(prof, profile_label, args.steps, device, args.trace_dir)
         print(host_syncs(step, device), flush=True)
         print(host_python_profile(step, device, args.trace_dir), flush=True)
     return (statistics.median_high(times), peak, statistics.median_high(host),
@@ -162,12 +161,10 @@ LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cu
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
-def print_profile(prof, label: str, steps: int, device, trace_dir: str | None,
-                  stack_depth: int = 0) -> None:
+def print_profile(prof, label: str, steps: int, device, trace_dir: str | None) -> None:
     """Per step: self CPU vs self device time, kernel launches, copies and host waits; then
-    the top ops by self device and self CPU time; with a ``stack_depth``, also the top ops by
-    self device time grouped by that many frames of their Python stack (which line of the
-    model launched the time)."""
+    the top ops by self device and self CPU time (which source line launched them:
+    bench/train_ops.py sources)."""
     table = prof.key_averages()
     cpu = sum(e.self_cpu_time_total for e in table) / steps / 1e3
     dev = sum(e.self_device_time_total for e in table) / steps / 1e3
@@ -186,12 +183,6 @@ def print_profile(prof, label: str, steps: int, device, trace_dir: str | None,
             ["self_cpu_time_total"]:
         print(f"--- {label}: top ops by {key} over {steps} steps ---")
         print(table.table(sort_by=key, row_limit=25, max_name_column_width=60))
-    if stack_depth and device.type == "cuda":
-        print(f"--- {label}: top ops by self_device_time_total, by their last {stack_depth} "
-              f"Python frames, over {steps} steps ---")
-        print(prof.key_averages(group_by_stack_n=stack_depth).table(
-            sort_by="self_device_time_total", row_limit=60, max_name_column_width=40,
-            max_src_column_width=100))
     if trace_dir:
         os.makedirs(trace_dir, exist_ok=True)
         # letters, digits, - _ . only: "ours small ac=none @ 4096" -> ours_small_ac_none_4096
@@ -617,10 +608,6 @@ def main(argv=None) -> int:
     p.add_argument("--profile-seq", default="",
                    help="print the top ops (torch.profiler) of ours on the preset at this "
                    "--seqs item")
-    p.add_argument("--profile-stacks", type=int, default=0, metavar="FRAMES",
-                   help="with --profile-seq: also the top ops by device time grouped by this "
-                   "many frames of their Python stack (profile without --cuda-graphs: a graph "
-                   "replay has no stacks)")
     p.add_argument("--trace-dir", default=None,
                    help="with --profile-seq: also write the profile's Chrome trace and the "
                    "host Python profile (host_step.pstats) here")
@@ -630,15 +617,16 @@ def main(argv=None) -> int:
     if args.micro_batches < 1:
         raise SystemExit(f"--micro-batches {args.micro_batches}: at least 1")
     if args.adamw_tiles:
-        adamw_triton.DEFAULT_TILES = tuple(int(x) for x in args.adamw_tiles.split("x"))
+        tiles = args.adamw_tiles.split("x")
+        if len(tiles) != 2 or not all(t.isdigit() and int(t) > 0 for t in tiles):
+            raise SystemExit(f"--adamw-tiles {args.adamw_tiles}: ELEMENTSxWARPS, e.g. 2048x8")
+        adamw_triton.DEFAULT_TILES = (int(tiles[0]), int(tiles[1]))
     cfg = get_preset(args.preset)
     seqs = [Shape.parse(s) for s in args.seqs.split(",")]
     longest = max(s.length for s in seqs)
     if longest > cfg.max_position_embeddings:
         raise SystemExit(f"--seqs {longest} exceeds the preset's context")
     profile_shape = Shape.parse(args.profile_seq) if args.profile_seq else None
-    if args.profile_stacks and profile_shape is None:
-        raise SystemExit("--profile-stacks needs --profile-seq")
     if profile_shape is not None and profile_shape not in seqs:
         raise SystemExit(f"--profile-seq {args.profile_seq} is not one of --seqs {args.seqs}")
     biggest = max(seqs, key=lambda s: s.tokens)
