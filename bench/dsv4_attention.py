@@ -473,28 +473,28 @@ def decode_compile_report(arch=90):
     import tempfile
     from pathlib import Path
 
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from sglang_dsv41.attention.dsv4_triton_decode import _dsv4_decode_split_kernel as kernel
+    from sglang_dsv41.attention.triton_common import compile_for_gpu
 
     types_ = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "comp_ptr": "*bf16", "o_ptr": "*bf16",
               "sink_ptr": "*fp32", "part_ptr": "*fp32", "ml_ptr": "*fp32", "qk_scale": "fp32"}
     aligned = {"D", "window", "stride_kv", "stride_c", "stride_idx", "stride_page"}
-    ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
+    try:  # the ptxas Triton compiles with (Triton 3.9: a newer one than bin/ptxas)
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptxas = get_ptxas(arch).path
+    except (ImportError, TypeError):
+        ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
+    names = [p.name for p in kernel.params]
+    types_ = {n: types_.get(n, "*i32" if n.endswith("_ptr") else "i32") for n in names}
     for heads, trials in DECODE_TRIALS.items():
         for config in trials:
             tiles = DecodeTiles(*config)
             consts = dict(HAS_SINK=True, PAGE=64, BH=tiles.bh, BN=tiles.bn, BD=D,
                           SPLITS=max(tiles.splits, 1), DOT_PREC="tf32")
-            names = [p.name for p in kernel.params]
-            sig = {n: "constexpr" if n in consts else types_.get(
-                n, "*i32" if n.endswith("_ptr") else "i32") for n in names}
-            div16 = [i for i, n in enumerate(names) if sig[n].startswith("*") or n in aligned
-                     or (n == "H" and heads % 16 == 0)]
-            src = ASTSource(kernel, sig, consts, {(i,): [["tt.divisibility", 16]] for i in div16})
-            compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(
-                num_warps=tiles.warps, num_stages=tiles.stages))
+            compiled = compile_for_gpu(
+                kernel, types_, consts, aligned | ({"H"} if heads % 16 == 0 else set()), arch,
+                num_warps=tiles.warps, num_stages=tiles.stages)
             with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
                 f.write(compiled.asm["ptx"])
                 f.flush()

@@ -1,8 +1,7 @@
-"""Triton kernels compiled for an H200 (sm_90) on a machine without a GPU, with the installed
-Triton and its ptxas: what a launch there would build, so that a kernel the interpreter runs but
-the GPU compiler refuses fails here. Pointer arguments are marked 16-byte aligned, as torch's
-allocations are at launch. In a child process without TRITON_INTERPRET (under it, @triton.jit
-makes interpreted functions, which do not compile)."""
+"""Triton kernels compiled for an H200 (sm_90) on a machine without a GPU
+(triton_common.compile_for_gpu): what a launch there would build, so that a kernel the
+interpreter runs but the GPU compiler refuses fails here. In a child process without
+TRITON_INTERPRET (under it, @triton.jit makes interpreted functions, which do not compile)."""
 
 from __future__ import annotations
 
@@ -30,23 +29,10 @@ def compile_many_sm90(specs: list[tuple]) -> list[str]:
 
 _CHILD = """
 import importlib, json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from sglang_dsv41.attention.triton_common import compile_for_gpu
 
-ptx = []
-for module, name, types, constants, num_warps in json.loads(sys.argv[1]):
-    kernel = getattr(importlib.import_module(module), name)
-    names = [p.name for p in kernel.params]
-    missing = [n for n in names if n not in types and n not in constants]
-    if missing:
-        raise SystemExit(f"{name}: no type for {missing}")
-    signature = {n: "constexpr" if n in constants else types[n] for n in names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-               if signature[n].startswith("*")}
-    compiled = triton.compile(ASTSource(kernel, signature, constants, aligned),
-                              target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps))
-    ptx.append(compiled.asm["ptx"])
-print(json.dumps(ptx))
+print(json.dumps([
+    compile_for_gpu(getattr(importlib.import_module(module), name), types, constants,
+                    num_warps=num_warps).asm["ptx"]
+    for module, name, types, constants, num_warps in json.loads(sys.argv[1])]))
 """

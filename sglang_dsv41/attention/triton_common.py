@@ -1,5 +1,7 @@
 """Pieces shared by the DSV4 Triton kernels: matmul precision and rounding that behave the same
-on a GPU and in the CPU interpreter (TRITON_INTERPRET=1, the tests)."""
+on a GPU and in the CPU interpreter (TRITON_INTERPRET=1, the tests); the column block of a
+kernel that gives one program a row; a kernel compiled for a GPU target on a machine without
+one."""
 
 from __future__ import annotations
 
@@ -47,3 +49,30 @@ def to_dtype(x, dtype: tl.constexpr, DOT_PREC: tl.constexpr):
         return bits.to(tl.float32, bitcast=True).to(dtype)
     else:
         return x.to(dtype)
+
+
+def row_block(width: int, most: int = 1024) -> int:
+    """Columns a program takes of a row ``width`` wide (the rest in further programs): the
+    next power of two, at least 16, at most ``most``."""
+    return min(most, triton.next_power_of_2(max(width, 16)))
+
+
+def compile_for_gpu(kernel, types: dict[str, str], constants: dict, aligned=(), arch: int = 90,
+                    **options):
+    """``kernel`` (a @triton.jit function: not under TRITON_INTERPRET=1, which makes interpreted
+    ones) compiled for sm_<arch> with the installed Triton and its ptxas, no GPU needed -> the
+    compiled kernel (.asm["ptx"], .metadata). ``types``: each non-constexpr argument's Triton
+    type ("*bf16", "i32", "fp32"); pointers, and the integer arguments named in ``aligned``,
+    are marked multiples of 16, as a launch marks them."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = [p.name for p in kernel.params]
+    missing = [n for n in names if n not in types and n not in constants]
+    if missing:
+        raise ValueError(f"compile_for_gpu: no type for {missing}")
+    signature = {n: "constexpr" if n in constants else types[n] for n in names}
+    marks = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if signature[n].startswith("*") or n in aligned}
+    return triton.compile(ASTSource(kernel, signature, constants, marks),
+                          target=GPUTarget("cuda", arch, 32), options=options)

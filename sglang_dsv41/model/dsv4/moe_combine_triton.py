@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...attention.triton_common import dot_precision, to_dtype
+from ...attention.triton_common import dot_precision, row_block, to_dtype
 
 
 @triton.jit
@@ -66,10 +66,6 @@ def _combine_bwd_kernel(dout_ptr, y_ptr, w_ptr, inv_ptr, dy_ptr, dw_ptr, n_rows,
             tl.store(dw_ptr + (t * K + j) * n_col_blocks + block, tl.sum(dout * y, 0))
 
 
-def _block(hidden: int) -> int:
-    return min(1024, triton.next_power_of_2(max(hidden, 16)))
-
-
 class _CombineSlots(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor,
@@ -77,7 +73,7 @@ class _CombineSlots(torch.autograd.Function):
         y, weights, inverse = y.contiguous(), weights.contiguous(), inverse.contiguous()
         hidden = y.shape[1]
         out = y.new_empty(n_tok, hidden)
-        block = _block(hidden)
+        block = row_block(hidden)
         if n_tok:
             _combine_fwd_kernel[(n_tok, triton.cdiv(hidden, block))](
                 y, weights, inverse, out, y.shape[0], hidden, y.stride(0), out.stride(0), K=k,
@@ -92,7 +88,7 @@ class _CombineSlots(torch.autograd.Function):
         n_tok, k = ctx.n_tok, ctx.k
         dout = dout.contiguous()
         hidden = y.shape[1]
-        block = _block(hidden)
+        block = row_block(hidden)
         n_blocks = triton.cdiv(hidden, block)
         need_dw = ctx.needs_input_grad[1]
         # every row is one (token, slot) pair's: each is written once, none is left

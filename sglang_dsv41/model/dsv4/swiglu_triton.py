@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...attention.triton_common import dot_precision, to_dtype
+from ...attention.triton_common import dot_precision, row_block, to_dtype
 
 
 @triton.jit
@@ -60,7 +60,7 @@ def _swiglu_bwd_kernel(gu_ptr, dy_ptr, dgu_ptr, inter, stride_gu, stride_dy, str
 
 
 def _launch(kernel, rows: int, inter: int, dtype: torch.dtype, *args):
-    block = min(1024, triton.next_power_of_2(max(inter, 16)))
+    block = row_block(inter)
     # the interpreter truncates fp32 -> bf16: to_dtype rounds on the bits there (the "widen"
     # mode dot_precision gives bf16 under TRITON_INTERPRET=1)
     kernel[(rows, triton.cdiv(inter, block))](*args, BLOCK=block, ROUND=dot_precision(dtype),
