@@ -568,6 +568,15 @@ def check_fused_hc_weights(cfg: DSV4Config, device: torch.device) -> str:
             "{:.1e}, d scale {:.1e}".format(*errs))
 
 
+def parse_tiles(text: str, flag: str) -> tuple[int, int]:
+    """"ELEMENTSxWARPS" (the Triton AdamW kernel's tiles) -> (elements, warps); a malformed
+    value exits with the flag's name."""
+    parts = text.split("x")
+    if len(parts) != 2 or not all(t.isdigit() and int(t) > 0 for t in parts):
+        raise SystemExit(f"{flag} {text}: ELEMENTSxWARPS, e.g. 2048x8")
+    return int(parts[0]), int(parts[1])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", default="small")
@@ -617,10 +626,7 @@ def main(argv=None) -> int:
     if args.micro_batches < 1:
         raise SystemExit(f"--micro-batches {args.micro_batches}: at least 1")
     if args.adamw_tiles:
-        tiles = args.adamw_tiles.split("x")
-        if len(tiles) != 2 or not all(t.isdigit() and int(t) > 0 for t in tiles):
-            raise SystemExit(f"--adamw-tiles {args.adamw_tiles}: ELEMENTSxWARPS, e.g. 2048x8")
-        adamw_triton.DEFAULT_TILES = (int(tiles[0]), int(tiles[1]))
+        adamw_triton.DEFAULT_TILES = parse_tiles(args.adamw_tiles, "--adamw-tiles")
     cfg = get_preset(args.preset)
     seqs = [Shape.parse(s) for s in args.seqs.split(",")]
     longest = max(s.length for s in seqs)

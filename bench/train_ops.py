@@ -65,7 +65,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.train import Ours, Shape  # noqa: E402
+from bench.train import Ours, Shape, parse_tiles  # noqa: E402
 from sglang_dsv41.model.dsv4 import get_preset  # noqa: E402
 from trainer_bridge.dist import close_distributed, init_distributed  # noqa: E402
 from trainer_bridge.policy import resolve_device  # noqa: E402
@@ -573,6 +573,7 @@ def adamw_kernels(args) -> None:
     from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM
     from trainer_bridge.adamw_triton import AdamWTables, adamw_triton_
 
+    tiles = [parse_tiles(t, "--tiles") for t in args.tiles.split(",")]
     dev = torch.device("cuda")
     with torch.device("meta"):
         shapes = [p.shape for p in DSV4ForCausalLM(get_preset(args.preset)).parameters()]
@@ -601,7 +602,6 @@ def adamw_kernels(args) -> None:
              **hyper)
         torch._foreach_copy_(copies, params)
 
-    tiles = [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",")]
 
     def triton_step(params, m, v, steps, copies, tile=tiles[0]):
         adamw_triton_(params, grads, m, v, steps, copies, grad_scale=scale, tables=tables,
@@ -616,17 +616,10 @@ def adamw_kernels(args) -> None:
     bytes_per = {"torch fused + copy": 4 * 8 + 4 + 2, "triton": 4 * 8 + 2}
     base, best = None, None
     for name, tile in [("torch fused + copy", None)] + [("triton", t) for t in tiles]:
-        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
         kwargs = {} if tile is None else {"tile": tile}
         fns[name](*sides[name], **kwargs)  # compiles a new tile
-        times = []
-        for _ in range(args.repeats):
-            start.record()
-            fns[name](*sides[name], **kwargs)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        ms = sorted(times)[len(times) // 2]
+        ms = median_us(lambda: fns[name](*sides[name], **kwargs), None, [], False,
+                       args.repeats) / 1e3
         base = base or ms
         if tile is not None and (best is None or ms < best[0]):
             best = (ms, tile)

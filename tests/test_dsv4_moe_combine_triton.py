@@ -21,9 +21,9 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def pairs(n_tok: int, k: int, local: int | None, seed: int):
+def pairs(n_tok: int, k: int, seed: int):
     """(order, inverse): a random permutation of the n_tok*k pairs, as MoE.routed_grouped makes
-    (this rank's ``local`` pairs first)."""
+    (under expert parallelism the rows past this rank's are the other ranks' pairs)."""
     gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(n_tok * k, generator=gen)
     return order, moe.inverse_permutation(order)
@@ -34,7 +34,7 @@ def pairs(n_tok: int, k: int, local: int | None, seed: int):
                                                   (9, 4, 64, 20)],
                          ids=["small", "two-col-blocks", "expert-parallel"])
 def test_fused_combine_equals_float64(n_tok, k, hidden, local, dtype, tol):
-    order, inverse = pairs(n_tok, k, local, seed=hidden)
+    order, inverse = pairs(n_tok, k, seed=hidden)
     rows = n_tok * k if local is None else local
     gen = torch.Generator().manual_seed(rows)
     y0 = torch.randn(rows, hidden, generator=gen)
@@ -61,7 +61,7 @@ def test_fused_combine_equals_float64(n_tok, k, hidden, local, dtype, tol):
 
 
 def test_fused_combine_weights_gradient_is_deterministic_and_optional():
-    order, inverse = pairs(7, 3, None, seed=1)
+    order, inverse = pairs(7, 3, seed=1)
     y = torch.randn(21, 2100, device=DEV).requires_grad_(True)  # three column blocks
     w = torch.rand(7, 3, device=DEV).requires_grad_(True)
     grads = []

@@ -12,7 +12,7 @@ from torch import nn
 from torch.optim.adam import adam
 
 from sglang_dsv41.attention.triton_common import interpreting
-from trainer_bridge.adamw_triton import DEFAULT_TILES, AdamWTables, adamw_triton_
+from trainer_bridge.adamw_triton import _FIELDS, DEFAULT_TILES, AdamWTables, adamw_triton_
 from trainer_bridge.compute_copies import apply_compute_copies
 from trainer_bridge.local_shards import LocalShardAdamW
 
@@ -155,7 +155,8 @@ def test_kernel_compiles_for_the_h200_with_16_byte_accesses():
              "beta2": "fp32", "eps": "fp32", "weight_decay": "fp32"}
     specs = [("trainer_bridge.adamw_triton", "_adamw_kernel", types,
               dict(HAS_SCALE=True, ROUNDING="tf32", F32_MULTIPLE=f32, COPY_MULTIPLE=cp,
-                   BLOCK=DEFAULT_TILES[0]), DEFAULT_TILES[1]) for f32, cp in ((1, 1), (4, 8))]
+                   FIELDS=_FIELDS, BLOCK=DEFAULT_TILES[0]), DEFAULT_TILES[1])
+             for f32, cp in ((1, 1), (4, 8))]
     scalar, aligned = (len(re.findall(r"ld\.global[^\n]*\.v4", ptx))
                        for ptx in compile_many_sm90(specs))
     assert scalar == 0 and aligned > 0, (scalar, aligned)

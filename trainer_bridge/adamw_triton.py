@@ -51,11 +51,11 @@ def _offset(row, k: tl.constexpr, MULTIPLE: tl.constexpr):
 def _adamw_kernel(f32_ptr, copy_ptr, table_ptr, chunk_ptr, coef_ptr, scale_ptr, lr, beta1,
                   beta2, eps, weight_decay, HAS_SCALE: tl.constexpr, ROUNDING: tl.constexpr,
                   F32_MULTIPLE: tl.constexpr, COPY_MULTIPLE: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  FIELDS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     i = tl.load(chunk_ptr + 2 * pid)
     start = tl.load(chunk_ptr + 2 * pid + 1).to(tl.int64) * BLOCK
-    row = table_ptr + i * 7
+    row = table_ptr + i * FIELDS
     p_ptr = f32_ptr + _offset(row, 0, F32_MULTIPLE)
     g_ptr = f32_ptr + _offset(row, 1, F32_MULTIPLE)
     m_ptr = f32_ptr + _offset(row, 2, F32_MULTIPLE)
@@ -109,7 +109,7 @@ class AdamWTables:
     may move; a graph's persistent ones do not)."""
 
     def __init__(self):
-        self._numels: tuple | None = None
+        self._chunks_key: tuple | None = None
         self.chunks: torch.Tensor | None = None
         self._addresses: tuple[int, ...] | None = None
         self.offsets: torch.Tensor | None = None
@@ -118,10 +118,10 @@ class AdamWTables:
     def chunks_for(self, numels: tuple[int, ...], block: int, device: torch.device
                    ) -> torch.Tensor:
         key = (numels, block)
-        if key != self._numels or self.chunks is None or self.chunks.device != device:
+        if key != self._chunks_key or self.chunks is None or self.chunks.device != device:
             pairs = [(i, c) for i, n in enumerate(numels) for c in range(triton.cdiv(n, block))]
             self.chunks = torch.tensor(pairs, dtype=torch.int32).reshape(-1, 2).to(device)
-            self._numels = key
+            self._chunks_key = key
         return self.chunks
 
     def offsets_for(self, lists, copies, anchors) -> torch.Tensor:
@@ -192,13 +192,13 @@ def adamw_triton_(params: list[torch.Tensor], grads: list[torch.Tensor],
     lists = (params, grads, exp_avgs, exp_avg_sqs)
     if len({len(x) for x in (*lists, steps, copies)}) != 1:
         raise ValueError("adamw_triton_: the lists differ in length")
+    block, warps = tiles or DEFAULT_TILES
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"adamw_triton_: a block of {block} elements: a power of two >= 16")
     tables = tables or AdamWTables()
     copy_anchor = next((c for c in copies if c is not None), params[0])
     offsets = tables.offsets_for(lists, copies, (params[0], copy_anchor))
     device = params[0].device
-    block, warps = tiles or DEFAULT_TILES
-    if block < 16 or block & (block - 1):
-        raise ValueError(f"adamw_triton_: a block of {block} elements: a power of two >= 16")
     chunks = tables.chunks_for(tuple(p.numel() for p in params), block, device)
     torch._foreach_add_(steps, 1)
     if chunks.shape[0] == 0:
@@ -211,4 +211,4 @@ def adamw_triton_(params: list[torch.Tensor], grads: list[torch.Tensor],
         params[0], copy_anchor, offsets, chunks, coef, scale, float(lr), float(beta1),
         float(beta2), float(eps), float(weight_decay), HAS_SCALE=grad_scale is not None,
         ROUNDING=dot_precision(torch.bfloat16), F32_MULTIPLE=f32_multiple,
-        COPY_MULTIPLE=copy_multiple, BLOCK=block, num_warps=warps)
+        COPY_MULTIPLE=copy_multiple, FIELDS=_FIELDS, BLOCK=block, num_warps=warps)

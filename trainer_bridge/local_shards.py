@@ -106,8 +106,9 @@ class LocalShardAdamW(torch.optim.AdamW):
         self._tables: dict[int, AdamWTables] = {}  # per group
 
     @property
-    def fused(self) -> bool:
-        """The gradient clipping can ride in the step's kernel (``grad_scale``)."""
+    def takes_grad_scale(self) -> bool:
+        """The step's kernel can divide the gradients by a ``grad_scale`` as it reads them
+        (torch's fused AdamW, the Triton kernel): the clipping rides in it."""
         return self.kernel == "triton" or all(g["fused"] for g in self.param_groups)
 
     def clip_and_step(self, max_norm: float) -> torch.Tensor:
@@ -120,7 +121,7 @@ class LocalShardAdamW(torch.optim.AdamW):
         gradients after the step are the clipped ones either way."""
         params = [p for g in self.param_groups for p in g["params"]]
         grads = [p.grad for p in params if p.grad is not None]
-        if not grads or not self.fused:
+        if not grads or not self.takes_grad_scale:
             total = clip_grad_norm(params, max_norm)
             self.step()
             return total
@@ -132,7 +133,7 @@ class LocalShardAdamW(torch.optim.AdamW):
     def step(self, closure=None, *, grad_scale: torch.Tensor | None = None):
         """``grad_scale`` (fused only, as torch's AMP grad scaler passes it): every gradient is
         divided by it before the update, and left so."""
-        if grad_scale is not None and not self.fused:
+        if grad_scale is not None and not self.takes_grad_scale:
             raise ValueError("grad_scale needs a fused AdamW (torch applies it only there) or "
                              "the Triton kernel")
         loss = None

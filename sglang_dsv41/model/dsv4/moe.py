@@ -190,11 +190,16 @@ class _TokenSlotRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         inverse, = ctx.saved_tensors
-        if grad.shape[0] < inverse.shape[0]:
-            grad = torch.cat([grad, grad.new_zeros(inverse.shape[0] - grad.shape[0],
-                                                   grad.shape[-1])])
-        by_slot = grad.index_select(0, inverse)
+        by_slot = _zero_padded(grad, inverse.shape[0]).index_select(0, inverse)
         return by_slot.view(-1, ctx.k, grad.shape[-1]).sum(dim=1), None, None, None, None
+
+
+def _zero_padded(rows: torch.Tensor, n: int) -> torch.Tensor:
+    """rows [m, H] with zero rows after it up to n (expert parallelism: the pairs of other
+    ranks' experts, after this rank's); rows itself when it has n already."""
+    if rows.shape[0] >= n:
+        return rows
+    return torch.cat([rows, rows.new_zeros(n - rows.shape[0], rows.shape[-1])])
 
 
 def inverse_permutation(index: torch.Tensor) -> torch.Tensor:
@@ -215,8 +220,7 @@ def combine_slots(y: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor,
 
         return combine_slots_triton(y, weights, inverse)
     n_tok, k = weights.shape
-    if y.shape[0] < n_tok * k:  # slots of other ranks' experts contribute zero
-        y = torch.cat([y, y.new_zeros(n_tok * k - y.shape[0], y.shape[-1])])
+    y = _zero_padded(y, n_tok * k)  # slots of other ranks' experts contribute zero
     y_slot = _PermuteRows.apply(y, inverse, order)  # back in (token, slot) order
     y_slot = y_slot.view(n_tok, k, y.shape[-1]) * weights.to(y.dtype)[..., None]
     return y_slot.sum(dim=1)
