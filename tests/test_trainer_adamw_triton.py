@@ -160,3 +160,25 @@ def test_kernel_compiles_for_the_h200_with_16_byte_accesses():
     scalar, aligned = (len(re.findall(r"ld\.global[^\n]*\.v4", ptx))
                        for ptx in compile_many_sm90(specs))
     assert scalar == 0 and aligned > 0, (scalar, aligned)
+
+
+def test_bad_adamw_kernel_settings_are_refused(monkeypatch):
+    """optim.adamw_kernel: an unknown value is refused by the config; triton where the
+    parameters are on the CPU and Triton is not interpreted is refused by build_optimizer
+    with the reason, before any optimizer exists."""
+    from types import SimpleNamespace
+
+    from trainer_bridge import schedule
+    from trainer_bridge.config import OptimConfig, load_config
+
+    with pytest.raises(ValueError, match="optim.adamw_kernel"):
+        OptimConfig(adamw_kernel="fast")
+    with pytest.raises(ValueError, match="adamw_kernel"):
+        load_config("tiny", None, ["optim.adamw_kernel=fast"])
+    model = nn.Linear(3, 2)
+    policy = SimpleNamespace(model=model, trainable_parameters=model.named_parameters)
+    monkeypatch.setattr(schedule, "interpreting", lambda: False)
+    with pytest.raises(ValueError, match="must be on CUDA"):
+        schedule.build_optimizer(policy, OptimConfig(adamw_kernel="triton"), 2)
+    opt, _ = schedule.build_optimizer(policy, OptimConfig(), 2)  # auto: torch's here
+    assert opt.kernel == "torch"
