@@ -11,6 +11,7 @@ our Triton kernels vs transformers' eager DeepseekV4 attention, per layer kind, 
     python bench/dsv4_attention.py --profile       # only: kernel split of the core, module ops
     python bench/dsv4_attention.py --profile-module --lengths 4096  # only: our module per kind
     python bench/dsv4_attention.py --core-only     # table/profile without the module rows
+    python bench/dsv4_attention.py --heads 16 --probe-atomics  # only: the selection dKV's cost
 
 Rows: "core" = the attention the kernel replaces (scores, sinks, softmax, values) on the same
 q/kv/selection; the whole attention module (projections, compressor, indexer, RoPE) at the same
@@ -415,6 +416,51 @@ def ab_rounds(rounds, total=4096):
               + "  ".join(f"{kind} {new[kind] / old[kind]:.3f}" for kind in old), flush=True)
 
 
+def probe_atomics(total=4096, rounds=3):
+    """The 4k CSA core fwd+bwd three ways, in rounds: as built; the selection dKV stored with
+    plain stores instead of atomic adds (racy: a wrong dcomp, timing only); without the
+    selection dKV (its MMAs and adds gone). Each variant is a copy of dsv4_triton_backward.py
+    with that statement rewritten, imported from a temporary file."""
+    import importlib.util
+    import inspect
+    import pathlib
+    import tempfile
+
+    from sglang_dsv41.attention import dsv4_triton_backward as built
+
+    source = inspect.getsource(built)
+    atomic = ("tl.atomic_add(dcomp_ptr + row[:, None].to(tl.int64) * D + cols[None, :], dc,\n"
+              "                          mask=valid[:, None] & cmask[None, :], sem=\"relaxed\")")
+    assert atomic in source, "the selection dKV's atomic add moved: update this probe"
+    variants = {"as built": built}
+    folder = pathlib.Path(tempfile.mkdtemp())
+    for name, statement in (("plain stores", atomic.replace("tl.atomic_add", "tl.store")
+                             .replace(', sem="relaxed"', "")),
+                            ("no selection dKV", "pass")):
+        path = folder / f"probe_{len(variants)}.py"
+        path.write_text(source.replace(atomic, statement))
+        spec = importlib.util.spec_from_file_location(
+            f"sglang_dsv41.attention.probe_{len(variants)}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        variants[name] = module
+    ins = core_inputs("CSA", total)
+    cu = torch.tensor([0, total], dtype=torch.int32, device=DEV)
+    dout = torch.randn_like(ins[0])
+    q, kv, ckv, idx, sinks = ins
+    blocks = default_blocks(H)
+    print(f"# 4k CSA core fwd+bwd, {H} heads, {(idx >= 0).sum().item()} (token, pick) pairs",
+          flush=True)
+    for rnd in range(rounds):
+        row = []
+        for name, module in variants.items():
+            def run(module=module):
+                module.dsv4_attention_triton(q, kv, sinks, cu, W, D ** -0.5, ckv, idx,
+                                             blocks).backward(dout)
+            row.append(f"{name} {do_bench(run, warmup=25, rep=200):.3f}")
+        print(f"round {rnd}: " + "  ".join(row) + " ms", flush=True)
+
+
 # Decode configs tried by --decode-sweep per head count: DecodeTiles(bh, bn, warps, stages,
 # splits); splits 0 = split_count's choice; the default's own config first. Configs that lost
 # before (other key tiles, two splits, 32-head blocks, 8 warps at 8 heads, 4 warps at 8 heads,
@@ -526,6 +572,9 @@ if __name__ == "__main__":
                         help="table and --profile: the attention core only, not the module")
     parser.add_argument("--only-decode", action="store_true")
     parser.add_argument("--decode-sweep", action="store_true")
+    parser.add_argument("--probe-atomics", action="store_true",
+                        help="only: the 4k CSA core with the selection dKV's atomic adds, "
+                             "plain stores in their place, and without it (at --heads)")
     parser.add_argument("--decode-compile", action="store_true",
                         help="only, no GPU: registers, spills, shared memory of the decode "
                              "configs compiled for sm_90")
@@ -536,7 +585,9 @@ if __name__ == "__main__":
         raise SystemExit
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     H = args.heads
-    if args.ab_rounds:
+    if args.probe_atomics:
+        probe_atomics()
+    elif args.ab_rounds:
         ab_rounds(args.ab_rounds)
     elif args.profile_module:
         profile_module(args.lengths[0])

@@ -41,14 +41,13 @@ def test_fused_combine_equals_float64(n_tok, k, hidden, local, dtype, tol):
     w0 = torch.rand(n_tok, k, generator=gen)
     grad = torch.randn(n_tok, hidden, generator=gen)
     outs = []
-    for fn, precision in ((moe.combine_slots, torch.float64), (combine_slots_triton, dtype)):
+    for fn, precision in ((moe.combine_slots_torch, torch.float64),
+                          (combine_slots_triton, dtype)):
         y = y0.to(DEV, precision).requires_grad_(True)
         w = w0.to(DEV, torch.float64 if precision == torch.float64 else torch.float32
                   ).requires_grad_(True)
-        args = (y, w, inverse.to(DEV)) + ((order.to(DEV),) if fn is moe.combine_slots else ())
-        if fn is moe.combine_slots and DEV == "cuda":  # the torch path: its CPU branch
-            args = tuple(a.cpu() for a in args)
-        out = fn(*args)
+        args = (y, w, inverse.to(DEV))
+        out = fn(*args, order.to(DEV)) if fn is moe.combine_slots_torch else fn(*args)
         out.backward(grad.to(out.device, out.dtype))
         assert out.dtype == precision and y.grad.dtype == precision
         outs.append([t.detach().double().cpu() for t in (out, y.grad, w.grad)])
@@ -88,19 +87,23 @@ def test_fused_combine_empty_and_refusals():
 
 
 def test_moe_layer_with_the_kernel_equals_its_torch_path(monkeypatch):
-    """MoE.routed_grouped on the kernel (as on CUDA) vs its CPU path: tokens and gradients."""
+    """MoE.routed_grouped on the kernel (as on CUDA) vs the torch path (as on CPU), on the
+    device the kernel runs on here: tokens and gradients."""
     from test_dsv4_moe_grouped import T, moe_pair, run
 
     from sglang_dsv41.model.dsv4.context import DSV4Context
 
     g, _ = moe_pair(3, torch.float32)
-    x = torch.randn(T, g.gate.weight.shape[1])
-    ids = torch.randint(0, 300, (T,))
-    want = run(g, x, ids, DSV4Context.packed([T]))
-    g.zero_grad(set_to_none=True)
-    monkeypatch.setattr(moe, "combine_slots",
-                        lambda y, w, inverse, order: combine_slots_triton(y, w, inverse))
-    got = run(g, x, ids, DSV4Context.packed([T]))
+    g = g.to(DEV)
+    x = torch.randn(T, g.gate.weight.shape[1], device=DEV)
+    ids = torch.randint(0, 300, (T,), device=DEV)
+    results = []
+    for combine in (moe.combine_slots_torch,
+                    lambda y, w, inverse, order: combine_slots_triton(y, w, inverse)):
+        monkeypatch.setattr(moe, "combine_slots", combine)
+        g.zero_grad(set_to_none=True)
+        results.append(run(g, x, ids, DSV4Context.packed([T], device=DEV)))
+    want, got = results
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
     for name in want[2]:

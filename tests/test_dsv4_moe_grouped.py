@@ -40,7 +40,8 @@ def moe_pair(layer_id: int, dtype: torch.dtype) -> tuple[MoE, MoE]:
 def run(moe: MoE, x: torch.Tensor, ids: torch.Tensor, ctx: DSV4Context):
     x = x.clone().requires_grad_(True)
     out = moe(x, ids, ctx)
-    (out.float() * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    (out.float() * torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)
+     ).sum().backward()
     # Per expert (views of the stacked gradients): each expert compared on its own.
     grads = per_expert_state({n: p.grad for n, p in moe.named_parameters()
                               if p.grad is not None})

@@ -219,6 +219,12 @@ def combine_slots(y: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor,
         from .moe_combine_triton import combine_slots_triton
 
         return combine_slots_triton(y, weights, inverse)
+    return combine_slots_torch(y, weights, inverse, order)
+
+
+def combine_slots_torch(y: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor,
+                        order: torch.Tensor) -> torch.Tensor:
+    """combine_slots' torch path (the CPU one; the kernel's reference on any device)."""
     n_tok, k = weights.shape
     y = _zero_padded(y, n_tok * k)  # slots of other ranks' experts contribute zero
     y_slot = _PermuteRows.apply(y, inverse, order)  # back in (token, slot) order
