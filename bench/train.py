@@ -300,7 +300,8 @@ class Ours:
                  cuda_graphs: bool = False):
         """compute_dtype, accumulate, one_rank, head_gemm, cuda_graphs: the trainer's
         model.compute_dtype (auto: bf16 on CUDA, fp32 on the CPU), accumulate_unsharded (auto |
-        always | never), one_rank (auto | fsdp | copies), lm_head_gemm (auto | ieee | tf32x3)
+        always | never), one_rank (auto | fsdp | copies), lm_head_gemm (auto | ieee | tf32x3 |
+        tf32x3-logits)
         and cuda_graphs (micro-batch layouts captured as CUDA graphs)."""
         t0 = time.perf_counter()
         self.cfg, self.device, self.info = cfg, device, info

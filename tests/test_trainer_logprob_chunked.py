@@ -73,6 +73,13 @@ def test_tf32x3_split_on_the_cpu_is_fp32_accurate(monkeypatch, chunk_rows, k_chu
         assert _rel(g, w) <= max(4 * _rel(i, w), 1e-6), what
     hi = tl.split_operand(hidden, "tf32x3")[0]
     assert _rel(hi, hidden.double()) > 1e-4  # hi alone is TF32-coarse
+    # tf32x3-logits: the same split logits, gradients from the unsplit operands (one product:
+    # fp32 on a CPU) -> the same logp to the bit, gradients as close to float64 as ieee's.
+    mixed = _value_and_grads(lambda h, w, t: tl.token_logprobs(h, w, t, "tf32x3-logits"),
+                             hidden, weight, targets, upstream)
+    assert torch.equal(mixed[0], got[0])
+    for g, i, w, what in zip(mixed[1:], ieee[1:], want[1:], ("d hidden", "d head")):
+        assert g.dtype == torch.float32 and _rel(g, w) <= max(4 * _rel(i, w), 1e-6), what
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="TF32 tensor cores: CUDA only")
@@ -98,6 +105,13 @@ def test_tf32x3_on_a_gpu_is_close_to_float64():
     for i, what in ((1, "d hidden"), (2, "d head")):
         assert _rel(got[i], want[i]) <= 3e-5, (what, _rel(got[i], want[i]))
         assert _rel(one_pass[i], want[i]) > 3e-5, what
+    # tf32x3-logits: tf32x3's logp to the bit; gradients of one TF32 product, within 2e-3
+    # (bf16's rounding is 3.9e-3) and coarser than tf32x3's (so the product is TF32's).
+    mixed = _value_and_grads(lambda h, w, t: tl.token_logprobs(h, w, t, "tf32x3-logits"),
+                             hidden, weight, targets, upstream)
+    assert torch.equal(mixed[0], got[0])
+    for i, what in ((1, "d hidden"), (2, "d head")):
+        assert 3e-5 < _rel(mixed[i], want[i]) <= 2e-3, (what, _rel(mixed[i], want[i]))
 
 
 def test_an_unknown_fp32_gemm_is_refused():

@@ -205,12 +205,12 @@ def test_accumulate_unsharded_override_values():
 
 
 def test_lm_head_gemm_values_and_what_auto_means():
-    """model.lm_head_gemm: auto is tf32x3 on CUDA (TF32 tensor cores), ieee on a CPU; anything
+    """model.lm_head_gemm: auto is tf32x3-logits on CUDA (TF32 tensor cores), ieee on a CPU; anything
     else is refused at load (build_policy hands it to the head: test_trainer_compute_copies)."""
     from trainer_bridge.config import load_config
     from trainer_bridge.policy import lm_head_gemm_for
 
-    assert lm_head_gemm_for(torch.device("cuda", 0), "auto") == "tf32x3"
+    assert lm_head_gemm_for(torch.device("cuda", 0), "auto") == "tf32x3-logits"
     assert lm_head_gemm_for(torch.device("cpu"), "auto") == "ieee"
     assert lm_head_gemm_for(torch.device("cpu"), "tf32x3") == "tf32x3"
     assert load_config("tiny", None, ["model.lm_head_gemm=ieee"]).model.lm_head_gemm == "ieee"

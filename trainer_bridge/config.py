@@ -28,9 +28,11 @@ class ModelConfig:
     # bf16 compute with fp32 master weights on GPU, fp32 everywhere on CPU.
     compute_dtype: str = "auto"
     lm_head_fp32: bool = True
-    # How an fp32 head's log-probability GEMMs run: ieee (plain fp32: no tensor cores on a GPU)
-    # or tf32x3 (three TF32 products of split operands: on an H200 1.6x faster, logp 1.2e-6
-    # off float64 where fp32 is 4.2e-7; token_logprobs.py); auto: tf32x3 on CUDA, ieee on the
+    # How an fp32 head's log-probability GEMMs run: ieee (plain fp32: no tensor cores on a GPU),
+    # tf32x3 (three TF32 products of split operands: on an H200 1.6x faster, logp 1.2e-6 off
+    # float64 where fp32 is 4.2e-7; token_logprobs.py) or tf32x3-logits (the logits as tf32x3,
+    # the two gradient GEMMs one TF32 product each: 3.1x, the same logp, gradients 5.6e-4 off
+    # float64, finer than their bf16 rounding next); auto: tf32x3-logits on CUDA, ieee on the
     # CPU (which has no TF32).
     lm_head_gemm: str = "auto"
     r3: bool = True                     # replay the server's routing (ids and weights)

@@ -43,11 +43,12 @@ def load_policy_model(model_path: str) -> DSV4ForCausalLM:
 
 
 def lm_head_gemm_for(device: torch.device, lm_head_gemm: str) -> str:
-    """model.lm_head_gemm resolved: auto is tf32x3 on CUDA, ieee elsewhere (no TF32 on a CPU:
-    there the split would triple the head's work for nothing)."""
+    """model.lm_head_gemm resolved: auto is tf32x3-logits on CUDA (fp32-accurate logp, TF32
+    gradients), ieee elsewhere (no TF32 on a CPU: there the split would triple the logits' work
+    for nothing)."""
     if lm_head_gemm != "auto":
         return lm_head_gemm
-    return "tf32x3" if device.type == "cuda" else "ieee"
+    return "tf32x3-logits" if device.type == "cuda" else "ieee"
 
 
 def build_policy(cfg: ModelConfig, mesh: DeviceMesh, device: torch.device, *,

@@ -22,7 +22,11 @@ cores. The tensor cores' own sums lose bits over a long inner dimension (measure
 bench/train_ops.py lm-head: one TF32 GEMM of TF32-exact operands over K = 32,000 is 1.4e-4 off
 float64, fp32 FMAs 7.9e-6), so the inner dimension goes in chunks of TF32_K_CHUNK, each added
 in the fp32 epilogue of its GEMM (addmm). tests/test_trainer_logprob_chunked.py holds logp and
-both gradients to float64 next to the plain fp32 path.
+both gradients to float64 next to the plain fp32 path. "tf32x3-logits" runs the logits
+(the forward, the backward's recompute) as tf32x3 and the two gradient GEMMs as one TF32 product
+each: the log-probabilities (the PPO ratio's, compared with the server's) keep fp32 accuracy,
+the gradients TF32's (d hidden 5.6e-4 off float64 on an H200, 7x finer than the bf16 rounding
+it gets next and every other layer's gradient has) at a third of the backward's tensor-core work.
 """
 
 from __future__ import annotations
@@ -35,7 +39,13 @@ import torch
 LOGPROB_CHUNK_ELEMENTS = 1 << 27
 
 
-FP32_GEMMS = ("ieee", "tf32x3")
+FP32_GEMMS = ("ieee", "tf32x3", "tf32x3-logits")
+
+
+def gradient_gemm(fp32_gemm: str) -> str:
+    """The mode of the backward's two gradient GEMMs: "tf32" (one TF32 product) for
+    "tf32x3-logits", else the logits' own."""
+    return "tf32" if fp32_gemm == "tf32x3-logits" else fp32_gemm
 
 
 def logprob_chunk_rows(vocab: int) -> int:
@@ -44,12 +54,13 @@ def logprob_chunk_rows(vocab: int) -> int:
 
 def split_operand(x: torch.Tensor, fp32_gemm: str, inplace: bool = False
                   ) -> tuple[torch.Tensor, ...]:
-    """x -> the parts head_mm multiplies: (x,), or for "tf32x3" on an fp32 tensor (hi, lo):
+    """x -> the parts head_mm multiplies: (x,), or for "tf32x3" (and "tf32x3-logits", whose
+    logits are tf32x3's) on an fp32 tensor (hi, lo):
     hi keeps TF32's 10 mantissa bits (the rest cleared: exact), lo = x - hi (exact in fp32; TF32
     keeps 10 bits of it in the product). inplace: lo is x itself (x is then lost). On a CPU,
     which has no TF32, the three products are fp32 ones (what the CPU tests check: the split's
     algebra)."""
-    if fp32_gemm == "ieee" or x.dtype != torch.float32:
+    if fp32_gemm not in ("tf32x3", "tf32x3-logits") or x.dtype != torch.float32:
         return (x,)
     x = x.contiguous()
     hi = (x.view(torch.int32) & -8192).view(torch.float32)  # & ~0x1FFF
@@ -82,13 +93,13 @@ TF32_K_CHUNK = 4096
 
 
 def head_mm(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...],
-            out: torch.Tensor | None = None) -> torch.Tensor:
-    """a @ b (plus out, in place, when given) from split_operand's parts: one GEMM, or for
-    (hi, lo) parts hi_a lo_b + lo_a hi_b + hi_a hi_b on TF32 tensor cores, the small products
+            out: torch.Tensor | None = None, tf32: bool = False) -> torch.Tensor:
+    """a @ b (plus out, in place, when given) from split_operand's parts: one GEMM (fp32, or one
+    TF32 product when ``tf32``), or for (hi, lo) parts hi_a lo_b + lo_a hi_b + hi_a hi_b on TF32 tensor cores, the small products
     first, the inner dimension in chunks of TF32_K_CHUNK each added by a GEMM's fp32 epilogue
     (module docstring)."""
     if len(a) == 1:
-        with fp32_matmul("ieee"):
+        with fp32_matmul("tf32" if tf32 else "ieee"):
             prod = a[0] @ b[0]
         return prod if out is None else out.add_(prod)
     with fp32_matmul("tf32"):
@@ -133,7 +144,13 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         rows = hidden.shape[0]
         step = logprob_chunk_rows(weight.shape[0])
         grad = grad.float()
-        w_parts = split_operand(weight, ctx.fp32_gemm)  # once for every chunk
+        grad_gemm = gradient_gemm(ctx.fp32_gemm)
+        # The weight's parts, split once for every chunk: the recompute's (when the forward
+        # kept no chunk) and the gradient GEMMs' (the same parts when the modes are one).
+        w_parts = None if ctx.kept is not None else split_operand(weight, ctx.fp32_gemm)
+        w_grad_parts = w_parts if w_parts is not None and grad_gemm == ctx.fp32_gemm \
+            else split_operand(weight, grad_gemm)
+        tf32 = grad_gemm == "tf32"
         for a in range(0, rows, step):
             b = min(a + step, rows)
             g = grad[a:b, None]
@@ -145,12 +162,12 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             # d logp / d logits = onehot(target) - softmax, times the incoming gradient
             g_logits = log_softmax.exp_().mul_(-g)
             g_logits.scatter_add_(1, targets[a:b, None], g)
-            g_parts = split_operand(g_logits.to(weight.dtype), ctx.fp32_gemm, inplace=True)
+            g_parts = split_operand(g_logits.to(weight.dtype), grad_gemm, inplace=True)
             if need_hidden:
-                grad_hidden[a:b] = head_mm(g_parts, w_parts)
+                grad_hidden[a:b] = head_mm(g_parts, w_grad_parts, tf32=tf32)
             if need_weight:
-                head_mm(transposed(g_parts), split_operand(hidden[a:b], ctx.fp32_gemm),
-                        out=grad_weight)
+                head_mm(transposed(g_parts), split_operand(hidden[a:b], grad_gemm),
+                        out=grad_weight, tf32=tf32)
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None
