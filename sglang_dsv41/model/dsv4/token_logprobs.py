@@ -95,9 +95,9 @@ TF32_K_CHUNK = 4096
 def head_mm(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...],
             out: torch.Tensor | None = None, tf32: bool = False) -> torch.Tensor:
     """a @ b (plus out, in place, when given) from split_operand's parts: one GEMM (fp32, or one
-    TF32 product when ``tf32``), or for (hi, lo) parts hi_a lo_b + lo_a hi_b + hi_a hi_b on TF32 tensor cores, the small products
-    first, the inner dimension in chunks of TF32_K_CHUNK each added by a GEMM's fp32 epilogue
-    (module docstring)."""
+    TF32 product when ``tf32``), or for (hi, lo) parts hi_a lo_b + lo_a hi_b + hi_a hi_b on
+    TF32 tensor cores, the small products first, the inner dimension in chunks of TF32_K_CHUNK
+    each added by a GEMM's fp32 epilogue (module docstring)."""
     if len(a) == 1:
         with fp32_matmul("tf32" if tf32 else "ieee"):
             prod = a[0] @ b[0]
