@@ -52,8 +52,8 @@ def test_equals_torch_adamw_and_writes_the_copies(device, scaled, tiles):
              **hyper)
         for a, b in zip(ours + m_ours + v_ours, ref + m_ref + v_ref):
             torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
-        for g_o, g in zip(g_ours, grads):  # divided by the scale and left so, as torch's fused
-            torch.testing.assert_close(g_o, g / scale if scaled else g, rtol=1e-6, atol=0)
+        for g_o, g in zip(g_ours, grads):  # only read (torch's fused kernel leaves them divided)
+            assert torch.equal(g_o, g)
         assert all(float(s) == step + 1 for s in s_ours)
         for c, p in zip(copies, ours):
             if c is not None:

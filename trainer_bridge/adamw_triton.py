@@ -5,11 +5,12 @@ Without it a step on one rank with compute copies is torch's fused AdamW (reads 
 gradient and both moments, writes them back: the gradient too when the clipping rides in as
 ``grad_scale``) and then ``ComputeCopies.refresh``, a second pass that reads every fp32
 parameter again to write its copy: 38 bytes a parameter. Here the copy is written from the
-updated value still in registers: 32 bytes. The arithmetic is torch's (decoupled weight decay,
-bias corrections from each tensor's own step count, gradient
-divided by ``grad_scale`` and written back so, as torch's fused kernel leaves it); the results
-equal torch's to fp32 rounding, not to the bit (the bias corrections are computed by torch on
-the stacked step counts, torch's kernel computes them in its own).
+updated value still in registers, and the gradient, divided by ``grad_scale`` as it is read, is
+not written back (torch's kernel leaves it divided; nothing reads a gradient between the step
+and the next zero_grad): 30 bytes. The arithmetic is torch's (decoupled weight decay, bias
+corrections from each tensor's own step count); the results equal torch's to fp32 rounding, not
+to the bit (the bias corrections are computed by torch on the stacked step counts, torch's
+kernel computes them in its own).
 
 Tensors are reached through a table of element offsets from two anchor tensors the kernel takes
 as arguments (one fp32, one of the copies' dtype; one row per tensor: parameter, gradient, the
@@ -87,7 +88,6 @@ def _update(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, has_copy, offs, numel, step_size,
     v = tl.load(v_ptr + offs, mask=mask, other=0.0 if MASKED else None)
     if HAS_SCALE:
         g = g / tl.load(scale_ptr)
-        tl.store(g_ptr + offs, g, mask=mask)
     p = p * (1.0 - lr * weight_decay)
     m = beta1 * m + (1.0 - beta1) * g
     v = beta2 * v + (1.0 - beta2) * g * g
@@ -183,8 +183,8 @@ def adamw_triton_(params: list[torch.Tensor], grads: list[torch.Tensor],
                   tiles: tuple[int, int] | None = None) -> None:
     """One AdamW step in place over fp32 contiguous tensors of one device (torch's
     ``adam(..., fused=True, decoupled_weight_decay=True)`` arithmetic): each step count
-    incremented, each parameter, moment and (with ``grad_scale``: divided by it) gradient
-    updated, and each parameter's ``copies`` entry (a tensor of its shape in one compute dtype,
+    incremented, each parameter and moment updated from its gradient (divided by ``grad_scale``
+    when given; the gradients are only read), and each parameter's ``copies`` entry (a tensor of its shape in one compute dtype,
     or None) set to the new value in its dtype. ``tables``: the group's, kept between steps;
     ``tiles``: (elements a program, warps), DEFAULT_TILES when None."""
     if not params:

@@ -114,11 +114,13 @@ class LocalShardAdamW(torch.optim.AdamW):
     def clip_and_step(self, max_norm: float) -> torch.Tensor:
         """Clips the gradients to a global 2-norm of ``max_norm`` and steps -> the norm before
         clipping (a 0-d device tensor). Fused, the clipping rides in the AdamW kernel: its
-        ``grad_scale`` divides each gradient as it is read (and writes it back divided, as
-        torch's kernel does with a scale), where a separate scaling reads and writes every fp32
-        gradient once more: 8 bytes a parameter become 4 (the scaling pass took ~3 ms of a 4k
-        step of the ``small`` preset on one H200, bench/results/train_h200.txt, run W). The
-        gradients after the step are the clipped ones either way."""
+        ``grad_scale`` divides each gradient as it is read (torch's kernel writes it back
+        divided; the Triton one does not write it), where a separate scaling reads and writes
+        every fp32 gradient once more: 8 bytes a parameter become 4 or none (the scaling pass
+        took ~3 ms of a 4k step of the ``small`` preset on one H200,
+        bench/results/train_h200.txt, run W). After the step the gradients are the clipped
+        ones, except with the Triton kernel, which leaves them as they were: nothing reads
+        them before the next step's zero_grad."""
         params = [p for g in self.param_groups for p in g["params"]]
         grads = [p.grad for p in params if p.grad is not None]
         if not grads or not self.takes_grad_scale:
@@ -131,8 +133,8 @@ class LocalShardAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: torch.Tensor | None = None):
-        """``grad_scale`` (fused only, as torch's AMP grad scaler passes it): every gradient is
-        divided by it before the update, and left so."""
+        """``grad_scale`` (fused or the Triton kernel; torch's AMP grad scaler passes it): every
+        gradient is divided by it before the update (and left so by torch's fused kernel)."""
         if grad_scale is not None and not self.takes_grad_scale:
             raise ValueError("grad_scale needs a fused AdamW (torch applies it only there) or "
                              "the Triton kernel")
