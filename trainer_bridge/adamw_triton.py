@@ -183,9 +183,10 @@ def adamw_triton_(params: list[torch.Tensor], grads: list[torch.Tensor],
                   tiles: tuple[int, int] | None = None) -> None:
     """One AdamW step in place over fp32 contiguous tensors of one device (torch's
     ``adam(..., fused=True, decoupled_weight_decay=True)`` arithmetic): each step count
-    incremented, each parameter and moment updated from its gradient (divided by ``grad_scale``
-    when given; the gradients are only read), and each parameter's ``copies`` entry (a tensor of its shape in one compute dtype,
-    or None) set to the new value in its dtype. ``tables``: the group's, kept between steps;
+    incremented, each parameter and moment updated from its gradient (divided by
+    ``grad_scale`` when given; the gradients are only read), and each parameter's ``copies``
+    entry (a tensor of its shape in one compute dtype, or None) set to the new value in its
+    dtype. ``tables``: the group's, kept between steps;
     ``tiles``: (elements a program, warps), DEFAULT_TILES when None."""
     if not params:
         return
