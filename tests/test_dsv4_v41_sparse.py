@@ -10,6 +10,7 @@ candidate publish/consume. Only the pool and metadata objects are stand-ins.
 
 from __future__ import annotations
 
+import os
 import types
 from dataclasses import replace
 
@@ -18,10 +19,12 @@ import pytest
 import torch
 
 from sglang_cpu import import_sglang
+from sglang_dsv41.attention.dsv4 import BACKEND_ENV
+from sglang_dsv41.model.dsv4.compressor import stable_topk
 from sglang_dsv41.model.dsv4.config import DSV4Config
 from sglang_dsv41.model.dsv4.context import DSV4Context
 from sglang_dsv41.model.dsv4.rope import layer_inv_freq
-from sglang_dsv41.model.dsv4.v41_sparse import (EntryLayout, build_low_ratio_modules,
+from sglang_dsv41.model.dsv4.v41_sparse import (EntryLayout, build_low_ratio_modules, index_scores,
                                                 low_ratio_entries, validate_low_ratio_config)
 
 SEQS = [37, 20]          # packed; M below keeps each request's slots 2-aligned
@@ -380,3 +383,27 @@ def test_bad_layouts_and_configs_are_refused():
     with pytest.raises(ValueError, match="no index source"):
         validate_low_ratio_config(replace(CFG, index_source_layer_ids=[1, 4],
                                           candidate_source_layer_id=-1))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="the indexer-score kernel: CUDA or TRITON_INTERPRET=1")
+def test_index_scores_on_the_kernel_equal_the_torch_expression(monkeypatch):
+    """V4.1's selection scores where the DSV4 kernels run (the indexer-score kernel, forced here
+    through the backend variable) against SGLang's torch expression (the CPU path) in fp32:
+    scores to fp32 rounding, the same -inf (causal counts, a row that sees nothing, a tile no
+    row sees) and the same picks."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(0)
+    rows, heads, dim, entries = 40, 16, 32, 37
+    q = torch.randn(rows, heads, dim, generator=gen).to(dev)
+    keys = torch.randn(entries, dim, generator=gen).to(dev)
+    weights = torch.randn(rows, heads, generator=gen).to(dev)
+    visible = torch.clamp(torch.arange(rows) - 3, min=0, max=entries).to(dev)
+    monkeypatch.setenv(BACKEND_ENV, "reference")
+    want = index_scores(q, keys, weights, visible)
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    got = index_scores(q, keys, weights, visible)
+    assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.isinf(want[:4]).all()
+    seen = ~torch.isinf(want)
+    torch.testing.assert_close(got[seen], want[seen], rtol=1e-5, atol=1e-5)
+    assert torch.equal(stable_topk(got, 6)[1], stable_topk(want, 6)[1])

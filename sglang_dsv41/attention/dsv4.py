@@ -2,7 +2,8 @@
 
 Backends: "reference" (torch, dsv4_reference.py) and "triton" (dsv4_triton_*.py). The choice,
 first match wins: the `backend` argument, then SGLANG_DSV41_ATTENTION_BACKEND, then CUDA ->
-triton, CPU -> reference; triton on CPU only under TRITON_INTERPRET=1 (tests). Inputs are validated here, once, before any kernel launch.
+triton, CPU -> reference; triton on CPU only under TRITON_INTERPRET=1 (tests). Inputs are
+validated here, once, before any kernel launch.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ def _triton_runs_on(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _resolve(device: torch.device, backend: str | None) -> str:
+def resolve_backend(device: torch.device, backend: str | None) -> str:
+    """The backend a DSV4 kernel's dispatch takes: ``backend``, else the environment's
+    (BACKEND_ENV), else auto (triton on CUDA, the torch reference elsewhere); triton refused
+    where it cannot run."""
     name = backend or os.environ.get(BACKEND_ENV) or "auto"
     if name == "auto":
         return "triton" if device.type == "cuda" else "reference"
@@ -78,7 +82,7 @@ def dsv4_attention(q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor | None
     first_rows: sequence_first_rows(cu_seqlens, T) for the kernel, when the caller keeps it
     for all its layers (computed here otherwise)."""
     _check(q, kv, sinks, cu_seqlens, window, comp_kv, comp_idx, check_values)
-    if _resolve(q.device, backend) == "reference" or q.dtype == torch.float64:
+    if resolve_backend(q.device, backend) == "reference" or q.dtype == torch.float64:
         return dsv4_attention_reference(q, kv, sinks, cu_seqlens, window, scale, comp_kv,
                                         comp_idx)
     from .dsv4_triton_backward import dsv4_attention_triton
@@ -128,7 +132,7 @@ def dsv4_decode(q, kv_cache, page_table, seq_lens, sinks, window, scale, comp_kv
         raise ValueError("a seq_len exceeds the pages its page_table row can hold")
     if comp_idx is not None and (comp_kv is None or comp_idx.shape[0] != q.shape[0]):
         raise ValueError("comp_idx must be [B, K] and come with comp_kv")
-    if _resolve(q.device, backend) == "reference":
+    if resolve_backend(q.device, backend) == "reference":
         return dsv4_decode_reference(q, kv_cache, page_table, seq_lens, sinks, window, scale,
                                      comp_kv, comp_idx)
     from .dsv4_triton_decode import dsv4_decode_triton

@@ -192,9 +192,7 @@ class Indexer(nn.Module):
                     continue
                 seen = visible_entries(positions[a:b], self.ratio)
                 scores = indexer_scores(q[a:b], keys[key_starts[s]:key_starts[s] + n], w[a:b],
-                                        self.head_dim ** -0.5)
-                future = torch.arange(n, device=x.device)[None, :] >= seen[:, None]
-                scores = scores.masked_fill(future, float("-inf"))
+                                        self.head_dim ** -0.5, visible=seen)
                 picks = stable_topk(scores, min(self.topk, n))[1]
                 out[a:b, :picks.shape[1]] = torch.where(picks < seen[:, None],
                                                         picks + entry_starts[s], -1)

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...attention.dsv4 import resolve_backend
+from ...attention.indexer_scores import indexer_scores, mask_unseen
 from .compressor import query_chunks, stable_topk
 from .config import DSV4Config
 from .norm import RMSNorm
@@ -112,7 +114,8 @@ def validate_low_ratio_config(cfg: DSV4Config) -> None:
             continue
         if cfg.index_source_for(i) is None:
             raise ValueError(f"layer {i} (ratio {r}) has no index source layer at or before it")
-        if i in cfg.index_source_layer_ids and cfg.kv_source_for(i) not in cfg.index_source_layer_ids:
+        if i in cfg.index_source_layer_ids and \
+                cfg.kv_source_for(i) not in cfg.index_source_layer_ids:
             raise ValueError(f"index source {i} reads the keys of kv source {cfg.kv_source_for(i)}"
                              ", which is not an index source (only those write index keys)")
     c = cfg.candidate_source_layer_id
@@ -299,11 +302,8 @@ def _select(cfg: DSV4Config, layer_id: int, indexer: V41Indexer, x: torch.Tensor
             if lc == 0:
                 continue
             lens_c = lens[c0:c1]
-            cols = torch.arange(lc, device=x.device)
-            scores = torch.einsum("bhd,nd->bhn", q[c0 + r0:c1 + r0], keys[start:start + lc])
-            # Out of place: selective checkpointing caches the einsum's bmm output.
-            scores = (scores.relu() * weights[c0 + r0:c1 + r0].unsqueeze(-1)).sum(dim=1).float()
-            scores = scores.masked_fill(cols[None, :] >= lens_c[:, None], -torch.inf)
+            scores = index_scores(q[c0 + r0:c1 + r0], keys[start:start + lc],
+                                  weights[c0 + r0:c1 + r0], lens_c)
             k = min(indexer.topk, lc)
             if consumes:
                 idx = topk_among_blocks(scores, lens_c, blocks[c0:c1], k, cfg.candidate_block_size)
@@ -319,6 +319,22 @@ def _select(cfg: DSV4Config, layer_id: int, indexer: V41Indexer, x: torch.Tensor
     if publishes:
         shared[("v41_candidates",)] = table
     return out
+
+
+def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
+                 visible: torch.Tensor) -> torch.Tensor:
+    """score[t, n] = sum_h weights[t, h] relu(q[t, h] . keys[n]) (fp32 [T, N]), -inf at
+    n >= visible[t]. Where the DSV4 kernels run (resolve_backend: CUDA) the indexer-score
+    kernel: fp32 sums of the products, one [T, N] pass, the tiles no row may see skipped. Else
+    SGLang's torch prefill expression with its roundings in the compute dtype (the products,
+    the relu'd weighted terms, their sum over the heads), which tests/test_dsv4_v41_sparse.py
+    holds the picks to on the CPU; on a GPU it made three [T, heads, N] passes (512 MiB each
+    at 4k tokens of a ratio-1 layer), which selective checkpointing also kept (the bmm)."""
+    if resolve_backend(q.device, None) == "triton" and q.dtype != torch.float64:
+        return indexer_scores(q, keys, weights, 1.0, backend="triton", visible=visible)
+    scores = torch.einsum("bhd,nd->bhn", q, keys)
+    scores = (scores.relu() * weights.unsqueeze(-1)).sum(dim=1).float()
+    return mask_unseen(scores, visible)
 
 
 def select_candidate_block_ids(scores: torch.Tensor, lens: torch.Tensor, topk_blocks: int,
