@@ -424,10 +424,14 @@ class Ours:
         # one chunk of fp32 logits, its log_softmax/exp and the bf16 gradient (token_logprobs)
         rows = min(seq, token_logprobs.logprob_chunk_rows(cfg.vocab_size))
         head_chunk = rows * cfg.vocab_size * (4 + 4 + 2)
-        # one chunk of bf16 [rows, heads, entries] index products, its relu and weighted copy
+        # One selection chunk (compressor.query_chunks' rows): on CUDA the indexer-score
+        # kernel's fp32 [rows, entries] scores and the stable top-k's sorted fp32 values and
+        # int64 indices; elsewhere (the torch expressions) bf16 [rows, heads, entries]
+        # products, their relu and weighted copy.
         entries = max((seq // r for r in cfg.compress_ratios if r in (1, 2, 4)), default=0)
-        selection_chunk = 3 * 2 * min(compressor.SELECTION_CHUNK_PRODUCTS,
-                                      seq * cfg.index_n_heads * entries)
+        products = min(compressor.SELECTION_CHUNK_PRODUCTS, seq * cfg.index_n_heads * entries)
+        selection_chunk = (products // max(1, cfg.index_n_heads) * (4 + 4 + 8)
+                           if self.device.type == "cuda" else 3 * 2 * products)
         lines = [f"memory plan @ {seq} (ac={checkpointing}): fp32 master weights "
                  f"{master / GiB:.2f} GiB, buffers {buffers / GiB:.2f}, {self.copies_note()}"
                  f"fp32 gradients "
