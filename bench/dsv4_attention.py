@@ -7,6 +7,7 @@ our Triton kernels vs transformers' eager DeepseekV4 attention, per layer kind, 
     python bench/dsv4_attention.py --heads 16 --ab-rounds 3  # only: old vs default tiles
     python bench/dsv4_attention.py --decode-sweep  # only: decode tile configs
     python bench/dsv4_attention.py --decode-compile  # only, no GPU: decode kernels for sm_90
+    python bench/dsv4_attention.py --training-compile  # only, no GPU: training kernels, sm_90
     python bench/dsv4_attention.py --lengths 4096  # fewer lengths
     python bench/dsv4_attention.py --profile       # only: kernel split of the core, module ops
     python bench/dsv4_attention.py --profile-module --lengths 4096  # only: our module per kind
@@ -508,23 +509,20 @@ def decode_sweep(batch=512, seq=8192, page=64):
         torch.cuda.empty_cache()
 
 
-def decode_compile_report(arch=90):
-    """The decode split kernel of each DECODE_TRIALS config compiled for sm_<arch> without a GPU
-    (the installed Triton and its ptxas): registers and spill bytes a thread, shared memory,
-    and how many of its waits drain every copy in flight (async_wait num=0: one at the top of
-    each loop iteration and one after each loop). Integer arguments that are multiples of 16 at
-    the bench shapes are marked so, as a launch would."""
+def compile_report(kernel, types_: dict, consts: dict, aligned: set, arch: int, warps: int,
+                   stages: int) -> dict:
+    """``kernel`` compiled for sm_<arch> without a GPU (the installed Triton and its ptxas; the
+    integer arguments named in ``aligned`` marked multiples of 16, as a launch at the bench
+    shapes marks them) -> registers and spill bytes a thread, shared memory, its MMA
+    instructions (wgmma: Hopper's warpgroup MMA; mma.sync: the Ampere one), asynchronous
+    copies, and its waits that drain every copy in flight."""
     import re
     import subprocess
     import tempfile
     from pathlib import Path
 
-    from sglang_dsv41.attention.dsv4_triton_decode import _dsv4_decode_split_kernel as kernel
     from sglang_dsv41.attention.triton_common import compile_for_gpu
 
-    types_ = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "comp_ptr": "*bf16", "o_ptr": "*bf16",
-              "sink_ptr": "*fp32", "part_ptr": "*fp32", "ml_ptr": "*fp32", "qk_scale": "fp32"}
-    aligned = {"D", "window", "stride_kv", "stride_c", "stride_idx", "stride_page"}
     try:  # the ptxas Triton compiles with (Triton 3.9: a newer one than bin/ptxas)
         from triton.backends.nvidia.compiler import get_ptxas
 
@@ -532,26 +530,79 @@ def decode_compile_report(arch=90):
     except (ImportError, TypeError):
         ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
     names = [p.name for p in kernel.params]
-    types_ = {n: types_.get(n, "*i32" if n.endswith("_ptr") else "i32") for n in names}
+    types_ = {n: types_.get(n, "*i32" if n.endswith("_ptr") else "i32") for n in names
+              if n not in consts}
+    compiled = compile_for_gpu(kernel, types_, consts, aligned, arch, num_warps=warps,
+                               num_stages=stages)
+    ptx = compiled.asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        info = subprocess.run([str(ptxas), f"-arch=sm_{arch}a", "-v", f.name, "-o",
+                               "/dev/null"], capture_output=True, text=True).stderr
+    return dict(regs=int(re.search(r"Used (\d+) registers", info).group(1)),
+                spills=int(re.search(r"(\d+) bytes spill stores", info).group(1)),
+                shared=compiled.metadata.shared, wgmma=ptx.count("wgmma.mma_async"),
+                mma_sync=ptx.count("mma.sync"), cp_async=len(re.findall(r"cp\.async\.c[ag]", ptx)),
+                drains=compiled.asm["ttgir"].count("num = 0 : i32"))
+
+
+def decode_compile_report(arch=90):
+    """The decode split kernel of each DECODE_TRIALS config compiled for sm_<arch> without a GPU
+    (compile_report): registers, spills, shared memory, and how many of its waits drain every
+    copy in flight (async_wait num=0: one at the top of each loop iteration and one after each
+    loop)."""
+    from sglang_dsv41.attention.dsv4_triton_decode import _dsv4_decode_split_kernel as kernel
+
+    types_ = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "comp_ptr": "*bf16", "o_ptr": "*bf16",
+              "sink_ptr": "*fp32", "part_ptr": "*fp32", "ml_ptr": "*fp32", "qk_scale": "fp32"}
+    aligned = {"D", "window", "stride_kv", "stride_c", "stride_idx", "stride_page"}
     for heads, trials in DECODE_TRIALS.items():
         for config in trials:
             tiles = DecodeTiles(*config)
             consts = dict(HAS_SINK=True, PAGE=64, BH=tiles.bh, BN=tiles.bn, BD=D,
                           SPLITS=max(tiles.splits, 1), DOT_PREC="tf32")
-            compiled = compile_for_gpu(
-                kernel, types_, consts, aligned | ({"H"} if heads % 16 == 0 else set()), arch,
-                num_warps=tiles.warps, num_stages=tiles.stages)
-            with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-                f.write(compiled.asm["ptx"])
-                f.flush()
-                info = subprocess.run([str(ptxas), f"-arch=sm_{arch}a", "-v", f.name, "-o",
-                                       "/dev/null"], capture_output=True, text=True).stderr
-            regs = re.search(r"Used (\d+) registers", info).group(1)
-            spills = re.search(r"(\d+) bytes spill stores", info).group(1)
-            drains = compiled.asm["ttgir"].count("num = 0 : i32")
-            print(f"decode H={heads} {config}: {regs} registers, {spills} B spill stores, "
-                  f"{compiled.metadata.shared} B shared, {drains} waits draining all copies",
+            r = compile_report(kernel, types_, consts,
+                               aligned | ({"H"} if heads % 16 == 0 else set()), arch,
+                               tiles.warps, tiles.stages)
+            print(f"decode H={heads} {config}: {r['regs']} registers, {r['spills']} B spill "
+                  f"stores, {r['shared']} B shared, {r['drains']} waits draining all copies",
                   flush=True)
+
+
+def training_compile_report(arch=90):
+    """The training kernels (forward, P/dS pass, dQ, window dKV) at default_blocks of 16 heads
+    (the small preset) and 64 (V4-Flash) compiled for sm_<arch> without a GPU (compile_report):
+    which MMA instructions they use, their asynchronous copies (the pipelined gathers), shared
+    memory, registers and spills."""
+    from sglang_dsv41.attention import dsv4_triton_backward as bwd, dsv4_triton_forward as fwd
+
+    types_ = {n: "*bf16" for n in ("q_ptr", "kv_ptr", "comp_ptr", "o_ptr", "do_ptr", "p_ptr",
+                                    "ds_ptr", "dq_ptr", "dkv_ptr")}
+    types_.update({n: "*fp32" for n in ("lse_ptr", "delta_ptr", "dcomp_ptr", "sink_ptr")})
+    types_.update(qk_scale="fp32", scale="fp32")
+    aligned = {"H", "D", "window", "num_sel", "T", "stride_qt", "stride_qh", "stride_kv",
+               "stride_c", "stride_idx", "stride_ot", "stride_oh"}
+    for heads in (16, 64):
+        b = default_blocks(heads)
+        bhh = max(16, triton.next_power_of_2(heads))
+        kernels = {
+            "forward": (fwd._dsv4_fwd_kernel, dict(HAS_SINK=True, BH=b.fwd_bh, BN=b.fwd_bn,
+                                                   BNS=b.fwd_bn, BD=D, DOT_PREC="tf32"),
+                        b.fwd_warps, b.fwd_stages),
+            "P/dS": (bwd._dsv4_ds_kernel, dict(BH=b.ds_bh, BN=b.ds_bn, BC=b.ds_bd,
+                                               DOT_PREC="tf32"), b.ds_warps, b.ds_stages),
+            "dQ": (bwd._dsv4_dq_kernel, dict(BH=b.dq_bh, BN=b.dq_bn, BD=b.dq_bd,
+                                             DOT_PREC="tf32"), b.dq_warps, b.dq_stages),
+            "window dKV": (bwd._dsv4_dkv_window_kernel, dict(BN=b.dkv_bn, BHH=bhh, BD=b.dkv_bd,
+                                                             DOT_PREC="tf32"),
+                           b.dkv_warps, b.dkv_stages)}
+        for name, (kernel, consts, warps, stages) in kernels.items():
+            r = compile_report(kernel, types_, consts, aligned, arch, warps, stages)
+            print(f"H={heads} {name:10s} {warps} warps {stages} stages: wgmma {r['wgmma']:4d}, "
+                  f"mma.sync {r['mma_sync']:4d}, cp.async {r['cp_async']:3d}, "
+                  f"{r['shared']:6d} B shared, {r['regs']} registers, {r['spills']} B spill "
+                  "stores", flush=True)
 
 
 if __name__ == "__main__":
@@ -578,10 +629,13 @@ if __name__ == "__main__":
     parser.add_argument("--decode-compile", action="store_true",
                         help="only, no GPU: registers, spills, shared memory of the decode "
                              "configs compiled for sm_90")
+    parser.add_argument("--training-compile", action="store_true",
+                        help="only, no GPU: MMA instructions, async copies, shared memory, "
+                             "registers of the training kernels compiled for sm_90")
     args = parser.parse_args()
-    if args.decode_compile:
+    if args.decode_compile or args.training_compile:
         print("triton", triton.__version__, "sm_90, no GPU")
-        decode_compile_report()
+        (decode_compile_report if args.decode_compile else training_compile_report)()
         raise SystemExit
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     H = args.heads
