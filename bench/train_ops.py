@@ -571,9 +571,10 @@ def adamw_kernels(args) -> None:
     from torch.optim.adam import adam
 
     from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM
-    from trainer_bridge.adamw_triton import AdamWTables, adamw_triton_
+    from trainer_bridge.adamw_triton import DEFAULT_TILES, AdamWTables, adamw_triton_
 
-    tiles = [parse_tiles(t, "--tiles") for t in args.tiles.split(",")]
+    tiles = [parse_tiles(t, "--tiles") for t in args.tiles.split(",")] if args.tiles \
+        else [DEFAULT_TILES]
     dev = torch.device("cuda")
     with torch.device("meta"):
         shapes = [p.shape for p in DSV4ForCausalLM(get_preset(args.preset)).parameters()]
@@ -601,7 +602,6 @@ def adamw_kernels(args) -> None:
              has_complex=False, amsgrad=False, maximize=False, decoupled_weight_decay=True,
              **hyper)
         torch._foreach_copy_(copies, params)
-
 
     def triton_step(params, m, v, steps, copies, tile=tiles[0]):
         adamw_triton_(params, grads, m, v, steps, copies, grad_scale=scale, tables=tables,
@@ -673,8 +673,9 @@ def main(argv=None) -> int:
     aw = sub.add_parser("adamw")
     aw.add_argument("--preset", default="small")
     aw.add_argument("--repeats", type=int, default=10)
-    aw.add_argument("--tiles", default="4096x8",
-                    help="comma list of ELEMENTSxWARPS of the Triton kernel to time")
+    aw.add_argument("--tiles", default=None,
+                    help="comma list of ELEMENTSxWARPS of the Triton kernel to time (default: "
+                    "adamw_triton.DEFAULT_TILES)")
     pa = sub.add_parser("parity")
     pa.add_argument("--preset", default="small")
     pa.add_argument("--seq", type=int, default=1024)

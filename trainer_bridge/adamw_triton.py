@@ -31,13 +31,14 @@ import triton.language as tl
 
 from sglang_dsv41.attention.triton_common import dot_precision, to_dtype
 
+from .compute_copies import ALIGN_BYTES
+
 # (elements a program updates, warps). On an H200 over the small preset's 1.46B parameters
 # (bench/train_ops.py adamw --tiles, bench/results/train_h200.txt run Y): 2048x8 13.86 ms,
 # 1024x4 13.98, 8192x16 14.65, 2048x4 15.05, 4096x8 16.84; torch's fused kernel and the
 # copies' refresh 17.11. bench/train.py --adamw-tiles sets this for its run.
 DEFAULT_TILES = (2048, 8)
 _FIELDS = 7  # param, grad, exp_avg, exp_avg_sq, copy offsets; has copy; numel
-_ALIGN_BYTES = 16
 
 
 @triton.jit
@@ -142,12 +143,12 @@ class AdamWTables:
                 + [0 if c is None else (c.data_ptr() - base_c) // size_c, int(c is not None),
                    ts[0].numel()]
                 for *ts, c in zip(*lists, copies)]
-        fp32_aligned = all(a % _ALIGN_BYTES == 0 for group in lists for a in
-                           (t.data_ptr() for t in group)) and base_f % _ALIGN_BYTES == 0
-        copy_aligned = all(c.data_ptr() % _ALIGN_BYTES == 0 for c in copies
-                           if c is not None) and base_c % _ALIGN_BYTES == 0
-        self.multiples = (_ALIGN_BYTES // size_f if fp32_aligned else 1,
-                          _ALIGN_BYTES // size_c if copy_aligned else 1)
+        fp32_aligned = all(a % ALIGN_BYTES == 0 for group in lists for a in
+                           (t.data_ptr() for t in group)) and base_f % ALIGN_BYTES == 0
+        copy_aligned = all(c.data_ptr() % ALIGN_BYTES == 0 for c in copies
+                           if c is not None) and base_c % ALIGN_BYTES == 0
+        self.multiples = (ALIGN_BYTES // size_f if fp32_aligned else 1,
+                          ALIGN_BYTES // size_c if copy_aligned else 1)
         table = torch.tensor(rows, dtype=torch.int64).reshape(-1, _FIELDS)
         if f32.device.type == "cuda":  # torch's pinned-memory cache keeps it until it is copied
             table = table.pin_memory().to(f32.device, non_blocking=True)

@@ -280,7 +280,8 @@ class MoE(nn.Module):
         local = ids.reshape(-1) - experts.start
         slots = None
         if len(experts) != len(self.experts):  # expert parallel: this rank's experts only
-            slots = torch.nonzero((local >= 0) & (local < len(experts))).squeeze(1)
+            mine = (local >= 0) & (local < len(experts))
+            slots = torch.nonzero(mine).squeeze(1)
             local = local[slots]
         # 16-bit keys: a radix sort makes one pass per byte of key (8 for int64).
         sorted_ids, order = torch.sort(local.to(torch.int16), stable=True)
@@ -290,10 +291,10 @@ class MoE(nn.Module):
         offs = torch.searchsorted(sorted_ids, bounds, out_int32=True)
         if slots is None:
             slot_order = order  # a permutation of the T*k (token, slot) pairs
-        else:  # other ranks' pairs last, in slot order: still a permutation
-            other = torch.ones(n_tok * k, dtype=torch.bool, device=ids.device)
-            other[slots] = False
-            slot_order = torch.cat([slots[order], torch.nonzero(other).squeeze(1)])
+        else:  # other ranks' pairs last, in slot order: still a permutation (their count is
+            # known from slots': no second read-back)
+            others = torch.nonzero_static(~mine, size=n_tok * k - slots.shape[0]).squeeze(1)
+            slot_order = torch.cat([slots[order], others])
         inverse = inverse_permutation(slot_order)
         n_local = order.shape[0]  # this rank's pairs, the first in slot_order
         rows = _TokenSlotRows.apply(x, slot_order, inverse, k, n_local)  # in expert order
@@ -301,4 +302,4 @@ class MoE(nn.Module):
         w2 = rank_part(self.experts.w2, 0, experts)    # [E, H, I]
         gate_up = grouped_mm(rows, w13.transpose(1, 2), offs)
         y = grouped_mm(swiglu_packed(gate_up, self.limit), w2.transpose(1, 2), offs)
-        return combine_slots(y[:n_local], weights, inverse, slot_order).to(x.dtype)
+        return combine_slots(y, weights, inverse, slot_order).to(x.dtype)
