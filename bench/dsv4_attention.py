@@ -453,13 +453,15 @@ def probe_atomics(total=4096, rounds=3):
     print(f"# 4k CSA core fwd+bwd, {H} heads, {(idx >= 0).sum().item()} (token, pick) pairs",
           flush=True)
     for rnd in range(rounds):
-        row = []
+        row, built_ms = [], None
         for name, module in variants.items():
             def run(module=module):
                 module.dsv4_attention_triton(q, kv, sinks, cu, W, D ** -0.5, ckv, idx,
                                              blocks).backward(dout)
-            row.append(f"{name} {do_bench(run, warmup=25, rep=200):.3f}")
-        print(f"round {rnd}: " + "  ".join(row) + " ms", flush=True)
+            ms = do_bench(run, warmup=25, rep=200)
+            built_ms = built_ms or ms
+            row.append(f"{name} {ms:.3f} ms ({ms / built_ms:.2f}x as built)")
+        print(f"round {rnd}: " + "  ".join(row), flush=True)
 
 
 # Decode configs tried by --decode-sweep per head count: DecodeTiles(bh, bn, warps, stages,
