@@ -12,7 +12,8 @@ from torch import nn
 from torch.optim.adam import adam
 
 from sglang_dsv41.attention.triton_common import interpreting
-from trainer_bridge.adamw_triton import _FIELDS, DEFAULT_TILES, AdamWTables, adamw_triton_
+from trainer_bridge.adamw_triton import (_FIELDS, DEFAULT_TILES, AdamWTables, adamw_triton_,
+                                         grad_square_sum)
 from trainer_bridge.compute_copies import apply_compute_copies
 from trainer_bridge.local_shards import LocalShardAdamW
 
@@ -182,3 +183,85 @@ def test_bad_adamw_kernel_settings_are_refused(monkeypatch):
         schedule.build_optimizer(policy, OptimConfig(adamw_kernel="triton"), 2)
     opt, _ = schedule.build_optimizer(policy, OptimConfig(), 2)  # auto: torch's here
     assert opt.kernel == "torch"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pending_gradients_equal_the_folded_ones(device):
+    """The kernels read a gradient pending in the copies' dtype (alone, or added to an fp32
+    one) as its fold into fp32 would be: the same step to the bit, the same sum of squares;
+    a parameter with neither is refused."""
+    hyper = dict(lr=3e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    grads = tensors(device, seed=3)
+    pending = [g.bfloat16() if i != 1 else None for i, g in enumerate(grads)]
+    f32 = [None if i == 0 else g * 0.5 for i, g in enumerate(grads)]  # 0: pending alone
+    folded = [(a if a is not None else 0) + (b.float() if b is not None else 0)
+              for a, b in zip(f32, pending)]
+    folded = [torch.as_tensor(t).expand(p.shape).contiguous() for t, p in zip(folded, grads)]
+    runs = []
+    for gs, pend in ((f32, pending), (folded, None)):
+        ours = tensors(device)
+        state = [[torch.zeros_like(p) for p in ours] for _ in range(2)]
+        steps = [torch.zeros((), device=device) for _ in ours]
+        copies = [torch.empty_like(p, dtype=torch.bfloat16) for p in ours]
+        sq = grad_square_sum(ours, gs, *state, copies, pend)
+        adamw_triton_(ours, gs, *state, steps, copies, pending=pend,
+                      grad_scale=torch.tensor(2.0, device=device), **hyper)
+        runs.append((ours, sq))
+    for a, b in zip(runs[0][0], runs[1][0]):
+        assert torch.equal(a, b)
+    want = sum(float(t.double().square().sum()) for t in folded)
+    assert abs(float(runs[0][1]) - want) <= 1e-6 * want
+    assert float(runs[0][1]) == float(runs[1][1])
+    p = tensors(device)
+    state = [[torch.zeros_like(t) for t in p] for _ in range(2)]
+    with pytest.raises(ValueError, match="no gradient"):
+        adamw_triton_(p, [None] * len(p), *state, [torch.zeros((), device=device)] * len(p),
+                      [None] * len(p), **hyper)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pending_gradients_reach_every_reader(device):
+    """After a deferred backward the masters' gradients are pending: another optimizer's step
+    (torch's SGD) and the next forward fold them into .grad first; the reader's zero_grad drops
+    them; its clip_and_step reads them as the written ones (same masters after the step)."""
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(40, 30), Gain(30), nn.Linear(30, 7)).to(device)
+        copies = apply_compute_copies(model, torch.bfloat16, lambda n: n.startswith("1."))
+        opt = LocalShardAdamW(model.parameters(), lr=1e-2, kernel="triton",
+                              fused=True if device == "cuda" else None, compute_copies=copies)
+        return model, copies, opt
+
+    x = torch.randn(16, 40, generator=torch.Generator().manual_seed(1)).to(device)
+
+    def backward(model, copies, defer):
+        if defer:
+            copies.defer_next_backward()
+        model(x.bfloat16()).float().square().sum().backward()
+
+    model, copies, opt = build()
+    backward(model, copies, defer=False)
+    written = {n: p.grad.clone() for n, p in model.named_parameters()}
+    opt.clip_and_step(0.5)
+    after_written = [p.detach().clone() for p in model.parameters()]
+
+    model, copies, opt = build()
+    backward(model, copies, defer=True)
+    assert len(copies.pending) == 4 and model[0].weight.grad is None  # Gain's stays fp32
+    torch.optim.SGD(model.parameters(), lr=0.0).step()  # reads .grad: settled first
+    assert not copies.pending
+    assert all(torch.equal(p.grad, written[n]) for n, p in model.named_parameters())
+    opt.zero_grad(set_to_none=True)
+    backward(model, copies, defer=True)
+    with torch.no_grad():
+        model(x.bfloat16())  # a forward settles them too
+    assert not copies.pending and torch.equal(model[0].weight.grad, written["0.weight"])
+    opt.zero_grad(set_to_none=True)
+    backward(model, copies, defer=True)
+    opt.zero_grad(set_to_none=True)  # dropped with the rest
+    assert not copies.pending and model[0].weight.grad is None
+    backward(model, copies, defer=True)
+    opt.clip_and_step(0.5)
+    assert not copies.pending
+    for a, b in zip(after_written, model.parameters()):
+        assert torch.equal(a, b)

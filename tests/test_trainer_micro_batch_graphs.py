@@ -18,6 +18,7 @@ import pytest
 import torch
 from refusals import outcome
 
+from sglang_dsv41.attention.triton_common import interpreting
 from trainer_bridge.batch import Sample, pack
 from trainer_bridge.dist import run_spawned
 
@@ -52,7 +53,11 @@ def micro_batches(policy, step: int, r3: bool) -> list:
     return out
 
 
-def run_mode(mesh, graphs: bool, r3: bool, device=torch.device("cpu")) -> dict:
+def run_mode(mesh, graphs: bool, r3: bool, device=torch.device("cpu"),
+             triton_adamw: bool = False, defer: bool = False) -> dict:
+    """``triton_adamw``: the Triton AdamW (interpreted on the CPU), the compute copies' reader;
+    ``defer``: the trainer's Policy.micro_batch calls, so each step's last micro-batch leaves
+    its copies' gradients pending for the step."""
     from trainer_bridge.config import LossConfig, ModelConfig, OptimConfig
     from trainer_bridge.micro_batch_graphs import MicroBatchGraphs
     from trainer_bridge.policy import build_policy
@@ -64,17 +69,22 @@ def run_mode(mesh, graphs: bool, r3: bool, device=torch.device("cpu")) -> dict:
     loss_cfg = LossConfig(kl_coef=0.1)
     if graphs:
         policy.graphs = MicroBatchGraphs(policy, loss_cfg, world_size=1)
-    opt, _ = build_optimizer(policy, OptimConfig(lr=1e-2), 3)
-    out = {"steps": []}
+    opt, _ = build_optimizer(policy, OptimConfig(
+        lr=1e-2, adamw_kernel="triton" if triton_adamw else "auto"), 3)
+    out = {"steps": [], "pending": []}
     for step in range(len(LENGTHS)):
         mbs = micro_batches(policy, step, r3)
         tokens = sum(float(mb.loss_mask.sum()) for mb in mbs)
         passes = [reference_pass(policy, mb, r3) for mb in mbs]
-        sums = [forward_backward(policy, mb, tokens, loss_cfg, 1, replay=r3).cpu().numpy()
-                for mb in mbs]
+        sums = []
+        for i, mb in enumerate(mbs):
+            if defer:
+                policy.micro_batch(i, len(mbs))
+            sums.append(forward_backward(policy, mb, tokens, loss_cfg, 1, replay=r3
+                                         ).cpu().numpy())
         # copies: the graphed path's gradient buffers persist (a numpy view would change)
-        grads = {n: p.grad.detach().float().cpu().numpy().copy()
-                 for n, p in policy.model.named_parameters() if p.grad is not None}
+        grads = gradients(policy)
+        out["pending"].append(len(policy.model.compute_copies.pending))
         norm = clip_and_step(opt, 1.0).item()
         opt.zero_grad(set_to_none=True)
         out["steps"].append((sums, grads, norm, passes))
@@ -83,6 +93,18 @@ def run_mode(mesh, graphs: bool, r3: bool, device=torch.device("cpu")) -> dict:
     out["dtypes"] = sorted({str(p.dtype) for p in policy.model.parameters()})
     out["counts"] = dict(policy.graphs.counts) if graphs else None
     out["layouts"] = len(policy.graphs.layouts) if graphs else None
+    return out
+
+
+def gradients(policy) -> dict:
+    """name -> the parameter's gradient: its .grad plus its pending one (compute_copies.py),
+    read without settling them (the step must find them pending)."""
+    pending = policy.model.compute_copies.pending_by_master()
+    out = {}
+    for n, p in policy.model.named_parameters():
+        parts = [t.detach().float() for t in (p.grad, pending.get(id(p))) if t is not None]
+        if parts:  # fp32 += pending, as the step adds them; a copy (the buffers persist)
+            out[n] = (parts[0] + parts[1] if len(parts) == 2 else parts[0]).cpu().numpy().copy()
     return out
 
 
@@ -100,8 +122,14 @@ def reference_pass(policy, mb, replay: bool) -> tuple:
 
 
 def both_modes(mesh, sample):
-    return {(graphs, r3): run_mode(mesh, graphs, r3) for r3 in (False, True)
-            for graphs in (False, True)}
+    out = {(graphs, r3): run_mode(mesh, graphs, r3) for r3 in (False, True)
+           for graphs in (False, True)}
+    if interpreting():  # the Triton AdamW on the CPU
+        out["triton"] = run_mode(mesh, False, False, triton_adamw=True)
+        for graphs in (False, True):
+            out[("deferred", graphs)] = run_mode(mesh, graphs, False, triton_adamw=True,
+                                                 defer=True)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +170,28 @@ def test_graphed_function_equals_plain_path(runs, r3):
     assert graphed["dtypes"] == ["torch.float32"]  # the masters back in the modules
     assert not np.array_equal(plain["steps"][0][1]["embed.weight"],
                               plain["steps"][1][1]["embed.weight"])  # the steps moved
+
+
+@pytest.mark.skipif(not interpreting(), reason="the Triton AdamW on the CPU: TRITON_INTERPRET=1")
+def test_pending_gradients_step_as_the_written_ones(runs):
+    """The step's last micro-batch leaves its copies' gradients pending (both paths): the
+    Triton AdamW's norm and step read them there, and the run equals the same optimizer's
+    over fp32 gradients written as before, bit for bit (the kernel adds fp32 + pending as
+    the written path's fp32 += does)."""
+    written = runs["triton"]
+    assert written["pending"] == [0, 0, 0]
+    for graphs in (False, True):
+        deferred = runs[("deferred", graphs)]
+        assert all(n > 50 for n in deferred["pending"]), deferred["pending"]
+        for step, ((sums_a, grads_a, norm_a, _), (sums_b, grads_b, norm_b, _)) in enumerate(
+                zip(written["steps"], deferred["steps"])):
+            assert all(np.array_equal(a, b) for a, b in zip(sums_a, sums_b)), (graphs, step)
+            assert set(grads_a) == set(grads_b), (graphs, step)
+            for name, g in grads_a.items():
+                assert np.array_equal(g, grads_b[name]), (graphs, step, name)
+            assert norm_a == norm_b, (graphs, step)
+        for name, w in written["weights"].items():
+            assert np.array_equal(w, deferred["weights"][name]), (graphs, name)
 
 
 def refusals(mesh, sample):

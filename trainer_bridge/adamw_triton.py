@@ -38,7 +38,9 @@ from .compute_copies import ALIGN_BYTES
 # 1024x4 13.98, 8192x16 14.65, 2048x4 15.05, 4096x8 16.84; torch's fused kernel and the
 # copies' refresh 17.11. bench/train.py --adamw-tiles sets this for its run.
 DEFAULT_TILES = (2048, 8)
-_FIELDS = 7  # param, grad, exp_avg, exp_avg_sq, copy offsets; has copy; numel
+# param, grad, exp_avg, exp_avg_sq, copy, pending gradient offsets; has copy, has grad, has
+# pending; numel
+_FIELDS = 10
 
 
 @triton.jit
@@ -58,35 +60,53 @@ def _adamw_kernel(f32_ptr, copy_ptr, table_ptr, chunk_ptr, coef_ptr, scale_ptr, 
     i = tl.load(chunk_ptr + 2 * pid)
     start = tl.load(chunk_ptr + 2 * pid + 1).to(tl.int64) * BLOCK
     row = table_ptr + i * FIELDS
-    p_ptr = f32_ptr + _offset(row, 0, F32_MULTIPLE)
-    g_ptr = f32_ptr + _offset(row, 1, F32_MULTIPLE)
-    m_ptr = f32_ptr + _offset(row, 2, F32_MULTIPLE)
-    v_ptr = f32_ptr + _offset(row, 3, F32_MULTIPLE)
-    c_ptr = copy_ptr + _offset(row, 4, COPY_MULTIPLE)
-    has_copy = tl.load(row + 5)
-    numel = tl.load(row + 6)
+    numel = tl.load(row + 9)
     step_size = tl.load(coef_ptr + 2 * i)  # lr / (1 - beta1^step)
     bc2_sqrt = tl.load(coef_ptr + 2 * i + 1)  # sqrt(1 - beta2^step)
     offs = start + tl.arange(0, BLOCK)
     # A whole block unmasked: a mask against a count of unknown alignment would keep every
     # access scalar.
     if start + BLOCK <= numel:
-        _update(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, has_copy, offs, numel, step_size, bc2_sqrt,
-                scale_ptr, lr, beta1, beta2, eps, weight_decay, HAS_SCALE, ROUNDING, False)
+        _update(f32_ptr, copy_ptr, row, offs, numel, step_size, bc2_sqrt, scale_ptr, lr, beta1,
+                beta2, eps, weight_decay, HAS_SCALE, ROUNDING, F32_MULTIPLE, COPY_MULTIPLE,
+                False)
     else:
-        _update(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, has_copy, offs, numel, step_size, bc2_sqrt,
-                scale_ptr, lr, beta1, beta2, eps, weight_decay, HAS_SCALE, ROUNDING, True)
+        _update(f32_ptr, copy_ptr, row, offs, numel, step_size, bc2_sqrt, scale_ptr, lr, beta1,
+                beta2, eps, weight_decay, HAS_SCALE, ROUNDING, F32_MULTIPLE, COPY_MULTIPLE,
+                True)
 
 
 @triton.jit
-def _update(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, has_copy, offs, numel, step_size, bc2_sqrt,
-            scale_ptr, lr, beta1, beta2, eps, weight_decay, HAS_SCALE: tl.constexpr,
-            ROUNDING: tl.constexpr, MASKED: tl.constexpr):
+def _gradient(f32_ptr, copy_ptr, row, offs, mask, F32_MULTIPLE: tl.constexpr,
+              COPY_MULTIPLE: tl.constexpr, MASKED: tl.constexpr):
+    """A row's gradient block in fp32: its fp32 gradient, its pending compute-dtype one (the
+    step's last micro-batch, compute_copies.py), or their sum, rounded once as the fp32 += the
+    pending add that it replaces."""
+    other = 0.0 if MASKED else None
+    if tl.load(row + 7) != 0:
+        g = tl.load(f32_ptr + _offset(row, 1, F32_MULTIPLE) + offs, mask=mask, other=other)
+        if tl.load(row + 8) != 0:
+            g = g + tl.load(copy_ptr + _offset(row, 5, COPY_MULTIPLE) + offs, mask=mask,
+                            other=other).to(tl.float32)
+    else:
+        g = tl.load(copy_ptr + _offset(row, 5, COPY_MULTIPLE) + offs, mask=mask,
+                    other=other).to(tl.float32)
+    return g
+
+
+@triton.jit
+def _update(f32_ptr, copy_ptr, row, offs, numel, step_size, bc2_sqrt, scale_ptr, lr, beta1,
+            beta2, eps, weight_decay, HAS_SCALE: tl.constexpr, ROUNDING: tl.constexpr,
+            F32_MULTIPLE: tl.constexpr, COPY_MULTIPLE: tl.constexpr, MASKED: tl.constexpr):
     mask = offs < numel if MASKED else None
-    p = tl.load(p_ptr + offs, mask=mask, other=0.0 if MASKED else None)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0 if MASKED else None)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0 if MASKED else None)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0 if MASKED else None)
+    other = 0.0 if MASKED else None
+    p_ptr = f32_ptr + _offset(row, 0, F32_MULTIPLE)
+    m_ptr = f32_ptr + _offset(row, 2, F32_MULTIPLE)
+    v_ptr = f32_ptr + _offset(row, 3, F32_MULTIPLE)
+    p = tl.load(p_ptr + offs, mask=mask, other=other)
+    g = _gradient(f32_ptr, copy_ptr, row, offs, mask, F32_MULTIPLE, COPY_MULTIPLE, MASKED)
+    m = tl.load(m_ptr + offs, mask=mask, other=other)
+    v = tl.load(v_ptr + offs, mask=mask, other=other)
     if HAS_SCALE:
         g = g / tl.load(scale_ptr)
     p = p * (1.0 - lr * weight_decay)
@@ -96,8 +116,28 @@ def _update(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, has_copy, offs, numel, step_size,
     tl.store(p_ptr + offs, p, mask=mask)
     tl.store(m_ptr + offs, m, mask=mask)
     tl.store(v_ptr + offs, v, mask=mask)
-    if has_copy != 0:  # round to nearest even (to_dtype: also in the interpreter)
+    if tl.load(row + 6) != 0:  # round to nearest even (to_dtype: also in the interpreter)
+        c_ptr = copy_ptr + _offset(row, 4, COPY_MULTIPLE)
         tl.store(c_ptr + offs, to_dtype(p, c_ptr.dtype.element_ty, ROUNDING), mask=mask)
+
+
+@triton.jit
+def _square_sum_kernel(f32_ptr, copy_ptr, table_ptr, chunk_ptr, out_ptr,
+                       F32_MULTIPLE: tl.constexpr, COPY_MULTIPLE: tl.constexpr,
+                       FIELDS: tl.constexpr, BLOCK: tl.constexpr):
+    """out[program] = the sum of squares of its chunk's gradient (_gradient)."""
+    pid = tl.program_id(0)
+    i = tl.load(chunk_ptr + 2 * pid)
+    start = tl.load(chunk_ptr + 2 * pid + 1).to(tl.int64) * BLOCK
+    row = table_ptr + i * FIELDS
+    numel = tl.load(row + 9)
+    offs = start + tl.arange(0, BLOCK)
+    if start + BLOCK <= numel:
+        g = _gradient(f32_ptr, copy_ptr, row, offs, None, F32_MULTIPLE, COPY_MULTIPLE, False)
+    else:
+        g = _gradient(f32_ptr, copy_ptr, row, offs, offs < numel, F32_MULTIPLE, COPY_MULTIPLE,
+                      True)
+    tl.store(out_ptr + pid, tl.sum(g * g))
 
 
 _COPY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -112,7 +152,7 @@ class AdamWTables:
     def __init__(self):
         self._chunks_key: tuple | None = None
         self.chunks: torch.Tensor | None = None
-        self._addresses: tuple[int, ...] | None = None
+        self._addresses: tuple | None = None
         self.offsets: torch.Tensor | None = None
         self.multiples = (1, 1)
 
@@ -125,28 +165,32 @@ class AdamWTables:
             self._chunks_key = key
         return self.chunks
 
-    def offsets_for(self, lists, copies, anchors) -> torch.Tensor:
-        """lists: (params, grads, exp_avgs, exp_avg_sqs); anchors: (fp32 tensor, copy-dtype
-        tensor). Checks the tensors when their addresses are new."""
+    def offsets_for(self, lists, copies, pending, anchors) -> torch.Tensor:
+        """lists: (params, grads, exp_avgs, exp_avg_sqs), a gradient None where its pending
+        one stands alone; anchors: (fp32 tensor, copy-dtype tensor). Checks the tensors when
+        their addresses are new."""
         f32, cp = anchors
         # The gradients are the tensors made anew (a new one may reuse a freed one's address):
         # their dtypes are in the key too, the element counts for the table's last column.
-        addresses = tuple(t.data_ptr() for group in lists for t in group) + tuple(
-            0 if c is None else c.data_ptr() for c in copies) + (f32.data_ptr(), cp.data_ptr())
-        addresses += tuple(g.dtype for g in lists[1]) + tuple(p.numel() for p in lists[0])
+        low = [t for t in (*copies, *pending)]
+        addresses = tuple(_address(t) for group in lists for t in group) + tuple(
+            _address(t) for t in low) + (f32.data_ptr(), cp.data_ptr())
+        addresses += tuple(None if t is None else t.dtype for t in (*lists[1], *pending))
+        addresses += tuple(p.numel() for p in lists[0])
         if addresses == self._addresses and self.offsets is not None:
             return self.offsets
-        _check(lists, copies)
+        _check(lists, copies, pending)
         base_f, base_c = f32.data_ptr(), cp.data_ptr()
         size_f, size_c = f32.element_size(), cp.element_size()
-        rows = [[(t.data_ptr() - base_f) // size_f for t in ts]
-                + [0 if c is None else (c.data_ptr() - base_c) // size_c, int(c is not None),
+        rows = [[0 if t is None else (t.data_ptr() - base_f) // size_f for t in ts]
+                + [0 if t is None else (t.data_ptr() - base_c) // size_c for t in (c, q)]
+                + [int(c is not None), int(ts[1] is not None), int(q is not None),
                    ts[0].numel()]
-                for *ts, c in zip(*lists, copies)]
-        fp32_aligned = all(a % ALIGN_BYTES == 0 for group in lists for a in
-                           (t.data_ptr() for t in group)) and base_f % ALIGN_BYTES == 0
-        copy_aligned = all(c.data_ptr() % ALIGN_BYTES == 0 for c in copies
-                           if c is not None) and base_c % ALIGN_BYTES == 0
+                for *ts, c, q in zip(*lists, copies, pending)]
+        fp32_aligned = all(_address(t) % ALIGN_BYTES == 0 for group in lists for t in group
+                           ) and base_f % ALIGN_BYTES == 0
+        copy_aligned = all(_address(t) % ALIGN_BYTES == 0 for t in low) and \
+            base_c % ALIGN_BYTES == 0
         self.multiples = (ALIGN_BYTES // size_f if fp32_aligned else 1,
                           ALIGN_BYTES // size_c if copy_aligned else 1)
         table = torch.tensor(rows, dtype=torch.int64).reshape(-1, _FIELDS)
@@ -156,30 +200,62 @@ class AdamWTables:
         return table
 
 
-def _check(lists, copies) -> None:
+def _address(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _check(lists, copies, pending) -> None:
     params = lists[0]
     device = params[0].device
-    copy_dtypes = {c.dtype for c in copies if c is not None}
-    if len(copy_dtypes) > 1 or not copy_dtypes <= set(_COPY_DTYPES):
-        raise ValueError(f"adamw_triton_: copies in one of {list(_COPY_DTYPES)}, one dtype; "
-                         f"got {copy_dtypes}")
+    low_dtypes = {t.dtype for t in (*copies, *pending) if t is not None}
+    if len(low_dtypes) > 1 or not low_dtypes <= set(_COPY_DTYPES):
+        raise ValueError(f"adamw_triton_: copies and pending gradients in one of "
+                         f"{list(_COPY_DTYPES)}, one dtype; got {low_dtypes}")
     for group in lists:
         for t in group:
-            if t.dtype != torch.float32 or t.device != device or not t.is_contiguous():
+            if t is not None and (t.dtype != torch.float32 or t.device != device
+                                  or not t.is_contiguous()):
                 raise ValueError("adamw_triton_: fp32 contiguous tensors on one device, got "
                                  f"{t.dtype} {t.device} contiguous={t.is_contiguous()}")
-    for p, g, m, v, c in zip(*lists, copies):
-        if not (p.shape == g.shape == m.shape == v.shape) or (c is not None and (
-                c.shape != p.shape or c.device != device or not c.is_contiguous())):
+    for p, g, m, v, c, q in zip(*lists, copies, pending):
+        low = [t for t in (c, q) if t is not None]
+        if g is None and q is None:
+            raise ValueError(f"adamw_triton_: no gradient for a parameter of shape "
+                             f"{tuple(p.shape)}")
+        if not (p.shape == m.shape == v.shape) or (g is not None and g.shape != p.shape) or \
+                any(t.shape != p.shape or t.device != device or not t.is_contiguous()
+                    for t in low):
             raise ValueError(f"adamw_triton_: mismatched tensors for a parameter of shape "
                              f"{tuple(p.shape)}")
 
 
-def adamw_triton_(params: list[torch.Tensor], grads: list[torch.Tensor],
+class _Launch:
+    """What both kernels take for one group: the anchors, the tables, the tiles."""
+
+    def __init__(self, params, grads, exp_avgs, exp_avg_sqs, copies, pending, tables, tiles):
+        n = len(params)
+        if any(len(x) != n for x in (grads, exp_avgs, exp_avg_sqs, copies, pending)):
+            raise ValueError("adamw_triton_: the lists differ in length")
+        self.block, self.warps = tiles or DEFAULT_TILES
+        if self.block < 16 or self.block & (self.block - 1):
+            raise ValueError(f"adamw_triton_: a block of {self.block} elements: a power of "
+                             "two >= 16")
+        tables = tables or AdamWTables()
+        self.f32 = params[0]
+        self.low = next((t for t in (*copies, *pending) if t is not None), params[0])
+        self.offsets = tables.offsets_for((params, grads, exp_avgs, exp_avg_sqs), copies,
+                                          pending, (self.f32, self.low))
+        self.chunks = tables.chunks_for(tuple(p.numel() for p in params), self.block,
+                                        params[0].device)
+        self.multiples = tables.multiples
+
+
+def adamw_triton_(params: list[torch.Tensor], grads: list[torch.Tensor | None],
                   exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
                   steps: list[torch.Tensor], copies: list[torch.Tensor | None], *, lr: float,
                   beta1: float, beta2: float, eps: float, weight_decay: float,
                   grad_scale: torch.Tensor | None = None,
+                  pending: list[torch.Tensor | None] | None = None,
                   tables: AdamWTables | None = None,
                   tiles: tuple[int, int] | None = None) -> None:
     """One AdamW step in place over fp32 contiguous tensors of one device (torch's
@@ -187,30 +263,52 @@ def adamw_triton_(params: list[torch.Tensor], grads: list[torch.Tensor],
     incremented, each parameter and moment updated from its gradient (divided by
     ``grad_scale`` when given; the gradients are only read), and each parameter's ``copies``
     entry (a tensor of its shape in one compute dtype, or None) set to the new value in its
-    dtype. ``tables``: the group's, kept between steps;
-    ``tiles``: (elements a program, warps), DEFAULT_TILES when None."""
+    dtype. ``pending``: per parameter a gradient in the copies' dtype still to be added to its
+    fp32 one (or standing for it where that is None; ComputeCopies.pending), or None.
+    ``tables``: the group's, kept between steps; ``tiles``: (elements a program, warps),
+    DEFAULT_TILES when None."""
     if not params:
         return
-    lists = (params, grads, exp_avgs, exp_avg_sqs)
-    if len({len(x) for x in (*lists, steps, copies)}) != 1:
+    if len(steps) != len(params):
         raise ValueError("adamw_triton_: the lists differ in length")
-    block, warps = tiles or DEFAULT_TILES
-    if block < 16 or block & (block - 1):
-        raise ValueError(f"adamw_triton_: a block of {block} elements: a power of two >= 16")
-    tables = tables or AdamWTables()
-    copy_anchor = next((c for c in copies if c is not None), params[0])
-    offsets = tables.offsets_for(lists, copies, (params[0], copy_anchor))
+    launch = _Launch(params, grads, exp_avgs, exp_avg_sqs, copies,
+                     pending or [None] * len(params), tables, tiles)
     device = params[0].device
-    chunks = tables.chunks_for(tuple(p.numel() for p in params), block, device)
     torch._foreach_add_(steps, 1)
-    if chunks.shape[0] == 0:
+    if launch.chunks.shape[0] == 0:
         return
     step = torch.stack([s.to(device=device, dtype=torch.float32) for s in steps])
     coef = torch.stack([lr / (1 - beta1 ** step), (1 - beta2 ** step).sqrt()], 1).contiguous()
     scale = grad_scale if grad_scale is not None else coef  # unread without HAS_SCALE
-    f32_multiple, copy_multiple = tables.multiples
-    _adamw_kernel[(chunks.shape[0],)](
-        params[0], copy_anchor, offsets, chunks, coef, scale, float(lr), float(beta1),
-        float(beta2), float(eps), float(weight_decay), HAS_SCALE=grad_scale is not None,
-        ROUNDING=dot_precision(torch.bfloat16), F32_MULTIPLE=f32_multiple,
-        COPY_MULTIPLE=copy_multiple, FIELDS=_FIELDS, BLOCK=block, num_warps=warps)
+    f32_multiple, copy_multiple = launch.multiples
+    _adamw_kernel[(launch.chunks.shape[0],)](
+        launch.f32, launch.low, launch.offsets, launch.chunks, coef, scale, float(lr),
+        float(beta1), float(beta2), float(eps), float(weight_decay),
+        HAS_SCALE=grad_scale is not None, ROUNDING=dot_precision(torch.bfloat16),
+        F32_MULTIPLE=f32_multiple, COPY_MULTIPLE=copy_multiple, FIELDS=_FIELDS,
+        BLOCK=launch.block, num_warps=launch.warps)
+
+
+def grad_square_sum(params: list[torch.Tensor], grads: list[torch.Tensor | None],
+                    exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
+                    copies: list[torch.Tensor | None],
+                    pending: list[torch.Tensor | None] | None = None, *,
+                    tables: AdamWTables | None = None,
+                    tiles: tuple[int, int] | None = None) -> torch.Tensor:
+    """The sum of squares of the gradients adamw_triton_ would read for these tensors (fp32
+    and pending summed as it sums them), as a 0-d fp32 tensor: the clipping's norm in one pass
+    over the tables the step then reuses. Per-chunk fp32 sums, then torch's sum of those:
+    a fixed order."""
+    device = params[0].device if params else torch.device("cpu")
+    if not params:
+        return torch.zeros((), device=device)
+    launch = _Launch(params, grads, exp_avgs, exp_avg_sqs, copies,
+                     pending or [None] * len(params), tables, tiles)
+    parts = torch.empty(launch.chunks.shape[0], device=device, dtype=torch.float32)
+    if parts.numel():
+        f32_multiple, copy_multiple = launch.multiples
+        _square_sum_kernel[(parts.numel(),)](
+            launch.f32, launch.low, launch.offsets, launch.chunks, parts,
+            F32_MULTIPLE=f32_multiple, COPY_MULTIPLE=copy_multiple, FIELDS=_FIELDS,
+            BLOCK=launch.block, num_warps=launch.warps)
+    return parts.sum()

@@ -15,6 +15,7 @@ load it as before.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -23,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.optim.adam import adam
 
-from .adamw_triton import AdamWTables, adamw_triton_
+from .adamw_triton import AdamWTables, adamw_triton_, grad_square_sum
 
 ADAMW_KERNELS = ("auto", "torch", "triton")
 
@@ -91,7 +92,9 @@ class LocalShardAdamW(torch.optim.AdamW):
     moments and steps (fused on CUDA, as the trainer asks). ``kernel="triton"``: the same
     arithmetic as one Triton kernel per group (adamw_triton.py) that also writes the
     ``compute_copies`` of the parameters (ComputeCopies, one rank without FSDP), so that they
-    need no refresh pass before the next forward."""
+    need no refresh pass before the next forward, and reads the gradients the copies hold
+    pending (the step's last micro-batch's, ComputeCopies.defer_next_backward) where they
+    are: it is the copies' reader, and its zero_grad drops them."""
 
     def __init__(self, params, *args, kernel: str = "torch", compute_copies=None, **kwargs):
         if kernel not in ("torch", "triton"):
@@ -103,13 +106,21 @@ class LocalShardAdamW(torch.optim.AdamW):
                    if any(g[k] for g in self.param_groups)]
             if bad or not all(g["decoupled_weight_decay"] for g in self.param_groups):
                 raise ValueError(f"the Triton AdamW kernel is plain AdamW: {bad} unsupported")
+            if compute_copies is not None:
+                compute_copies.set_reader(self)
         self._tables: dict[int, AdamWTables] = {}  # per group
+        self._prepared: list[_KernelGroup] | None = None  # clip_and_step's, for its step()
 
     @property
     def takes_grad_scale(self) -> bool:
         """The step's kernel can divide the gradients by a ``grad_scale`` as it reads them
         (torch's fused AdamW, the Triton kernel): the clipping rides in it."""
         return self.kernel == "triton" or all(g["fused"] for g in self.param_groups)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        if self.kernel == "triton" and self.compute_copies is not None:
+            self.compute_copies.drop_pending()
 
     def clip_and_step(self, max_norm: float) -> torch.Tensor:
         """Clips the gradients to a global 2-norm of ``max_norm`` and steps -> the norm before
@@ -118,9 +129,20 @@ class LocalShardAdamW(torch.optim.AdamW):
         divided; the Triton one does not write it), where a separate scaling reads and writes
         every fp32 gradient once more: 8 bytes a parameter become 4 or none (the scaling pass
         took ~3 ms of a 4k step of the ``small`` preset on one H200,
-        bench/results/train_h200.txt, run W). After the step the gradients are the clipped
-        ones, except with the Triton kernel, which leaves them as they were: nothing reads
-        them before the next step's zero_grad."""
+        bench/results/train_h200.txt, run W). The Triton kernel's norm is a kernel over the
+        tables its step then uses, reading the pending gradients as the step does. After the
+        step the gradients are the clipped ones, except with the Triton kernel, which leaves
+        them as they were: nothing reads them before the next step's zero_grad."""
+        if self.kernel == "triton":
+            groups = self._kernel_groups()
+            if not groups:
+                self.step()
+                return torch.zeros(())
+            total = torch.stack([grad_square_sum(*g.lists, g.copies, g.pending,
+                                                 tables=g.tables) for g in groups]).sum().sqrt()
+            self._prepared = groups  # step() takes them: one walk over the groups a step
+            self.step(grad_scale=clip_coefficient(total, max_norm).reciprocal())
+            return total
         params = [p for g in self.param_groups for p in g["params"]]
         grads = [p.grad for p in params if p.grad is not None]
         if not grads or not self.takes_grad_scale:
@@ -142,22 +164,16 @@ class LocalShardAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for index, group in enumerate(self.param_groups):
+        if self.kernel == "triton":
+            groups, self._prepared = self._prepared or self._kernel_groups(), None
+            self._step_kernel(groups, grad_scale)
+            return loss
+        for group in self.param_groups:
             lists: tuple[list[torch.Tensor], ...] = ([], [], [], [], [], [])
             has_complex = self._init_group(group, *lists)
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = (
                 [local(t) for t in ts] for ts in lists)
             beta1, beta2 = group["betas"]
-            if self.kernel == "triton":
-                if has_complex:
-                    raise ValueError("the Triton AdamW kernel takes real parameters only")
-                copies = self.compute_copies
-                adamw_triton_(params, grads, exp_avgs, exp_avg_sqs, steps,
-                              [None if copies is None else copies.copy_of(p) for p in params],
-                              lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                              weight_decay=group["weight_decay"], grad_scale=grad_scale,
-                              tables=self._tables.setdefault(index, AdamWTables()))
-                continue
             adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
                  amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2,
                  lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
@@ -165,6 +181,64 @@ class LocalShardAdamW(torch.optim.AdamW):
                  capturable=group["capturable"], differentiable=group["differentiable"],
                  fused=group["fused"], grad_scale=grad_scale, found_inf=None,
                  decoupled_weight_decay=group["decoupled_weight_decay"])
-        if self.kernel == "triton" and self.compute_copies is not None:
-            self.compute_copies.written_by_step()
         return loss
+
+    def _kernel_groups(self) -> list["_KernelGroup"]:
+        """Each group's tensors for the Triton kernels: the parameters with a gradient or a
+        pending one (torch's _init_group makes their state; a parameter whose gradient is all
+        pending gets a stand-in fp32 .grad for that call only, never read), local shards."""
+        copies = self.compute_copies
+        pending = copies.pending_by_master() if copies is not None else {}
+        out = []
+        for index, group in enumerate(self.param_groups):
+            stand_ins = [p for p in group["params"] if p.grad is None and id(p) in pending]
+            for p in stand_ins:
+                p.grad = torch.zeros((), dtype=p.dtype, device=p.device).expand_as(p)
+            try:
+                lists: tuple[list[torch.Tensor], ...] = ([], [], [], [], [], [])
+                if self._init_group(group, *lists):
+                    raise ValueError("the Triton AdamW kernel takes real parameters only")
+            finally:
+                for p in stand_ins:
+                    p.grad = None
+            params, grads, exp_avgs, exp_avg_sqs, _, steps = lists
+            held = [p for p in group["params"] if p.grad is not None or id(p) in pending]
+            grads = [None if p.grad is None else g for p, g in zip(held, grads)]
+            if not params:
+                continue
+            out.append(_KernelGroup(
+                group, [local(t) for t in params],
+                [None if g is None else local(g) for g in grads],
+                [local(t) for t in exp_avgs], [local(t) for t in exp_avg_sqs],
+                [local(t) for t in steps],
+                [None if copies is None else copies.copy_of(p) for p in held],
+                [pending.get(id(p)) for p in held],
+                self._tables.setdefault(index, AdamWTables())))
+        return out
+
+    def _step_kernel(self, groups: list["_KernelGroup"], grad_scale) -> None:
+        for g in groups:
+            beta1, beta2 = g.group["betas"]
+            adamw_triton_(*g.lists, g.steps, g.copies, lr=g.group["lr"], beta1=beta1,
+                          beta2=beta2, eps=g.group["eps"], weight_decay=g.group["weight_decay"],
+                          grad_scale=grad_scale, pending=g.pending, tables=g.tables)
+        if self.compute_copies is not None:
+            self.compute_copies.written_by_step()
+            self.compute_copies.drop_pending()  # read: the step's gradients are spent
+
+
+@dataclass
+class _KernelGroup:
+    group: dict
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor | None]
+    exp_avgs: list[torch.Tensor]
+    exp_avg_sqs: list[torch.Tensor]
+    steps: list[torch.Tensor]
+    copies: list[torch.Tensor | None]
+    pending: list[torch.Tensor | None]
+    tables: AdamWTables
+
+    @property
+    def lists(self) -> tuple[list, list, list, list]:
+        return self.params, self.grads, self.exp_avgs, self.exp_avg_sqs

@@ -50,6 +50,7 @@ from sglang_dsv41.model.dsv4.context import DSV4Context, keeping_host_inputs
 from sglang_dsv41.model.dsv4.token_logprobs import check_targets
 
 from .batch import MicroBatch
+from .compute_copies import holdable
 from .config import LossConfig
 from .loss import loss_scale, ppo_loss
 
@@ -70,6 +71,8 @@ class Layout:
     out: Any = None                           # the graph's static outputs
     eager_only: bool = False                  # its capture failed
     grad_params: list[torch.nn.Parameter] = field(default_factory=list)
+    # (master, gradient) a deferred kind's run leaves pending (_add_grads)
+    pending: list[tuple[torch.nn.Parameter, torch.Tensor]] = field(default_factory=list)
     # pinned host tensors the graph copies from at each replay (context.keeping_host_inputs)
     host_inputs: list[torch.Tensor] = field(default_factory=list)
 
@@ -112,10 +115,14 @@ class MicroBatchGraphs:
             raise ValueError("forward_backward needs mb.old_logprobs (the reference pass's)")
         if not self.params:
             raise ValueError("forward_backward: the policy has no trained parameters")
+        self._settle()
         # The step's first micro-batch (every .grad None, as zero_grad(set_to_none=True)
         # leaves them) copies its gradients into the buffers: no zeroing pass, no read of them.
+        # The step's last, for the copies' reader, leaves theirs pending (compute_copies.py).
         fresh = all(p.grad is None for p in self.params)
-        layout = self._layout(mb, replay, "fresh" if fresh else "accumulate")
+        deferred = self.copies is not None and self.copies.take_defer()
+        kind = ("fresh" if fresh else "accumulate") + (" deferred" if deferred else "")
+        layout = self._layout(mb, replay, kind)
         self._load(layout, mb, global_tokens)
         self._attach_grads(layout.grad_params, zero=not fresh)
         return self._run(layout)
@@ -125,6 +132,7 @@ class MicroBatchGraphs:
         """Policy.forward without autograd (the trainer's reference pass: old and reference
         logprobs, the routing it checks) -> (fp32 logprobs [N], layer -> (ids, weights) when
         ``record_routing``), as graphs of their own layouts."""
+        self._settle()
         layout = self._layout(mb, replay, "routing" if record_routing else "forward")
         self._load(layout, mb, None)
         return self._run(layout)
@@ -136,10 +144,11 @@ class MicroBatchGraphs:
     # ---- layouts and their inputs -----------------------------------------------------------
     def _layout(self, mb: MicroBatch, replay: bool, kind: str) -> Layout:
         """``kind``: fresh (forward and backward, the gradients copied into the buffers: the
-        step's first micro-batch), accumulate (added), forward (no autograd), routing (forward,
-        the routing recorded): a graph each where a layout is met several ways."""
+        step's first micro-batch), accumulate (added), either + " deferred" (the compute
+        copies' gradients left pending), forward (no autograd), routing (forward, the routing
+        recorded): a graph each where a layout is met several ways."""
         replayed = tuple(self.policy.replayed_layers) if replay and mb.routing is not None else ()
-        training = kind in ("fresh", "accumulate")
+        training = kind.split()[0] in ("fresh", "accumulate")
         key = (tuple(mb.seq_lens), replayed, training and mb.ref_logprobs is not None, kind)
         layout = self.layouts.get(key)
         if layout is not None:
@@ -206,18 +215,32 @@ class MicroBatchGraphs:
 
     def _add_grads(self, layout: Layout, grads) -> None:
         pairs = [(p, g) for p, g in zip(self.params, grads) if g is not None]
-        fresh = layout.key[-1] == "fresh"
+        fresh = layout.key[-1].startswith("fresh")
+        defers = layout.key[-1].endswith("deferred")
+
+        def holds(p, g):  # a compute copy's gradient the AdamW kernel can read where it is
+            return defers and self.copies.copy_of(p) is not None and holdable(g)
+        held = [(p, g) for p, g in pairs if holds(p, g)]
+        written = [(p, g) for p, g in pairs if not holds(p, g)]
         if layout.runs == 1 or not layout.grad_params:  # eager: learn which get gradients
             for p, _ in pairs:  # _attach_grads zeroes or fills a new buffer as it needs
-                if id(p) not in self.grad_buffers:
+                if id(p) not in self.grad_buffers:  # (a held one's: where settle puts it)
                     self.grad_buffers[id(p)] = torch.empty_like(
                         p, memory_format=torch.contiguous_format)
-            layout.grad_params = [p for p, _ in pairs]
+            layout.grad_params = [p for p, _ in written]
             self._attach_grads(layout.grad_params, zero=not fresh)
         # fp32 (+)= compute dtype: exact as the plain path's first copy and later adds
         # (ComputeCopies._backward_end; FSDP's reduce output likewise)
         write = torch._foreach_copy_ if fresh else torch._foreach_add_
-        write([p.grad for p, _ in pairs], [g for _, g in pairs])
+        if written:
+            write([p.grad for p, _ in written], [g for _, g in written])
+        layout.pending = held  # a graph's: its static outputs, valid until the next run
+
+    def _settle(self) -> None:
+        """The pending gradients into the persistent buffers before anything runs: a held
+        gradient of a graph lives in the pool the next run writes."""
+        if self.copies is not None:
+            self.copies.settle(self.grad_buffers)
 
     # ---- the work -----------------------------------------------------------------------------
     def _run(self, layout: Layout):
@@ -234,10 +257,12 @@ class MicroBatchGraphs:
         else:
             self.counts["eager"] += 1
             out = self._run_eager(layout)
+        for p, g in layout.pending:
+            self.copies.add_pending(p, g)
         return tree_map(torch.clone, out)
 
     def _body(self, layout: Layout):
-        return (self._train_body if layout.key[-1] in ("fresh", "accumulate")
+        return (self._train_body if layout.key[-1].split()[0] in ("fresh", "accumulate")
                 else self._forward_body)(layout)
 
     @contextlib.contextmanager
@@ -282,8 +307,8 @@ class MicroBatchGraphs:
         with torch.cuda.stream(self.stream):
             out = self._body(layout)
         current.wait_stream(self.stream)
-        for t in tree_leaves(out):
-            t.record_stream(current)  # _run copies them on this stream
+        for t in tree_leaves(out) + [g for _, g in layout.pending]:
+            t.record_stream(current)  # _run copies them, the optimizer reads the held ones
         return out
 
     def _capture(self, layout: Layout) -> None:

@@ -154,11 +154,16 @@ class Policy:
         the gradients over the ranks and reshards; the others add into FSDP's unsharded fp32
         gradients and keep the parameters gathered for the next forward (no reduce, no
         re-gather: a host-bound step's FSDP hooks held the host 27 ms a backward and 18 ms a
-        forward on an H200, bench/results/train_h200.txt)."""
+        forward on an H200, bench/results/train_h200.txt). With compute copies and their
+        reader (the Triton AdamW) the last leaves its gradients pending for the step to read
+        (compute_copies.py)."""
+        last = index == count - 1
         if self.accumulate_unsharded:
-            last = index == count - 1
             self.model.set_requires_gradient_sync(last)
             self.model.set_reshard_after_backward(last)
+        copies = getattr(self.model, "compute_copies", None)
+        if last and copies is not None:
+            copies.defer_next_backward()
 
     @property
     def routed_layers(self) -> list[int]:
