@@ -634,6 +634,56 @@ def adamw_kernels(args) -> None:
           f"{tables.multiples}")
 
 
+def gradient_path(args) -> None:
+    """The gradient path after a one-micro-batch step's backward, over the parameter shapes of a
+    preset: written (the copies' bf16 gradients copied into fp32 ones, torch's norm of those,
+    the Triton AdamW reading them) vs pending (compute_copies.py: the Triton norm and AdamW
+    reading the bf16 gradients where they are); device time of each part and in all."""
+    from torch.nn.utils import get_total_norm
+
+    from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM
+    from trainer_bridge.adamw_triton import AdamWTables, adamw_triton_, grad_square_sum
+
+    dev = torch.device("cuda")
+    with torch.device("meta"):
+        shapes = [p.shape for p in DSV4ForCausalLM(get_preset(args.preset)).parameters()]
+    gen = torch.Generator(dev).manual_seed(0)
+    params = [torch.randn(s, device=dev, generator=gen) * 0.02 for s in shapes]
+    low = [(torch.randn(s, device=dev, generator=gen) * 1e-3).bfloat16() for s in shapes]
+    f32 = [torch.empty(s, device=dev) for s in shapes]
+    m, v = ([torch.zeros_like(p) for p in params] for _ in range(2))
+    steps = [torch.zeros((), device=dev) for _ in params]
+    copies = [torch.empty_like(p, dtype=torch.bfloat16) for p in params]
+    none = [None] * len(params)
+    hyper = dict(lr=1e-5, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    tables = {"written": AdamWTables(), "pending": AdamWTables()}
+    scale = torch.ones((), device=dev)
+    parts = {
+        "written": {
+            "copy into fp32": lambda: torch._foreach_copy_(f32, low),
+            "norm (torch, fp32)": lambda: get_total_norm(f32),
+            "AdamW (fp32 grads)": lambda: adamw_triton_(
+                params, f32, m, v, steps, copies, grad_scale=scale,
+                tables=tables["written"], **hyper)},
+        "pending": {
+            "norm (Triton, bf16)": lambda: grad_square_sum(
+                params, none, m, v, copies, low, tables=tables["pending"]).sqrt(),
+            "AdamW (bf16 pending)": lambda: adamw_triton_(
+                params, none, m, v, steps, copies, grad_scale=scale, pending=low,
+                tables=tables["pending"], **hyper)}}
+    totals = {}
+    for side, fns in parts.items():
+        totals[side] = 0.0
+        for name, fn in fns.items():
+            fn()
+            ms = median_us(fn, None, [], False, args.repeats) / 1e3
+            totals[side] += ms
+            print(f"gradient path {side:8s} {name:22s} {ms:7.2f} ms", flush=True)
+    print(f"gradient path {args.preset} ({sum(s.numel() for s in shapes) / 1e9:.2f}B "
+          f"parameters): written {totals['written']:.2f} ms, pending {totals['pending']:.2f} "
+          f"ms ({totals['written'] / totals['pending']:.2f}x)", flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
@@ -676,6 +726,9 @@ def main(argv=None) -> int:
     aw.add_argument("--tiles", default=None,
                     help="comma list of ELEMENTSxWARPS of the Triton kernel to time (default: "
                     "adamw_triton.DEFAULT_TILES)")
+    gp2 = sub.add_parser("gradient-path")
+    gp2.add_argument("--preset", default="small")
+    gp2.add_argument("--repeats", type=int, default=10)
     pa = sub.add_parser("parity")
     pa.add_argument("--preset", default="small")
     pa.add_argument("--seq", type=int, default=1024)
@@ -684,7 +737,7 @@ def main(argv=None) -> int:
     {"sources": sources, "grouped-proj": grouped_proj, "fused": fused_kernels,
      "hc-weights": hc_weights_kernels, "hc-mix": hc_mix_kernels, "lm-head": lm_head,
      "norm": rms_norm, "swiglu": swiglu_kernels, "adamw": adamw_kernels,
-     "parity": parity}[args.cmd](args)
+     "gradient-path": gradient_path, "parity": parity}[args.cmd](args)
     return 0
 
 

@@ -146,21 +146,29 @@ def test_triton_kernel_refuses_amsgrad():
 
 def test_kernel_compiles_for_the_h200_with_16_byte_accesses():
     """Compiled for sm_90 here: with the alignment multiples the whole blocks move 16-byte
-    vectors (v4); without them (a tensor off a 16-byte boundary) every access is scalar."""
+    vectors (v4) for every gradient kind (fp32, pending, both: a constant per launch), in the
+    step and the norm; without them (a tensor off a 16-byte boundary) every access is
+    scalar."""
     import re
 
     from triton_compile import compile_many_sm90
 
-    types = {"f32_ptr": "*fp32", "copy_ptr": "*bf16", "table_ptr": "*i64", "chunk_ptr": "*i32",
-             "coef_ptr": "*fp32", "scale_ptr": "*fp32", "lr": "fp32", "beta1": "fp32",
-             "beta2": "fp32", "eps": "fp32", "weight_decay": "fp32"}
+    common = {"f32_ptr": "*fp32", "copy_ptr": "*bf16", "table_ptr": "*i64", "chunk_ptr": "*i32"}
+    types = {**common, "coef_ptr": "*fp32", "scale_ptr": "*fp32", "lr": "fp32",
+             "beta1": "fp32", "beta2": "fp32", "eps": "fp32", "weight_decay": "fp32"}
     specs = [("trainer_bridge.adamw_triton", "_adamw_kernel", types,
               dict(HAS_SCALE=True, ROUNDING="tf32", F32_MULTIPLE=f32, COPY_MULTIPLE=cp,
-                   FIELDS=_FIELDS, BLOCK=DEFAULT_TILES[0]), DEFAULT_TILES[1])
-             for f32, cp in ((1, 1), (4, 8))]
-    scalar, aligned = (len(re.findall(r"ld\.global[^\n]*\.v4", ptx))
-                       for ptx in compile_many_sm90(specs))
-    assert scalar == 0 and aligned > 0, (scalar, aligned)
+                   GRAD=grad, FIELDS=_FIELDS, BLOCK=DEFAULT_TILES[0]), DEFAULT_TILES[1])
+             for f32, cp, grad in ((1, 1, 0), (4, 8, 0), (4, 8, 1), (4, 8, 2))]
+    specs += [("trainer_bridge.adamw_triton", "_square_sum_kernel",
+               {**common, "out_ptr": "*fp32"},
+               dict(F32_MULTIPLE=4, COPY_MULTIPLE=8, GRAD=grad, FIELDS=_FIELDS,
+                    BLOCK=DEFAULT_TILES[0]), DEFAULT_TILES[1]) for grad in (0, 1)]
+    scalar, *aligned = (len(re.findall(r"ld\.global[^\n]*\.v4", ptx))
+                        for ptx in compile_many_sm90(specs))
+    assert scalar == 0 and all(n > 0 for n in aligned), (scalar, aligned)
+    # the fp32 step's vectors: p, g, m, v (4); pending alone reads its gradient as bf16 vectors
+    assert aligned[0] >= aligned[1], aligned
 
 
 def test_bad_adamw_kernel_settings_are_refused(monkeypatch):

@@ -54,11 +54,11 @@ def _offset(row, k: tl.constexpr, MULTIPLE: tl.constexpr):
 @triton.jit
 def _adamw_kernel(f32_ptr, copy_ptr, table_ptr, chunk_ptr, coef_ptr, scale_ptr, lr, beta1,
                   beta2, eps, weight_decay, HAS_SCALE: tl.constexpr, ROUNDING: tl.constexpr,
-                  F32_MULTIPLE: tl.constexpr, COPY_MULTIPLE: tl.constexpr,
+                  F32_MULTIPLE: tl.constexpr, COPY_MULTIPLE: tl.constexpr, GRAD: tl.constexpr,
                   FIELDS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
-    i = tl.load(chunk_ptr + 2 * pid)
-    start = tl.load(chunk_ptr + 2 * pid + 1).to(tl.int64) * BLOCK
+    i = tl.load(chunk_ptr + 3 * pid)
+    start = tl.load(chunk_ptr + 3 * pid + 1).to(tl.int64) * BLOCK
     row = table_ptr + i * FIELDS
     numel = tl.load(row + 9)
     step_size = tl.load(coef_ptr + 2 * i)  # lr / (1 - beta1^step)
@@ -69,42 +69,43 @@ def _adamw_kernel(f32_ptr, copy_ptr, table_ptr, chunk_ptr, coef_ptr, scale_ptr, 
     if start + BLOCK <= numel:
         _update(f32_ptr, copy_ptr, row, offs, numel, step_size, bc2_sqrt, scale_ptr, lr, beta1,
                 beta2, eps, weight_decay, HAS_SCALE, ROUNDING, F32_MULTIPLE, COPY_MULTIPLE,
-                False)
+                GRAD, False)
     else:
         _update(f32_ptr, copy_ptr, row, offs, numel, step_size, bc2_sqrt, scale_ptr, lr, beta1,
                 beta2, eps, weight_decay, HAS_SCALE, ROUNDING, F32_MULTIPLE, COPY_MULTIPLE,
-                True)
+                GRAD, True)
 
 
 @triton.jit
 def _gradient(f32_ptr, copy_ptr, row, offs, mask, F32_MULTIPLE: tl.constexpr,
-              COPY_MULTIPLE: tl.constexpr, MASKED: tl.constexpr):
-    """A row's gradient block in fp32: its fp32 gradient, its pending compute-dtype one (the
-    step's last micro-batch, compute_copies.py), or their sum, rounded once as the fp32 += the
-    pending add that it replaces."""
+              COPY_MULTIPLE: tl.constexpr, GRAD: tl.constexpr, MASKED: tl.constexpr):
+    """A row's gradient block in fp32: its fp32 gradient (GRAD 0), its pending compute-dtype
+    one (1: the step's last micro-batch, compute_copies.py), or their sum (2), rounded once as
+    the fp32 += the pending add that it replaces. A constant per launch: chosen per row at run
+    time, the branches kept the loads from being vectors (16.5 vs 10.7 ms over the small
+    preset on an H200, bench/train_ops.py gradient-path)."""
     other = 0.0 if MASKED else None
-    if tl.load(row + 7) != 0:
+    if GRAD != 1:
         g = tl.load(f32_ptr + _offset(row, 1, F32_MULTIPLE) + offs, mask=mask, other=other)
-        if tl.load(row + 8) != 0:
-            g = g + tl.load(copy_ptr + _offset(row, 5, COPY_MULTIPLE) + offs, mask=mask,
-                            other=other).to(tl.float32)
-    else:
-        g = tl.load(copy_ptr + _offset(row, 5, COPY_MULTIPLE) + offs, mask=mask,
+    if GRAD != 0:
+        q = tl.load(copy_ptr + _offset(row, 5, COPY_MULTIPLE) + offs, mask=mask,
                     other=other).to(tl.float32)
+        g = q if GRAD == 1 else g + q
     return g
 
 
 @triton.jit
 def _update(f32_ptr, copy_ptr, row, offs, numel, step_size, bc2_sqrt, scale_ptr, lr, beta1,
             beta2, eps, weight_decay, HAS_SCALE: tl.constexpr, ROUNDING: tl.constexpr,
-            F32_MULTIPLE: tl.constexpr, COPY_MULTIPLE: tl.constexpr, MASKED: tl.constexpr):
+            F32_MULTIPLE: tl.constexpr, COPY_MULTIPLE: tl.constexpr, GRAD: tl.constexpr,
+            MASKED: tl.constexpr):
     mask = offs < numel if MASKED else None
     other = 0.0 if MASKED else None
     p_ptr = f32_ptr + _offset(row, 0, F32_MULTIPLE)
     m_ptr = f32_ptr + _offset(row, 2, F32_MULTIPLE)
     v_ptr = f32_ptr + _offset(row, 3, F32_MULTIPLE)
     p = tl.load(p_ptr + offs, mask=mask, other=other)
-    g = _gradient(f32_ptr, copy_ptr, row, offs, mask, F32_MULTIPLE, COPY_MULTIPLE, MASKED)
+    g = _gradient(f32_ptr, copy_ptr, row, offs, mask, F32_MULTIPLE, COPY_MULTIPLE, GRAD, MASKED)
     m = tl.load(m_ptr + offs, mask=mask, other=other)
     v = tl.load(v_ptr + offs, mask=mask, other=other)
     if HAS_SCALE:
@@ -124,20 +125,22 @@ def _update(f32_ptr, copy_ptr, row, offs, numel, step_size, bc2_sqrt, scale_ptr,
 @triton.jit
 def _square_sum_kernel(f32_ptr, copy_ptr, table_ptr, chunk_ptr, out_ptr,
                        F32_MULTIPLE: tl.constexpr, COPY_MULTIPLE: tl.constexpr,
-                       FIELDS: tl.constexpr, BLOCK: tl.constexpr):
-    """out[program] = the sum of squares of its chunk's gradient (_gradient)."""
+                       GRAD: tl.constexpr, FIELDS: tl.constexpr, BLOCK: tl.constexpr):
+    """out[chunk's place among all kinds'] = the sum of squares of its chunk's gradient
+    (_gradient): summed in one order however the rows divide into kinds."""
     pid = tl.program_id(0)
-    i = tl.load(chunk_ptr + 2 * pid)
-    start = tl.load(chunk_ptr + 2 * pid + 1).to(tl.int64) * BLOCK
+    i = tl.load(chunk_ptr + 3 * pid)
+    start = tl.load(chunk_ptr + 3 * pid + 1).to(tl.int64) * BLOCK
     row = table_ptr + i * FIELDS
     numel = tl.load(row + 9)
     offs = start + tl.arange(0, BLOCK)
     if start + BLOCK <= numel:
-        g = _gradient(f32_ptr, copy_ptr, row, offs, None, F32_MULTIPLE, COPY_MULTIPLE, False)
+        g = _gradient(f32_ptr, copy_ptr, row, offs, None, F32_MULTIPLE, COPY_MULTIPLE, GRAD,
+                      False)
     else:
         g = _gradient(f32_ptr, copy_ptr, row, offs, offs < numel, F32_MULTIPLE, COPY_MULTIPLE,
-                      True)
-    tl.store(out_ptr + pid, tl.sum(g * g))
+                      GRAD, True)
+    tl.store(out_ptr + tl.load(chunk_ptr + 3 * pid + 2), tl.sum(g * g))
 
 
 _COPY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -151,17 +154,28 @@ class AdamWTables:
 
     def __init__(self):
         self._chunks_key: tuple | None = None
-        self.chunks: torch.Tensor | None = None
+        self.chunks: dict[int, torch.Tensor] | None = None
+        self.places = 0  # chunks over every kind
         self._addresses: tuple | None = None
         self.offsets: torch.Tensor | None = None
         self.multiples = (1, 1)
 
-    def chunks_for(self, numels: tuple[int, ...], block: int, device: torch.device
-                   ) -> torch.Tensor:
-        key = (numels, block)
-        if key != self._chunks_key or self.chunks is None or self.chunks.device != device:
-            pairs = [(i, c) for i, n in enumerate(numels) for c in range(triton.cdiv(n, block))]
-            self.chunks = torch.tensor(pairs, dtype=torch.int32).reshape(-1, 2).to(device)
+    def chunks_for(self, numels: tuple[int, ...], kinds: tuple[int, ...], block: int,
+                   device: torch.device) -> dict[int, torch.Tensor]:
+        """gradient kind (_gradient's GRAD) -> its rows' (tensor, chunk, place among every
+        row's chunks) triples: a launch each."""
+        key = (numels, kinds, block)
+        if key != self._chunks_key or self.chunks is None or any(
+                c.device != device for c in self.chunks.values()):
+            triples: dict[int, list] = {k: [] for k in sorted(set(kinds))}
+            place = 0
+            for i, (n, k) in enumerate(zip(numels, kinds)):
+                for c in range(triton.cdiv(n, block)):
+                    triples[k].append((i, c, place))
+                    place += 1
+            self.chunks = {k: torch.tensor(t, dtype=torch.int32).reshape(-1, 3).to(device)
+                           for k, t in triples.items()}
+            self.places = place
             self._chunks_key = key
         return self.chunks
 
@@ -245,9 +259,12 @@ class _Launch:
         self.low = next((t for t in (*copies, *pending) if t is not None), params[0])
         self.offsets = tables.offsets_for((params, grads, exp_avgs, exp_avg_sqs), copies,
                                           pending, (self.f32, self.low))
-        self.chunks = tables.chunks_for(tuple(p.numel() for p in params), self.block,
+        kinds = tuple(int(g is None) if q is None or g is None else 2
+                      for g, q in zip(grads, pending))  # _gradient's GRAD
+        self.chunks = tables.chunks_for(tuple(p.numel() for p in params), kinds, self.block,
                                         params[0].device)
         self.multiples = tables.multiples
+        self.places = tables.places
 
 
 def adamw_triton_(params: list[torch.Tensor], grads: list[torch.Tensor | None],
@@ -275,18 +292,20 @@ def adamw_triton_(params: list[torch.Tensor], grads: list[torch.Tensor | None],
                      pending or [None] * len(params), tables, tiles)
     device = params[0].device
     torch._foreach_add_(steps, 1)
-    if launch.chunks.shape[0] == 0:
+    if not any(c.shape[0] for c in launch.chunks.values()):
         return
     step = torch.stack([s.to(device=device, dtype=torch.float32) for s in steps])
     coef = torch.stack([lr / (1 - beta1 ** step), (1 - beta2 ** step).sqrt()], 1).contiguous()
     scale = grad_scale if grad_scale is not None else coef  # unread without HAS_SCALE
     f32_multiple, copy_multiple = launch.multiples
-    _adamw_kernel[(launch.chunks.shape[0],)](
-        launch.f32, launch.low, launch.offsets, launch.chunks, coef, scale, float(lr),
-        float(beta1), float(beta2), float(eps), float(weight_decay),
-        HAS_SCALE=grad_scale is not None, ROUNDING=dot_precision(torch.bfloat16),
-        F32_MULTIPLE=f32_multiple, COPY_MULTIPLE=copy_multiple, FIELDS=_FIELDS,
-        BLOCK=launch.block, num_warps=launch.warps)
+    for kind, chunks in launch.chunks.items():
+        if chunks.shape[0]:
+            _adamw_kernel[(chunks.shape[0],)](
+                launch.f32, launch.low, launch.offsets, chunks, coef, scale, float(lr),
+                float(beta1), float(beta2), float(eps), float(weight_decay),
+                HAS_SCALE=grad_scale is not None, ROUNDING=dot_precision(torch.bfloat16),
+                F32_MULTIPLE=f32_multiple, COPY_MULTIPLE=copy_multiple, GRAD=kind,
+                FIELDS=_FIELDS, BLOCK=launch.block, num_warps=launch.warps)
 
 
 def grad_square_sum(params: list[torch.Tensor], grads: list[torch.Tensor | None],
@@ -304,11 +323,12 @@ def grad_square_sum(params: list[torch.Tensor], grads: list[torch.Tensor | None]
         return torch.zeros((), device=device)
     launch = _Launch(params, grads, exp_avgs, exp_avg_sqs, copies,
                      pending or [None] * len(params), tables, tiles)
-    parts = torch.empty(launch.chunks.shape[0], device=device, dtype=torch.float32)
-    if parts.numel():
-        f32_multiple, copy_multiple = launch.multiples
-        _square_sum_kernel[(parts.numel(),)](
-            launch.f32, launch.low, launch.offsets, launch.chunks, parts,
-            F32_MULTIPLE=f32_multiple, COPY_MULTIPLE=copy_multiple, FIELDS=_FIELDS,
-            BLOCK=launch.block, num_warps=launch.warps)
+    parts = torch.empty(launch.places, device=device, dtype=torch.float32)
+    f32_multiple, copy_multiple = launch.multiples
+    for kind, chunks in launch.chunks.items():
+        if chunks.shape[0]:
+            _square_sum_kernel[(chunks.shape[0],)](
+                launch.f32, launch.low, launch.offsets, chunks, parts,
+                F32_MULTIPLE=f32_multiple, COPY_MULTIPLE=copy_multiple, GRAD=kind,
+                FIELDS=_FIELDS, BLOCK=launch.block, num_warps=launch.warps)
     return parts.sum()

@@ -193,7 +193,7 @@ class LocalShardAdamW(torch.optim.AdamW):
         for index, group in enumerate(self.param_groups):
             stand_ins = [p for p in group["params"] if p.grad is None and id(p) in pending]
             for p in stand_ins:
-                p.grad = torch.zeros((), dtype=p.dtype, device=p.device).expand_as(p)
+                p.grad = torch.empty((), dtype=p.dtype, device=p.device).expand_as(p)
             try:
                 lists: tuple[list[torch.Tensor], ...] = ([], [], [], [], [], [])
                 if self._init_group(group, *lists):
