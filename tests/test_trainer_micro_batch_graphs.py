@@ -5,7 +5,9 @@ stepped weights, bit for bit, over three optimizer steps of two micro-batches ea
 that repeat and a new one, R3 routing replayed, reference logprobs and a KL term, and
 ``zero_grad(set_to_none=True)`` between steps; the reference pass's no-grad forwards (logprobs,
 the routing recorded); a frozen policy forwards only; what a run returns is the caller's; the
-refusals. On CUDA: the second micro-batch of
+refusals. With the Triton AdamW (interpreted), runs whose last micro-batch leaves its gradients
+pending (compute_copies.py) equal the written ones bit for bit, both paths; one micro-batch a
+step makes no fp32 buffers for them. On CUDA: the second micro-batch of
 a layout is captured and later ones replay the graph, with the plain path's results to the
 kernels' own run-to-run spread, also after optimizer steps (the copies refreshed), the no-grad
 forwards too; a capture that fails (a forward that synchronizes) is logged and its layout runs
@@ -25,16 +27,17 @@ from trainer_bridge.dist import run_spawned
 pytestmark = pytest.mark.timeout(300)
 PRESET = "tiny"
 LENGTHS = [[(23, 30), (41,)], [(23, 30), (41,)], [(23, 30), (19, 9)]]  # micro-batches a step
+ONE_EACH = [[(23, 30)], [(41,)]]  # one micro-batch a step
 
 
-def micro_batches(policy, step: int, r3: bool) -> list:
+def micro_batches(policy, step: int, r3: bool, lengths=LENGTHS) -> list:
     cfg = policy.config
     gen = torch.Generator().manual_seed(11 + step)
     rng = np.random.default_rng(11 + step)
     out = []
-    for lengths in LENGTHS[step]:
+    for seqs in lengths[step]:
         samples = []
-        for i, n in enumerate(lengths):
+        for i, n in enumerate(seqs):
             toks = torch.randint(0, 256, (n,), generator=gen).tolist()
             routed = weights = None
             if r3:  # distinct experts per row, as a server's top-k
@@ -54,7 +57,7 @@ def micro_batches(policy, step: int, r3: bool) -> list:
 
 
 def run_mode(mesh, graphs: bool, r3: bool, device=torch.device("cpu"),
-             triton_adamw: bool = False, defer: bool = False) -> dict:
+             triton_adamw: bool = False, defer: bool = False, lengths=LENGTHS) -> dict:
     """``triton_adamw``: the Triton AdamW (interpreted on the CPU), the compute copies' reader;
     ``defer``: the trainer's Policy.micro_batch calls, so each step's last micro-batch leaves
     its copies' gradients pending for the step."""
@@ -72,8 +75,8 @@ def run_mode(mesh, graphs: bool, r3: bool, device=torch.device("cpu"),
     opt, _ = build_optimizer(policy, OptimConfig(
         lr=1e-2, adamw_kernel="triton" if triton_adamw else "auto"), 3)
     out = {"steps": [], "pending": []}
-    for step in range(len(LENGTHS)):
-        mbs = micro_batches(policy, step, r3)
+    for step in range(len(lengths)):
+        mbs = micro_batches(policy, step, r3, lengths)
         tokens = sum(float(mb.loss_mask.sum()) for mb in mbs)
         passes = [reference_pass(policy, mb, r3) for mb in mbs]
         sums = []
@@ -93,6 +96,7 @@ def run_mode(mesh, graphs: bool, r3: bool, device=torch.device("cpu"),
     out["dtypes"] = sorted({str(p.dtype) for p in policy.model.parameters()})
     out["counts"] = dict(policy.graphs.counts) if graphs else None
     out["layouts"] = len(policy.graphs.layouts) if graphs else None
+    out["fp32 buffers"] = len(policy.graphs.grad_buffers) if graphs else None
     return out
 
 
@@ -124,11 +128,15 @@ def reference_pass(policy, mb, replay: bool) -> tuple:
 def both_modes(mesh, sample):
     out = {(graphs, r3): run_mode(mesh, graphs, r3) for r3 in (False, True)
            for graphs in (False, True)}
-    if interpreting():  # the Triton AdamW on the CPU
-        out["triton"] = run_mode(mesh, False, False, triton_adamw=True)
+    if interpreting():  # the Triton AdamW on the CPU (interpreted: two steps, ~10 s a run)
+        out["triton"] = run_mode(mesh, False, False, triton_adamw=True, lengths=LENGTHS[:2])
         for graphs in (False, True):
             out[("deferred", graphs)] = run_mode(mesh, graphs, False, triton_adamw=True,
-                                                 defer=True)
+                                                 defer=True, lengths=LENGTHS[:2])
+        out["triton one each"] = run_mode(mesh, False, False, triton_adamw=True,
+                                          lengths=ONE_EACH)
+        out["deferred one each"] = run_mode(mesh, True, False, triton_adamw=True, defer=True,
+                                            lengths=ONE_EACH)
     return out
 
 
@@ -179,7 +187,7 @@ def test_pending_gradients_step_as_the_written_ones(runs):
     over fp32 gradients written as before, bit for bit (the kernel adds fp32 + pending as
     the written path's fp32 += does)."""
     written = runs["triton"]
-    assert written["pending"] == [0, 0, 0]
+    assert written["pending"] == [0, 0]
     for graphs in (False, True):
         deferred = runs[("deferred", graphs)]
         assert all(n > 50 for n in deferred["pending"]), deferred["pending"]
@@ -192,6 +200,14 @@ def test_pending_gradients_step_as_the_written_ones(runs):
             assert norm_a == norm_b, (graphs, step)
         for name, w in written["weights"].items():
             assert np.array_equal(w, deferred["weights"][name]), (graphs, name)
+    # One micro-batch a step: the copies' gradients never reach fp32, nor get buffers for it
+    # (only the parameters kept fp32 do); the same weights.
+    written, deferred = runs["triton one each"], runs["deferred one each"]
+    held = deferred["pending"][0]
+    assert held > 50 and deferred["pending"] == [held] * len(ONE_EACH)
+    assert deferred["fp32 buffers"] == len(deferred["steps"][0][1]) - held
+    for name, w in written["weights"].items():
+        assert np.array_equal(w, deferred["weights"][name]), name
 
 
 def refusals(mesh, sample):

@@ -135,7 +135,7 @@ class ComputeCopies:
     def settle(self, buffers: dict[int, torch.Tensor] | None = None) -> None:
         """The pending gradients into the masters' fp32 ones: added where a master has one,
         copied where not, into ``buffers[id(master)]`` when given (a captured micro-batch's
-        persistent ones) or one new flat buffer."""
+        persistent ones; a missing one is made and kept there) or one new flat buffer."""
         if not self.pending:
             return
         pairs = [(self.masters[i], g) for i, g in sorted(self.pending.items())]
@@ -156,7 +156,11 @@ class ComputeCopies:
             if buffers is None:
                 views = aligned_views([m.numel() for m, _ in fresh], fresh[0][0].dtype,
                                       fresh[0][0].device)
-            else:
+            else:  # made the first time one is needed: a step that settles none needs none
+                new = [m for m, _ in fresh if id(m) not in buffers]
+                for m, view in zip(new, aligned_views([m.numel() for m in new],
+                                                      fresh[0][0].dtype, fresh[0][0].device)):
+                    buffers[id(m)] = view.view_as(m)
                 views = [buffers[id(m)] for m, _ in fresh]
             for (m, _), view in zip(fresh, views):
                 m.grad = view.view_as(m)

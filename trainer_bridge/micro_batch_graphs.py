@@ -223,8 +223,10 @@ class MicroBatchGraphs:
         held = [(p, g) for p, g in pairs if holds(p, g)]
         written = [(p, g) for p, g in pairs if not holds(p, g)]
         if layout.runs == 1 or not layout.grad_params:  # eager: learn which get gradients
-            for p, _ in pairs:  # _attach_grads zeroes or fills a new buffer as it needs
-                if id(p) not in self.grad_buffers:  # (a held one's: where settle puts it)
+            # _attach_grads zeroes or fills a new buffer as it needs; a held gradient's fp32
+            # buffer is made by settle if ever needed (a one-micro-batch step needs none)
+            for p, _ in written:
+                if id(p) not in self.grad_buffers:
                     self.grad_buffers[id(p)] = torch.empty_like(
                         p, memory_format=torch.contiguous_format)
             layout.grad_params = [p for p, _ in written]
