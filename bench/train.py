@@ -361,26 +361,38 @@ class Ours:
             return sums[0]
         return step
 
-    def memory_plan(self, peak: int) -> str:
+    def memory_plan(self, peak: int, micro_batches: int) -> str:
         master, trained, buffers = static_bytes(self.policy.model)
         return (f"memory plan: fp32 master weights {master / GiB:.2f} GiB, buffers (Engram "
-                f"tables, tid2eid) {buffers / GiB:.2f}, {self.copies_note()}fp32 gradients "
-                f"{trained / GiB:.2f}, Adam state {2 * trained / GiB:.2f}; activations, "
+                f"tables, tid2eid) {buffers / GiB:.2f}, {self.copies_note()}"
+                f"{self.gradients_note(trained, micro_batches)}, Adam state "
+                f"{2 * trained / GiB:.2f}; activations, "
                 f"gradients and workspace at the peak "
                 f"{(peak - self.allocated_after_build - 2 * trained) / GiB:.2f}; peak "
                 f"{peak / GiB:.2f} GiB")
+
+    def gradients_note(self, trained: int, micro_batches: int) -> str:
+        """The gradients' bytes: fp32, but for the compute copies' ones that a one-micro-batch
+        step leaves pending in bf16 for the Triton AdamW (compute_copies.py)."""
+        held = 0
+        if micro_batches == 1 and self.copies is not None and self.copies.reader() is not None:
+            held = sum(self.copies.copies[i].numel() for i in self.copies.trained)
+        return (f"fp32 gradients {(trained - 4 * held) / GiB:.2f}"
+                + (f" (+ the copies' pending bf16 ones {2 * held / GiB:.2f})" if held else ""))
 
     def copies_note(self) -> str:
         return ("" if self.copies is None else
                 f"compute copies {self.copies.nbytes / GiB:.2f} (no FSDP on one rank), ")
 
-    def retained_per_layer(self, seq: int) -> tuple[list[int], int] | None:
+    def retained_per_layer(self, seq: int, last: bool = True) -> tuple[list[int], int] | None:
         """Bytes each decoder layer, then the norm and head, leave allocated after one forward
         of ``seq`` tokens: what they keep for the backward under this checkpointing policy
         (and a layer's gathered parameters when FSDP keeps them unsharded); and how far the
         backward then rises above that (the gradients it allocates, a layer's recompute under
-        checkpointing, its temporaries). CUDA only: the allocator's counters, read in a hook
-        after each layer and at the backward's peak."""
+        checkpointing, its temporaries). ``last``: a step's last micro-batch, whose compute
+        copies' gradients stay pending for the Triton AdamW (no fp32 ones: compute_copies.py),
+        as the step's own would. CUDA only: the allocator's counters, read in a hook after each
+        layer and at the backward's peak."""
         if self.device.type != "cuda":
             return None
         marks: list[int] = []
@@ -397,6 +409,8 @@ class Ours:
             for h in hooks:
                 h.remove()
         torch.cuda.reset_peak_memory_stats(self.device)
+        if last and self.copies is not None:
+            self.copies.defer_next_backward()  # a no-op without the Triton AdamW
         try:  # a whole iteration, so FSDP's backward state completes
             out.logprobs.sum().backward()
             rise = torch.cuda.max_memory_allocated(self.device) - points[-1]
@@ -434,15 +448,16 @@ class Ours:
                            if self.device.type == "cuda" else 3 * 2 * products)
         lines = [f"memory plan @ {seq} (ac={checkpointing}): fp32 master weights "
                  f"{master / GiB:.2f} GiB, buffers {buffers / GiB:.2f}, {self.copies_note()}"
-                 f"fp32 gradients "
-                 f"{trained / GiB:.2f}, Adam state {2 * trained / GiB:.2f}; largest "
+                 f"{self.gradients_note(trained, micro_batches)}, Adam state "
+                 f"{2 * trained / GiB:.2f}; largest "
                  f"temporaries: head chunk {head_chunk / GiB:.2f} (vocab {cfg.vocab_size}), "
                  f"selection chunk {selection_chunk / GiB:.2f}"]
-        half = self.retained_per_layer(probe_seq // 2)
+        one = micro_batches == 1  # then the backward is also the step's last
+        half = self.retained_per_layer(probe_seq // 2, one)
         if half is None:
             lines.append("  activations: measured on CUDA only (the allocator's counter)")
             return "\n".join(lines)
-        probed = self.retained_per_layer(probe_seq)
+        probed = self.retained_per_layer(probe_seq, one)
 
         def fit(at_half: int, at_probe: int) -> tuple[float, float]:
             """(fixed part, value at seq) of a line through the two probes."""
@@ -676,7 +691,7 @@ def main(argv=None) -> int:
             free(device)
             return "OOM"
         if isinstance(runner, Ours) and seq == biggest:
-            plans.append(f"{label} @ {seq}: " + runner.memory_plan(peak_b))
+            plans.append(f"{label} @ {seq}: " + runner.memory_plan(peak_b, args.micro_batches))
         free(device)
         return step_s, peak_b, host_s, cpu_s
 
