@@ -260,11 +260,13 @@ def test_refusals():
     assert out["grads after a good call"] > 50
 
 
-def cuda_rounds(mesh) -> dict:
+def cuda_rounds(mesh, defer: bool = False) -> dict:
     """Three rounds on one policy: the plain path's sums and gradients, then the graphed
     path's at the same weights, then an optimizer step (with the graphed gradients). Round 0
     runs both layouts eagerly, round 1 captures them (after a step: the copies must be the
-    stepped masters'), round 2 replays."""
+    stepped masters'), round 2 replays. ``defer``: as the trainer calls them, each last
+    micro-batch's gradients stay pending for the Triton AdamW (CUDA's choice with copies):
+    a replay's held gradients are its graph's static outputs."""
     from trainer_bridge.config import LossConfig, ModelConfig, OptimConfig
     from trainer_bridge.micro_batch_graphs import MicroBatchGraphs
     from trainer_bridge.policy import build_policy
@@ -282,12 +284,16 @@ def cuda_rounds(mesh) -> dict:
     def run(runner):
         policy.graphs = runner
         passes = [reference_pass(policy, mb, True) for mb in mbs]
-        sums = [forward_backward(policy, mb, tokens, loss_cfg, 1, replay=True).cpu().numpy()
-                for mb in mbs]
-        return sums, {n: p.grad.detach().float().cpu().numpy().copy()
-                      for n, p in policy.model.named_parameters() if p.grad is not None}, passes
+        sums = []
+        for i, mb in enumerate(mbs):
+            if defer:
+                policy.micro_batch(i, len(mbs))
+            sums.append(forward_backward(policy, mb, tokens, loss_cfg, 1, replay=True
+                                         ).cpu().numpy())
+        pending.append(len(policy.model.compute_copies.pending))
+        return sums, gradients(policy), passes
 
-    rounds = []
+    rounds, pending = [], []
     for _ in range(3):
         plain = run(None)
         opt.zero_grad(set_to_none=True)
@@ -295,7 +301,7 @@ def cuda_rounds(mesh) -> dict:
         clip_and_step(opt, 1.0)
         opt.zero_grad(set_to_none=True)
         rounds.append((plain, graphed))
-    return {"rounds": rounds, "counts": dict(graphs.counts),
+    return {"rounds": rounds, "counts": dict(graphs.counts), "pending": pending,
             "host inputs": {k[0]: len(v.host_inputs) for k, v in graphs.layouts.items()
                             if k[-1] == "fresh"}}
 
@@ -357,10 +363,17 @@ def on_cuda(body, queue) -> None:
         queue.put(traceback.format_exc())
 
 
+def cuda_rounds_deferred(mesh) -> dict:
+    return cuda_rounds(mesh, defer=True)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_graphs_capture_and_replay_on_cuda():
-    (out,) = run_spawned(on_cuda, [(cuda_rounds,)], timeout=280)
+@pytest.mark.parametrize("defer", [False, True], ids=["written", "pending"])
+def test_graphs_capture_and_replay_on_cuda(defer):
+    (out,) = run_spawned(on_cuda, [(cuda_rounds_deferred if defer else cuda_rounds,)],
+                         timeout=280)
     assert isinstance(out, dict), out
+    assert all((n > 50) == defer for n in out["pending"]), out["pending"]
     # 6 layouts (2 micro-batches x fresh or accumulating training, forward with and without
     # the routing recorded): eager in round 0, captured in round 1, replayed in rounds 1-2
     assert out["counts"] == {"eager": 6, "captured": 6, "replayed": 12, "capture_failed": 0}
