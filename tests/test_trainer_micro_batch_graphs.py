@@ -65,7 +65,7 @@ def run_mode(mesh, graphs: bool, r3: bool, device=torch.device("cpu"),
     from trainer_bridge.micro_batch_graphs import MicroBatchGraphs
     from trainer_bridge.policy import build_policy
     from trainer_bridge.schedule import build_optimizer
-    from trainer_bridge.trainer import clip_and_step, forward_backward
+    from trainer_bridge.trainer import clip_and_step
 
     policy = build_policy(ModelConfig(model_path=PRESET, compute_dtype="bfloat16",
                                       one_rank="copies"), mesh, device)
@@ -79,12 +79,7 @@ def run_mode(mesh, graphs: bool, r3: bool, device=torch.device("cpu"),
         mbs = micro_batches(policy, step, r3, lengths)
         tokens = sum(float(mb.loss_mask.sum()) for mb in mbs)
         passes = [reference_pass(policy, mb, r3) for mb in mbs]
-        sums = []
-        for i, mb in enumerate(mbs):
-            if defer:
-                policy.micro_batch(i, len(mbs))
-            sums.append(forward_backward(policy, mb, tokens, loss_cfg, 1, replay=r3
-                                         ).cpu().numpy())
+        sums = train_micro_batches(policy, mbs, tokens, loss_cfg, r3, defer)
         # copies: the graphed path's gradient buffers persist (a numpy view would change)
         grads = gradients(policy)
         out["pending"].append(len(policy.model.compute_copies.pending))
@@ -98,6 +93,21 @@ def run_mode(mesh, graphs: bool, r3: bool, device=torch.device("cpu"),
     out["layouts"] = len(policy.graphs.layouts) if graphs else None
     out["fp32 buffers"] = len(policy.graphs.grad_buffers) if graphs else None
     return out
+
+
+def train_micro_batches(policy, mbs, tokens: float, loss_cfg, replay: bool, defer: bool
+                        ) -> list:
+    """forward_backward over a step's micro-batches -> their numpy loss sums; ``defer``: with
+    the trainer's Policy.micro_batch calls (the last one's gradients stay pending)."""
+    from trainer_bridge.trainer import forward_backward
+
+    sums = []
+    for i, mb in enumerate(mbs):
+        if defer:
+            policy.micro_batch(i, len(mbs))
+        sums.append(forward_backward(policy, mb, tokens, loss_cfg, 1, replay=replay
+                                     ).cpu().numpy())
+    return sums
 
 
 def gradients(policy) -> dict:
@@ -271,7 +281,7 @@ def cuda_rounds(mesh, defer: bool = False) -> dict:
     from trainer_bridge.micro_batch_graphs import MicroBatchGraphs
     from trainer_bridge.policy import build_policy
     from trainer_bridge.schedule import build_optimizer
-    from trainer_bridge.trainer import clip_and_step, forward_backward
+    from trainer_bridge.trainer import clip_and_step
 
     device = torch.device("cuda", 0)
     policy = build_policy(ModelConfig(model_path=PRESET, one_rank="copies"), mesh, device)
@@ -284,12 +294,7 @@ def cuda_rounds(mesh, defer: bool = False) -> dict:
     def run(runner):
         policy.graphs = runner
         passes = [reference_pass(policy, mb, True) for mb in mbs]
-        sums = []
-        for i, mb in enumerate(mbs):
-            if defer:
-                policy.micro_batch(i, len(mbs))
-            sums.append(forward_backward(policy, mb, tokens, loss_cfg, 1, replay=True
-                                         ).cpu().numpy())
+        sums = train_micro_batches(policy, mbs, tokens, loss_cfg, True, defer)
         pending.append(len(policy.model.compute_copies.pending))
         return sums, gradients(policy), passes
 

@@ -38,9 +38,9 @@ from .compute_copies import ALIGN_BYTES
 # 1024x4 13.98, 8192x16 14.65, 2048x4 15.05, 4096x8 16.84; torch's fused kernel and the
 # copies' refresh 17.11. bench/train.py --adamw-tiles sets this for its run.
 DEFAULT_TILES = (2048, 8)
-# param, grad, exp_avg, exp_avg_sq, copy, pending gradient offsets; has copy, has grad, has
-# pending; numel
-_FIELDS = 10
+# param, grad, exp_avg, exp_avg_sq, copy, pending gradient offsets; has copy; numel (which
+# gradients a row has is its launch's GRAD: AdamWTables.chunks_for)
+_FIELDS = 8
 
 
 @triton.jit
@@ -60,7 +60,7 @@ def _adamw_kernel(f32_ptr, copy_ptr, table_ptr, chunk_ptr, coef_ptr, scale_ptr, 
     i = tl.load(chunk_ptr + 3 * pid)
     start = tl.load(chunk_ptr + 3 * pid + 1).to(tl.int64) * BLOCK
     row = table_ptr + i * FIELDS
-    numel = tl.load(row + 9)
+    numel = tl.load(row + 7)
     step_size = tl.load(coef_ptr + 2 * i)  # lr / (1 - beta1^step)
     bc2_sqrt = tl.load(coef_ptr + 2 * i + 1)  # sqrt(1 - beta2^step)
     offs = start + tl.arange(0, BLOCK)
@@ -132,7 +132,7 @@ def _square_sum_kernel(f32_ptr, copy_ptr, table_ptr, chunk_ptr, out_ptr,
     i = tl.load(chunk_ptr + 3 * pid)
     start = tl.load(chunk_ptr + 3 * pid + 1).to(tl.int64) * BLOCK
     row = table_ptr + i * FIELDS
-    numel = tl.load(row + 9)
+    numel = tl.load(row + 7)
     offs = start + tl.arange(0, BLOCK)
     if start + BLOCK <= numel:
         g = _gradient(f32_ptr, copy_ptr, row, offs, None, F32_MULTIPLE, COPY_MULTIPLE, GRAD,
@@ -186,7 +186,7 @@ class AdamWTables:
         f32, cp = anchors
         # The gradients are the tensors made anew (a new one may reuse a freed one's address):
         # their dtypes are in the key too, the element counts for the table's last column.
-        low = [t for t in (*copies, *pending)]
+        low = [*copies, *pending]
         addresses = tuple(_address(t) for group in lists for t in group) + tuple(
             _address(t) for t in low) + (f32.data_ptr(), cp.data_ptr())
         addresses += tuple(None if t is None else t.dtype for t in (*lists[1], *pending))
@@ -198,8 +198,7 @@ class AdamWTables:
         size_f, size_c = f32.element_size(), cp.element_size()
         rows = [[0 if t is None else (t.data_ptr() - base_f) // size_f for t in ts]
                 + [0 if t is None else (t.data_ptr() - base_c) // size_c for t in (c, q)]
-                + [int(c is not None), int(ts[1] is not None), int(q is not None),
-                   ts[0].numel()]
+                + [int(c is not None), ts[0].numel()]
                 for *ts, c, q in zip(*lists, copies, pending)]
         fp32_aligned = all(_address(t) % ALIGN_BYTES == 0 for group in lists for t in group
                            ) and base_f % ALIGN_BYTES == 0
@@ -318,9 +317,9 @@ def grad_square_sum(params: list[torch.Tensor], grads: list[torch.Tensor | None]
     and pending summed as it sums them), as a 0-d fp32 tensor: the clipping's norm in one pass
     over the tables the step then reuses. Per-chunk fp32 sums, then torch's sum of those:
     a fixed order."""
-    device = params[0].device if params else torch.device("cpu")
     if not params:
-        return torch.zeros((), device=device)
+        return torch.zeros(())
+    device = params[0].device
     launch = _Launch(params, grads, exp_avgs, exp_avg_sqs, copies,
                      pending or [None] * len(params), tables, tiles)
     parts = torch.empty(launch.places, device=device, dtype=torch.float32)
