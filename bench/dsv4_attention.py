@@ -346,8 +346,6 @@ SWEEP_TRIALS = {
         "fwd": [(64, 32, 8, 3), (32, 64, 4, 2)],
         "ds": [(64, 64, 4, 4, 64), (64, 64, 4, 3, 32), (64, 32, 4, 3, 64), (64, 128, 4, 3, 64),
                (64, 64, 4, 2, 128)],
-        "fwdw": [(64, 64, 8, 2), (64, 32, 8, 3)],
-        "dsw": [(64, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3)],
         "dq": [(256, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 2)],
         "dkv": [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2)],
     },
@@ -356,8 +354,6 @@ SWEEP_TRIALS = {
         "fwd": [(16, 64, 8, 2), (16, 64, 4, 3), (16, 128, 4, 2), (16, 32, 2, 3), (16, 128, 8, 2)],
         "ds": [(16, 64, 4, 3, 64), (16, 128, 4, 3, 64), (16, 64, 4, 3, 128), (16, 128, 4, 3, 128),
                (16, 128, 8, 3, 64), (16, 64, 4, 4, 64), (16, 32, 2, 3, 128)],
-        "fwdw": [(64, 64, 8, 2), (64, 32, 8, 3)],
-        "dsw": [(64, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
         "dq": [(256, 64, 4, 2), (512, 64, 8, 2), (128, 128, 4, 2), (64, 64, 4, 2),
                (256, 32, 4, 3)],
         "dkv": [(256, 64, 4, 2), (128, 128, 4, 2), (64, 64, 4, 2), (128, 64, 4, 3),
@@ -367,21 +363,20 @@ SWEEP_TRIALS = {
 
 
 def sweep(kernels, total=4096):
-    """Tile configs of the given kernels at 4k, every kind, one kernel's config varied at a time
-    from the defaults; per kernel, the config with the least summed time is named if it beats
-    the default's by 2% (less is within run-to-run noise), else the default."""
+    """Tile configs of the given kernels at 4k, CSA and HCA, one kernel's config varied at a
+    time from the defaults; per kernel, the config with the least CSA + HCA time is named if it
+    beats the default's by 2% (less is within run-to-run noise), else the default."""
     import dataclasses
 
-    ins = {kind: core_inputs(kind, total) for kind in KINDS}
+    ins = {kind: core_inputs(kind, total) for kind in ("CSA", "HCA")}
     flops = {kind: 4 * H * D * pairs(total, ins[kind][3]) for kind in ins}
     base = default_blocks(H)
     for kernel in kernels:
-        first = {"fwd": "bh", "ds": "bh", "fwdw": "rows", "dsw": "rows"}.get(kernel, "bd")
         names = (kernel,) if kernel == "narrow_selection" else tuple(
-            f"{kernel}_{f}" for f in (first, "bn", "warps", "stages")
-            + (("bd",) if kernel == "ds" else ()))
+            f"{kernel}_{f}" for f in ("bh" if kernel in ("fwd", "ds") else "bd", "bn", "warps",
+                                      "stages") + (("bd",) if kernel == "ds" else ()))
         own = tuple(getattr(base, n) for n in names)
-        bwd = kernel not in ("fwd", "fwdw")
+        bwd = kernel != "fwd"
         times = {}
         for config in [own] + [c for c in SWEEP_TRIALS[H][kernel] if c != own]:
             blocks = dataclasses.replace(base, **dict(zip(names, config)))
@@ -594,18 +589,11 @@ def training_compile_report(arch=90):
         b = default_blocks(heads)
         bhh = max(16, triton.next_power_of_2(heads))
         kernels = {
-            "fwd window": (fwd._dsv4_fwd_window_kernel, dict(HAS_SINK=True, BR=b.fwdw_rows,
-                                                             BN=b.fwdw_bn, BD=D, DOT_PREC="tf32"),
-                           b.fwdw_warps, b.fwdw_stages),
-            "fwd select": (fwd._dsv4_fwd_selection_kernel, dict(BH=b.fwd_bh, BNS=b.fwd_bn, BD=D,
-                                                                DOT_PREC="tf32"),
-                           b.fwd_warps, b.fwd_stages),
-            "P/dS window": (bwd._dsv4_ds_window_kernel, dict(BR=b.dsw_rows, BN=b.dsw_bn,
-                                                             BC=b.ds_bd, DOT_PREC="tf32"),
-                            b.dsw_warps, b.dsw_stages),
-            "P/dS select": (bwd._dsv4_ds_selection_kernel, dict(BH=b.ds_bh, BN=b.ds_bn,
-                                                                BC=b.ds_bd, DOT_PREC="tf32"),
-                            b.ds_warps, b.ds_stages),
+            "forward": (fwd._dsv4_fwd_kernel, dict(HAS_SINK=True, BH=b.fwd_bh, BN=b.fwd_bn,
+                                                   BNS=b.fwd_bn, BD=D, DOT_PREC="tf32"),
+                        b.fwd_warps, b.fwd_stages),
+            "P/dS": (bwd._dsv4_ds_kernel, dict(BH=b.ds_bh, BN=b.ds_bn, BC=b.ds_bd,
+                                               DOT_PREC="tf32"), b.ds_warps, b.ds_stages),
             "dQ": (bwd._dsv4_dq_kernel, dict(BH=b.dq_bh, BN=b.dq_bn, BD=b.dq_bd,
                                              DOT_PREC="tf32"), b.dq_warps, b.dq_stages),
             "window dKV": (bwd._dsv4_dkv_window_kernel, dict(BN=b.dkv_bn, BHH=bhh, BD=b.dkv_bd,
@@ -613,7 +601,7 @@ def training_compile_report(arch=90):
                            b.dkv_warps, b.dkv_stages)}
         for name, (kernel, consts, warps, stages) in kernels.items():
             r = compile_report(kernel, types_, consts, aligned, arch, warps, stages)
-            print(f"H={heads} {name:11s} {warps} warps {stages} stages: wgmma {r['wgmma']:4d}, "
+            print(f"H={heads} {name:10s} {warps} warps {stages} stages: wgmma {r['wgmma']:4d}, "
                   f"mma.sync {r['mma_sync']:4d}, cp.async {r['cp_async']:3d}, "
                   f"{r['shared']:6d} B shared, {r['regs']} registers, {r['spills']} B spill "
                   "stores", flush=True)

@@ -4,9 +4,8 @@ With P the sink-inclusive probabilities (recomputed from the saved LSE), Delta =
   dS = P * (dO @ V^T - Delta),  dQ = scale * dS @ K,
   dKV = scale * dS^T @ Q + P^T @ dO   (K = V: the latent gets both roles' gradients),
   dsink_h = -sum_t exp(sink_h - LSE_th) * Delta_th.
-Four kernels; the scores are recomputed once, not once per output:
-  * P/dS pass, in two kernels as the forward: the window's rows in blocks of (token, head) pairs
-    (dsv4_triton_forward.py), then the selection's, one program per (token, head block). Each
+Three kernels; the scores are recomputed once, not once per output:
+  * P/dS pass: one program per (token, head block) walks the token's keys as the forward does. Each
     key tile's scores and dO @ K^T are summed over D in chunks of ds_bd columns, q, dO and the key
     rows streamed chunk by chunk (q and dO from L2), so the loop pipelines in 3 stages in 80 KB of
     shared memory at 64 heads (Triton 3.6 for sm_90); held whole (q, dO and a 64-key tile: 192 KB)
@@ -49,14 +48,14 @@ def _head_cols(ptr, qrow, cols, hmask, cmask):
 
 
 @triton.jit
-def _ds_selection_tile(q_ptr, do_ptr, qrow, lse, delta, comp_ptr, idx_ptr, ds_ptr, dcomp_ptr, t,
-                       n, D, window, num_sel, stride_c, stride_idx, offs_n, hmask, offs_h, H,
-                       qk_scale, scale, BH: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
-                       DOT_PREC: tl.constexpr):
-    """Selection tile n of token t: scale * dS to its slots, its dKV added into dcomp (module
-    docstring)."""
-    base, valid, row = _key_rows(comp_ptr, comp_ptr, idx_ptr, t, n, t + 1, num_sel, stride_c,
-                                 stride_c, stride_idx, offs_n, False)
+def _ds_tile(q_ptr, do_ptr, qrow, lse, delta, kv_ptr, comp_ptr, idx_ptr, p_ptr, ds_ptr,
+             dcomp_ptr, t, n, hi, D, window, num_sel, stride_kv, stride_c, stride_idx, offs_n,
+             hmask, offs_h, H, qk_scale, scale, BH: tl.constexpr, BN: tl.constexpr,
+             BC: tl.constexpr, IS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Key tile n of token t: scale * dS to its slots; a window tile's P to its slots, a
+    selection tile's dKV added into dcomp (module docstring)."""
+    base, valid, row = _key_rows(kv_ptr, comp_ptr, idx_ptr, t, n, hi, num_sel, stride_kv,
+                                 stride_c, stride_idx, offs_n, IS_WINDOW)
     offs_c = tl.arange(0, BC)
     s = tl.zeros([BH, BN], tl.float32)
     dp = tl.zeros([BH, BN], tl.float32)
@@ -70,93 +69,56 @@ def _ds_selection_tile(q_ptr, do_ptr, qrow, lse, delta, comp_ptr, idx_ptr, ds_pt
     dtype = ds_ptr.dtype.element_ty
     ds = to_dtype(p * (dp - delta[:, None]) * scale, dtype, DOT_PREC)
     p = to_dtype(p, dtype, DOT_PREC)
+    smask = hmask[:, None] & valid[None, :]
     row_th = t.to(tl.int64) * H + offs_h
-    slot = window + n + offs_n
-    tl.store(ds_ptr + (row_th * (window + num_sel))[:, None] + slot[None, :], ds,
-             mask=hmask[:, None] & valid[None, :])
-    for c in range(0, D, BC):
-        cols = c + offs_c
-        cmask = cols < D
-        dc = mma(tl.trans(ds), _head_cols(q_ptr, qrow, cols, hmask, cmask), DOT_PREC) \
-            + mma(tl.trans(p), _head_cols(do_ptr, qrow, cols, hmask, cmask), DOT_PREC)
-        tl.atomic_add(dcomp_ptr + row[:, None].to(tl.int64) * D + cols[None, :], dc,
-                      mask=valid[:, None] & cmask[None, :], sem="relaxed")
-
-
-@triton.jit
-def _dsv4_ds_window_kernel(q_ptr, kv_ptr, first_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, p_ptr,
-                           ds_ptr, T, H, D, window, num_sel, qk_scale, scale, stride_qt,
-                           stride_qh, stride_kv, BR: tl.constexpr, BN: tl.constexpr,
-                           BC: tl.constexpr, DOT_PREC: tl.constexpr):
-    """The window part of the P/dS pass, and Delta. A program's rows are BR consecutive
-    (token, head) pairs of the flattened [T x H] (at 16 heads, 4 whole tokens): the tokens share
-    their window keys, so each key tile is loaded once for all of them and the MMAs are BR rows
-    tall (wgmma from 64), where one program per token had 16 rows (mma.sync) and loaded every
-    window key once per token. Each row masks the keys outside its own window."""
-    g = tl.program_id(0) * BR + tl.arange(0, BR)
-    rmask = g < T * H
-    tok = g // H
-    qrow = tok.to(tl.int64) * stride_qt + (g % H) * stride_qh
-    offs_c = tl.arange(0, BC)
-    offs_n = tl.arange(0, BN)
-    lse = tl.load(lse_ptr + g, mask=rmask, other=float("inf"))
-    # Delta here rather than in torch: saves fp32 copies of dO and O (1.3 ms at 4k on an H200).
-    delta = tl.zeros([BR], tl.float32)
-    for c in range(0, D, BC):
-        cols = c + offs_c
-        cmask = cols < D
-        do = _head_cols(do_ptr, qrow, cols, rmask, cmask)
-        delta += tl.sum(do.to(tl.float32) * _head_cols(o_ptr, qrow, cols, rmask, cmask)
-                        .to(tl.float32), 1)
-    tl.store(delta_ptr + g, delta, mask=rmask)
-    # Row r sees keys [lo_r, tok_r]; the program's tiles cover [lo of its first token, its last].
-    lo_r = tl.maximum(tl.load(first_ptr + tok, mask=rmask, other=0), tok + 1 - window)
-    t_first = tl.program_id(0) * BR // H
-    hi = tl.minimum((tl.program_id(0) * BR + BR - 1) // H, T - 1) + 1
-    lo = tl.maximum(tl.load(first_ptr + t_first), t_first + 1 - window)
-    slot_base = tok + 1 - window
-    dtype = ds_ptr.dtype.element_ty
-    for n in range(lo, hi, BN):
-        keys = n + offs_n
-        base = kv_ptr + keys[:, None].to(tl.int64) * stride_kv
-        kmask = keys < hi
-        s = tl.zeros([BR, BN], tl.float32)
-        dp = tl.zeros([BR, BN], tl.float32)
+    if IS_WINDOW:
+        slot = n + offs_n - (t + 1 - window)
+    else:
+        slot = window + n + offs_n
+    tl.store(ds_ptr + (row_th * (window + num_sel))[:, None] + slot[None, :], ds, mask=smask)
+    if IS_WINDOW:
+        tl.store(p_ptr + (row_th * window)[:, None] + slot[None, :], p, mask=smask)
+    else:
         for c in range(0, D, BC):
             cols = c + offs_c
             cmask = cols < D
-            k = tl.load(base + cols[None, :], mask=kmask[:, None] & cmask[None, :], other=0.0)
-            s += mma(_head_cols(q_ptr, qrow, cols, rmask, cmask), tl.trans(k), DOT_PREC)
-            dp += mma(_head_cols(do_ptr, qrow, cols, rmask, cmask), tl.trans(k), DOT_PREC)
-        valid = (rmask[:, None] & (keys[None, :] >= lo_r[:, None])
-                 & (keys[None, :] <= tok[:, None]))
-        p = tl.where(valid, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
-        ds = to_dtype(p * (dp - delta[:, None]) * scale, dtype, DOT_PREC)
-        slot = keys[None, :] - slot_base[:, None]
-        row = g.to(tl.int64)
-        tl.store(ds_ptr + (row * (window + num_sel))[:, None] + slot, ds, mask=valid)
-        tl.store(p_ptr + (row * window)[:, None] + slot, to_dtype(p, dtype, DOT_PREC),
-                 mask=valid)
+            dc = mma(tl.trans(ds), _head_cols(q_ptr, qrow, cols, hmask, cmask), DOT_PREC) \
+                + mma(tl.trans(p), _head_cols(do_ptr, qrow, cols, hmask, cmask), DOT_PREC)
+            tl.atomic_add(dcomp_ptr + row[:, None].to(tl.int64) * D + cols[None, :], dc,
+                          mask=valid[:, None] & cmask[None, :], sem="relaxed")
 
 
 @triton.jit
-def _dsv4_ds_selection_kernel(q_ptr, comp_ptr, idx_ptr, end_ptr, do_ptr, lse_ptr, delta_ptr,
-                              ds_ptr, dcomp_ptr, H, D, window, num_sel, qk_scale, scale,
-                              stride_qt, stride_qh, stride_c, stride_idx, BH: tl.constexpr,
-                              BN: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr):
-    """The selection part of the P/dS pass: one program per (token, head block), as each
-    token picks its own entries; Delta from the window pass."""
+def _dsv4_ds_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, first_ptr, do_ptr, o_ptr, lse_ptr,
+                    delta_ptr, p_ptr, ds_ptr, dcomp_ptr, H, D, window, num_sel, qk_scale, scale,
+                    stride_qt, stride_qh, stride_kv, stride_c, stride_idx, BH: tl.constexpr,
+                    BN: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr):
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+    offs_c = tl.arange(0, BC)
     offs_n = tl.arange(0, BN)
     hmask = offs_h < H
     qrow = t.to(tl.int64) * stride_qt + offs_h * stride_qh
     lse = tl.load(lse_ptr + t * H + offs_h, mask=hmask, other=float("inf"))
-    delta = tl.load(delta_ptr + t * H + offs_h, mask=hmask, other=0.0)
+    # Delta here rather than in torch: saves fp32 copies of dO and O (1.3 ms at 4k on an H200).
+    delta = tl.zeros([BH], tl.float32)
+    for c in range(0, D, BC):
+        cols = c + offs_c
+        cmask = cols < D
+        do = _head_cols(do_ptr, qrow, cols, hmask, cmask)
+        delta += tl.sum(do.to(tl.float32) * _head_cols(o_ptr, qrow, cols, hmask, cmask)
+                        .to(tl.float32), 1)
+    tl.store(delta_ptr + t * H + offs_h, delta, mask=hmask)
+    hi = t + 1
+    lo = tl.maximum(tl.load(first_ptr + t), t + 1 - window)
+    for n in range(lo, hi, BN):
+        _ds_tile(q_ptr, do_ptr, qrow, lse, delta, kv_ptr, comp_ptr, idx_ptr, p_ptr, ds_ptr,
+                 dcomp_ptr, t, n, hi, D, window, num_sel, stride_kv, stride_c, stride_idx, offs_n,
+                 hmask, offs_h, H, qk_scale, scale, BH, BN, BC, True, DOT_PREC)
     for n in range(0, tl.load(end_ptr + t), BN):
-        _ds_selection_tile(q_ptr, do_ptr, qrow, lse, delta, comp_ptr, idx_ptr, ds_ptr,
-                           dcomp_ptr, t, n, D, window, num_sel, stride_c, stride_idx, offs_n,
-                           hmask, offs_h, H, qk_scale, scale, BH, BN, BC, DOT_PREC)
+        _ds_tile(q_ptr, do_ptr, qrow, lse, delta, kv_ptr, comp_ptr, idx_ptr, p_ptr, ds_ptr,
+                 dcomp_ptr, t, n, hi, D, window, num_sel, stride_kv, stride_c, stride_idx, offs_n,
+                 hmask, offs_h, H, qk_scale, scale, BH, BN, BC, False, DOT_PREC)
 
 
 @triton.jit
@@ -249,18 +211,12 @@ def dsv4_backward(q, kv, sinks, first_rows, window, scale, comp_kv, comp_idx, se
     # scale*dS and the window's P in the MMA operand dtype (what the MMAs read).
     ds_buf = torch.empty(total, heads, window + num_sel, device=q.device, dtype=q.dtype)
     p_buf = torch.empty(total, heads, window, device=q.device, dtype=q.dtype)
-    _dsv4_ds_window_kernel[(triton.cdiv(total * heads, blocks.dsw_rows),)](
-        q, kv, first_rows, dout, out, lse, delta, p_buf, ds_buf, total, heads, dim, window,
-        num_sel, scale * LOG2E, scale, q.stride(0), q.stride(1), kv.stride(0),
-        BR=blocks.dsw_rows, BN=blocks.dsw_bn, BC=min(blocks.ds_bd, bd), DOT_PREC=prec,
-        num_warps=blocks.dsw_warps, num_stages=blocks.dsw_stages)
-    if num_sel:
-        _dsv4_ds_selection_kernel[(total, triton.cdiv(heads, blocks.ds_bh))](
-            q, comp_kv, comp_idx, sel_end, dout, lse, delta, ds_buf, dcomp32, heads, dim,
-            window, num_sel, scale * LOG2E, scale, q.stride(0), q.stride(1), comp_kv.stride(0),
-            comp_idx.stride(0), BH=blocks.ds_bh, BN=blocks.ds_bn,
-            BC=min(blocks.ds_bd, bd), DOT_PREC=prec, num_warps=blocks.ds_warps,
-            num_stages=blocks.ds_stages)
+    _dsv4_ds_kernel[(total, triton.cdiv(heads, blocks.ds_bh))](
+        q, kv, comp_kv, comp_idx, sel_end, first_rows, dout, out, lse, delta, p_buf, ds_buf,
+        dcomp32, heads, dim, window, num_sel, scale * LOG2E, scale, q.stride(0), q.stride(1),
+        kv.stride(0), comp_kv.stride(0), comp_idx.stride(0), BH=blocks.ds_bh, BN=blocks.ds_bn,
+        BC=min(blocks.ds_bd, bd), DOT_PREC=prec, num_warps=blocks.ds_warps,
+        num_stages=blocks.ds_stages)
     dq_cols = min(blocks.dq_bd, bd)
     _dsv4_dq_kernel[(total, triton.cdiv(heads, blocks.dq_bh), triton.cdiv(dim, dq_cols))](
         ds_buf, kv, comp_kv, comp_idx, sel_end, first_rows, dq, heads, dim, window, num_sel,

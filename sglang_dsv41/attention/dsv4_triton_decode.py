@@ -144,8 +144,7 @@ def _dsv4_decode_split_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_pt
         row = page.to(tl.int64) * PAGE + pos % PAGE
         k = tl.load(kv_ptr + row[:, None] * stride_kv + offs_d[None, :],
                     mask=valid[:, None] & dmask[None, :], other=0.0)
-        m_i, l_i, acc = _online_softmax_step(q, k, valid[None, :], m_i, l_i, acc, qk_scale,
-                                             DOT_PREC)
+        m_i, l_i, acc = _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC)
     # Selection tiles, numbered after the window's cdiv(window, BN); they stop at the
     # request's last valid pick (sel_end), so -1 padding at the end costs nothing.
     for j in range(j0, j_end):
@@ -154,8 +153,7 @@ def _dsv4_decode_split_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_pt
         valid = row >= 0
         k = tl.load(comp_ptr + row[:, None].to(tl.int64) * stride_c + offs_d[None, :],
                     mask=valid[:, None] & dmask[None, :], other=0.0)
-        m_i, l_i, acc = _online_softmax_step(q, k, valid[None, :], m_i, l_i, acc, qk_scale,
-                                             DOT_PREC)
+        m_i, l_i, acc = _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC)
     if SPLITS == 1:
         if HAS_SINK:
             sink = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0).to(tl.float32)

@@ -1,16 +1,11 @@
 """Triton forward of the DSV4 sparse sink attention (contract: dsv4_reference.py).
 
-All heads of a token share one K=V latent (MQA), so (token, head) pairs are the M side of
-every tile: rows of q against keys [BN, D]. Two key sources per token, two kernels:
-  1. the sink and the sliding window, positions (pos - window, pos] of the token's sequence,
-     contiguous rows of the packed `kv` (paged decode has its own kernels:
-     dsv4_triton_decode.py). One program per BR consecutive (token, head) pairs of the
-     flattened [T x H]: at 16 heads 4 tokens, which share most of their window keys, so a key
-     tile is loaded once for the 4 and the MMAs are 64 rows tall (Hopper's wgmma), where a
-     program per token had 16 (mma.sync) and loaded each window key once per token;
-  2. the token's compressed selection, rows of `comp_kv` listed in comp_idx[t] (-1 = none),
-     one program per (token, block of heads) (each token picks its own entries), its online
-     softmax merged into the window pass's output and LSE through their log-sum-exp.
+One program per (query token, block of heads). All heads of a token share one K=V latent
+(MQA), so the heads are the M side of every tile: q [BH, D] against gathered keys [BN, D].
+Two key sources per token, walked in order with one online softmax seeded by the sink:
+  1. the sliding window, positions (pos - window, pos] of the token's sequence, contiguous rows
+     of the packed `kv` (paged decode has its own kernels: dsv4_triton_decode.py);
+  2. the token's compressed selection, rows of `comp_kv` listed in comp_idx[t] (-1 = none).
 The selection loop stops at the token's last valid pick (sel_end[t], one torch reduction before
 the launch; the indexer puts its invalid picks last, so padding costs nothing) and has no branch
 in its body, so Triton can software-pipeline its index and key loads (a branch in a loop body
@@ -34,12 +29,11 @@ from .triton_common import LOG2E, dot_precision, interpreting, mma, to_dtype
 
 @dataclass(frozen=True)
 class DSV4Blocks:
-    """Tile sizes of the DSV4 kernels: heads per program (bh), (token, head) rows per program of
-    the flattened [T x H] (rows), keys per tile (bn), D columns per program (bd; the P/dS pass:
-    D columns per step of its scores' loop, both parts), warps, stages. fwd: forward; ds: the
-    selection part of the backward's P/dS pass (which also adds the selection dKV); dsw: its
-    window part; dq: dQ = dS @ K; dkv: window dKV (all heads at once, split over D).
-    narrow_selection: the forward's selection tiles narrow when K is small (selection_tile)."""
+    """Tile sizes of the DSV4 kernels: heads per program (bh), keys per tile (bn), D columns per
+    program (bd; the P/dS pass: D columns per step of its scores' loop), warps, stages. fwd:
+    forward; ds: the backward's P/dS pass (which also adds the selection dKV); dq: dQ = dS @ K;
+    dkv: window dKV (all heads at once, split over D). narrow_selection: the forward's selection
+    tiles narrow when K is small (selection_tile)."""
 
     fwd_bh: int = 64
     fwd_bn: int = 64
@@ -49,15 +43,7 @@ class DSV4Blocks:
     ds_bn: int = 64
     ds_bd: int = 64
     ds_warps: int = 4
-    fwdw_rows: int = 64
-    fwdw_bn: int = 32
-    fwdw_warps: int = 8
-    fwdw_stages: int = 2
     ds_stages: int = 3
-    dsw_rows: int = 64
-    dsw_bn: int = 32
-    dsw_warps: int = 4
-    dsw_stages: int = 3
     dq_bh: int = 64
     dq_bd: int = 128
     dq_bn: int = 64
@@ -72,7 +58,7 @@ class DSV4Blocks:
     def __post_init__(self):
         for f in fields(self):
             val = getattr(self, f.name)
-            if f.name.endswith(("_bh", "_bn", "_bd", "_rows")) and (val < 16 or val & (val - 1)):
+            if f.name.endswith(("_bh", "_bn", "_bd")) and (val < 16 or val & (val - 1)):
                 raise ValueError(f"DSV4Blocks.{f.name}={val}: must be a power of two >= 16")
 
 
@@ -130,11 +116,9 @@ def _load_keys(kv_ptr, comp_ptr, idx_ptr, t, n, hi, num_sel, stride_kv, stride_c
 
 @triton.jit
 def _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC: tl.constexpr):
-    """One key tile of the online softmax (log2 domain): K=V, so the tile is also the values.
-    valid: [1 or rows, keys]. m_i starts finite (the sink, or -1e30), so a row that sees none of
-    a tile's keys keeps its state."""
+    """One key tile of the online softmax (log2 domain): K=V, so the tile is also the values."""
     s = mma(q, tl.trans(k), DOT_PREC) * qk_scale
-    s = tl.where(valid, s, float("-inf"))
+    s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -144,92 +128,43 @@ def _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC: tl.cons
 
 
 @triton.jit
-def _window_rows(first_ptr, T, H, window, BR: tl.constexpr):
-    """The rows of a window program: BR consecutive (token, head) pairs of the flattened
-    [T x H] -> (g, row mask, token, head, each row's first key, the program's first key and one
-    past its last). Rows of up to BR / H tokens share each key tile; every row masks the keys
-    outside [its first key, its token]."""
-    g = tl.program_id(0) * BR + tl.arange(0, BR)
-    rmask = g < T * H
-    tok = g // H
-    lo_r = tl.maximum(tl.load(first_ptr + tok, mask=rmask, other=0), tok + 1 - window)
-    t_first = tl.program_id(0) * BR // H
-    hi = tl.minimum((tl.program_id(0) * BR + BR - 1) // H, T - 1) + 1
-    lo = tl.maximum(tl.load(first_ptr + t_first), t_first + 1 - window)
-    return g, rmask, tok, g % H, lo_r, lo, hi
-
-
-@triton.jit
-def _dsv4_fwd_window_kernel(q_ptr, kv_ptr, sink_ptr, first_ptr, o_ptr, lse_ptr, T, H, D, window,
-                            qk_scale, stride_qt, stride_qh, stride_kv, stride_ot, stride_oh,
-                            HAS_SINK: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
-                            BD: tl.constexpr, DOT_PREC: tl.constexpr):
-    """The sink and the sliding window (module docstring) of BR (token, head) rows."""
-    g, rmask, tok, head, lo_r, lo, hi = _window_rows(first_ptr, T, H, window, BR)
+def _dsv4_fwd_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_ptr, first_ptr, o_ptr,
+                     lse_ptr, H, D, window, num_sel, qk_scale, stride_qt, stride_qh, stride_kv,
+                     stride_c, stride_idx, stride_ot, stride_oh, HAS_SINK: tl.constexpr,
+                     BH: tl.constexpr, BN: tl.constexpr, BNS: tl.constexpr, BD: tl.constexpr,
+                     DOT_PREC: tl.constexpr):
+    t = tl.program_id(0)
+    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_d = tl.arange(0, BD)
     offs_n = tl.arange(0, BN)
+    hmask = offs_h < H
     dmask = offs_d < D
-    q = tl.load(q_ptr + (tok.to(tl.int64) * stride_qt + head * stride_qh)[:, None]
-                + offs_d[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
+    q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh
+                + offs_d[None, :], mask=hmask[:, None] & dmask[None, :], other=0.0)
     if HAS_SINK:
-        m_i = tl.load(sink_ptr + head, mask=rmask, other=0.0).to(tl.float32) * 1.4426950408889634
-        l_i = tl.full([BR], 1.0, tl.float32)
+        m_i = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BH], 1.0, tl.float32)
     else:
-        m_i = tl.full([BR], -1.0e30, tl.float32)
-        l_i = tl.zeros([BR], tl.float32)
-    acc = tl.zeros([BR, BD], tl.float32)
-    for n in range(lo, hi, BN):
-        keys = n + offs_n
-        k = tl.load(kv_ptr + keys[:, None].to(tl.int64) * stride_kv + offs_d[None, :],
-                    mask=(keys < hi)[:, None] & dmask[None, :], other=0.0)
-        valid = (keys[None, :] >= lo_r[:, None]) & (keys[None, :] <= tok[:, None])
-        m_i, l_i, acc = _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC)
-    out = acc / tl.maximum(l_i, 1.0e-30)[:, None]
-    tl.store(o_ptr + (tok.to(tl.int64) * stride_ot + head * stride_oh)[:, None]
-             + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
-             mask=rmask[:, None] & dmask[None, :])
-    lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("inf"))
-    tl.store(lse_ptr + g, lse, mask=rmask)
-
-
-@triton.jit
-def _dsv4_fwd_selection_kernel(q_ptr, comp_ptr, idx_ptr, end_ptr, o_ptr, lse_ptr, H, D,
-                               num_sel, qk_scale, stride_qt, stride_qh, stride_c, stride_idx,
-                               stride_ot, stride_oh, BH: tl.constexpr, BNS: tl.constexpr,
-                               BD: tl.constexpr, DOT_PREC: tl.constexpr):
-    """The token's selection, merged into the window pass's output and LSE (read and rewritten
-    in place): one program per (token, head block), as each token picks its own entries."""
-    t = tl.program_id(0)
-    end = tl.load(end_ptr + t)
-    if end > 0:
-        offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
-        offs_d = tl.arange(0, BD)
-        offs_s = tl.arange(0, BNS)
-        hmask = offs_h < H
-        dmask = offs_d < D
-        q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh
-                    + offs_d[None, :], mask=hmask[:, None] & dmask[None, :], other=0.0)
         m_i = tl.full([BH], -1.0e30, tl.float32)
         l_i = tl.zeros([BH], tl.float32)
-        acc = tl.zeros([BH, BD], tl.float32)
-        for n in range(0, end, BNS):
-            k, valid, _ = _load_keys(comp_ptr, comp_ptr, idx_ptr, t, n, t + 1, num_sel,
-                                     stride_c, stride_c, stride_idx, offs_s, offs_d, dmask,
-                                     False)
-            m_i, l_i, acc = _online_softmax_step(q, k, valid[None, :], m_i, l_i, acc, qk_scale,
-                                                 DOT_PREC)
-        # Every row saw its own token in the window, so its window LSE is finite.
-        o_at = o_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
-        omask = hmask[:, None] & dmask[None, :]
-        lse_w = tl.load(lse_ptr + t * H + offs_h, mask=hmask, other=0.0)
-        m = tl.maximum(lse_w, m_i)
-        w_win = tl.exp2(lse_w - m)
-        w_sel = tl.exp2(m_i - m)
-        den = w_win + l_i * w_sel
-        out = (tl.load(o_at, mask=omask, other=0.0).to(tl.float32) * w_win[:, None]
-               + acc * w_sel[:, None]) / den[:, None]
-        tl.store(o_at, out.to(o_ptr.dtype.element_ty), mask=omask)
-        tl.store(lse_ptr + t * H + offs_h, m + tl.log2(den), mask=hmask)
+    acc = tl.zeros([BH, BD], tl.float32)
+    # The window: packed rows [max(first, t + 1 - window), t].
+    hi = t + 1
+    lo = tl.maximum(tl.load(first_ptr + t), t + 1 - window)
+    for n in range(lo, hi, BN):
+        k, valid, _ = _load_keys(kv_ptr, comp_ptr, idx_ptr, t, n, hi, num_sel, stride_kv,
+                                 stride_c, stride_idx, offs_n, offs_d, dmask, True)
+        m_i, l_i, acc = _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC)
+    offs_s = tl.arange(0, BNS)
+    for n in range(0, tl.load(end_ptr + t), BNS):
+        k, valid, _ = _load_keys(kv_ptr, comp_ptr, idx_ptr, t, n, hi, num_sel, stride_kv,
+                                 stride_c, stride_idx, offs_s, offs_d, dmask, False)
+        m_i, l_i, acc = _online_softmax_step(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PREC)
+    out = acc / tl.maximum(l_i, 1.0e-30)[:, None]
+    tl.store(o_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
+    lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("inf"))
+    tl.store(lse_ptr + t * H + offs_h, lse, mask=hmask)
 
 
 def selection_tile(num_sel: int, bn: int, blocks: DSV4Blocks) -> int:
@@ -264,16 +199,13 @@ def dsv4_forward(q, kv, sinks, first_rows, window, scale, comp_kv, comp_idx, sel
     lse = torch.empty(total, heads, device=q.device, dtype=torch.float32)
     if total == 0:
         return out, lse
-    prec, bd, num_sel = dot_precision(q.dtype), triton.next_power_of_2(dim), comp_idx.shape[1]
-    _dsv4_fwd_window_kernel[(triton.cdiv(total * heads, blocks.fwdw_rows),)](
-        q, kv, sinks if sinks is not None else q, first_rows, out, lse, total, heads, dim,
-        window, scale * LOG2E, q.stride(0), q.stride(1), kv.stride(0), out.stride(0),
-        out.stride(1), HAS_SINK=sinks is not None, BR=blocks.fwdw_rows, BN=blocks.fwdw_bn,
-        BD=bd, DOT_PREC=prec, num_warps=blocks.fwdw_warps, num_stages=blocks.fwdw_stages)
-    if num_sel:
-        _dsv4_fwd_selection_kernel[(total, triton.cdiv(heads, blocks.fwd_bh))](
-            q, comp_kv, comp_idx, sel_end, out, lse, heads, dim, num_sel, scale * LOG2E,
-            q.stride(0), q.stride(1), comp_kv.stride(0), comp_idx.stride(0), out.stride(0),
-            out.stride(1), BH=blocks.fwd_bh, BNS=selection_tile(num_sel, blocks.fwd_bn, blocks),
-            BD=bd, DOT_PREC=prec, num_warps=blocks.fwd_warps, num_stages=blocks.fwd_stages)
+    grid = (total, triton.cdiv(heads, blocks.fwd_bh))
+    _dsv4_fwd_kernel[grid](
+        q, kv, comp_kv, comp_idx, sel_end, sinks if sinks is not None else q, first_rows, out,
+        lse, heads, dim, window, comp_idx.shape[1], scale * LOG2E, q.stride(0), q.stride(1),
+        kv.stride(0), comp_kv.stride(0), comp_idx.stride(0), out.stride(0), out.stride(1),
+        HAS_SINK=sinks is not None, BH=blocks.fwd_bh, BN=blocks.fwd_bn,
+        BNS=selection_tile(comp_idx.shape[1], blocks.fwd_bn, blocks),
+        BD=triton.next_power_of_2(dim), DOT_PREC=dot_precision(q.dtype),
+        num_warps=blocks.fwd_warps, num_stages=blocks.fwd_stages)
     return out, lse
