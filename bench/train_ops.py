@@ -319,11 +319,15 @@ class BmmGroupMajor(torch.autograd.Function):
         return grad_o, torch.bmm(by_group.transpose(1, 2), og)
 
 
-# MixTiles fields per candidate, hc-mix mode. The first, the first tiles, is the baseline of
-# every round's ratios; the second ({}) the defaults.
-HC_MIX_TRIALS = [{"tokens": 32, "k": 64, "fn_cols": 32, "fn_tokens": 4096, "precision": "ieee"},
-                 {}, {"precision": "ieee"}, {"tokens": 32, "k": 64}, {"tokens": 32},
-                 {"fn_tokens": 1024}, {"fn_cols": 128, "fn_warps": 8}]
+# MixTiles fields per candidate, hc-mix mode. The first (the forward one program per 16 tokens
+# over every column, as before its column spans) is the baseline of every round's ratios; the
+# second ({}) the defaults. Older trees' kernels (d streams in two passes over each row: bbb2b5d
+# and earlier) are timed by their own copy of this script.
+HC_MIX_TRIALS = [{"k_spans": 1, "dx_tokens": 16, "dx_cols": 128},
+                 {}, {"k_spans": 8}, {"k_spans": 2}, {"tokens": 64, "k_spans": 8, "warps": 8},
+                 {"dx_tokens": 32, "dx_cols": 256, "dx_warps": 8},
+                 {"dx_tokens": 128, "dx_cols": 64, "dx_warps": 8},
+                 {"fn_cols": 128, "fn_warps": 8}]
 
 
 def hc_mix_kernels(args) -> None:
@@ -353,11 +357,11 @@ def hc_mix_kernels(args) -> None:
             for trial in HC_MIX_TRIALS:
                 tiles = replace(hm.MixTiles(), **trial)
                 mix, rstd = hm.mix_forward(x, fn, eps, tiles)
-                dx = hm.mix_backward_streams(x, fn, rstd, grad, tiles)
+                dx = hm.mix_backward_streams(x, fn, rstd, mix, grad, tiles)
                 dfn = hm.mix_backward_fn(x, rstd, grad, tiles)
                 us = [1e3 * do_bench(f, warmup=10, rep=50) for f in (
                     lambda: hm.mix_forward(x, fn, eps, tiles),
-                    lambda: hm.mix_backward_streams(x, fn, rstd, grad, tiles),
+                    lambda: hm.mix_backward_streams(x, fn, rstd, mix, grad, tiles),
                     lambda: hm.mix_backward_fn(x, rstd, grad, tiles))]
                 err = ", ".join(f"{((a.double() - b).norm() / b.norm()).item():.1e}" for a, b in
                                 ((mix, mix64), (dx, x64.grad), (dfn, fn64.grad)))

@@ -5,11 +5,15 @@ The torch path makes an fp32 copy of the streams ([T, hc D]: 64 MiB a sublayer a
 hc 4, D 1024), runs five elementwise kernels and an fp32 GEMM forward, and about ten kernels
 and a second fp32 copy backward: ~17 launches a sublayer, 24 sublayers a step of the small
 preset, whose step is host-bound. Here:
-  * forward, one program per block of tokens: one pass over its tokens' inputs accumulates
-    the sum of squares and the products with fn's rows together; the products are scaled by
-    rstd at the end (rstd (x . f) rather than (x rstd) . f: fp32 rounding differences only);
+  * forward, one program per (block of tokens, span of columns): one pass over its inputs
+    accumulates the sum of squares and the products with fn's rows together, into partials of
+    its own; a second kernel adds a token's spans in order (no atomics: deterministic) and
+    scales the products by rstd (rstd (x . f) rather than (x rstd) . f: fp32 rounding
+    differences only). The spans give a 4k-token call 4x the programs of one per token block;
   * d streams = rstd (g - y mean(g y)), g = grad @ fn, y = x rstd (rms_norm_input_grad's
-    formula): per block of tokens, a pass for each token's mean, a pass writing the gradient;
+    formula): the row term sum_k g_k x_k is sum_n grad_n mix_n / rstd (the saved output), so
+    one pass per (block of tokens, block of columns) writes the gradient, where a pass over
+    each row for the term came first and the columns could not split over programs;
   * d fn = (grad rstd)^T @ x: one program per block of fn's columns and span of tokens sums
     its span in order into a partial of its own; torch adds the partials in a fixed order (no
     atomics: deterministic). One span per MixTiles.fn_tokens tokens (one below twice that), at
@@ -32,22 +36,31 @@ import triton.language as tl
 
 @dataclass(frozen=True)
 class MixTiles:
-    """tokens: tokens a program of the forward and the d streams kernel; k: input columns a
-    step of theirs; warps: their warps. fn_cols: fn columns a program of the d fn kernel;
-    fn_rows: tokens a step of its loop; fn_tokens: its token span a program, at the least;
-    max_fn_spans: at most this many spans; fn_warps: its warps. precision: the products'
-    (tl.dot input_precision: ieee, fp32 FMAs; tf32x3, three TF32 tensor-core products). The
-    autograd Function launches with TILES; bench/train_ops.py hc-mix gives the launchers
-    (mix_forward, mix_backward_streams, mix_backward_fn) candidates of its own."""
+    """tokens: tokens a program of the forward; k: input columns a step of its loop; k_spans:
+    its spans of columns (programs per block of tokens), at most; warps: its warps. dx_tokens,
+    dx_cols, dx_warps: tokens, columns and warps a program of the d streams kernel. fn_cols: fn
+    columns a program of the d fn kernel; fn_rows: tokens a step of its loop; fn_tokens: its
+    token span a program, at the least; max_fn_spans: at most this many spans; fn_warps: its
+    warps. precision: the products' (tl.dot input_precision: ieee, fp32 FMAs; tf32x3, three
+    TF32 tensor-core products). The autograd Function launches with TILES; bench/train_ops.py
+    hc-mix gives the launchers (mix_forward, mix_backward_streams, mix_backward_fn) candidates
+    of its own."""
 
     # One H200, 4k tokens, hc 4, D 1024, bf16 streams (bench/train_ops.py hc-mix; results in
-    # bench/results/train_ops_h200.txt), us forward | d streams | d fn: 76.8 | 122.9 | 52.4 here
+    # bench/results/train_ops_h200.txt), us forward | d streams | d fn: 76.8 | 122.9 | 52.4 with
+    # one program per 16 tokens (forward and d streams; d streams in two passes over each row)
     # vs 177.4 | 183.3 | 180.6 for the first tiles (32 tokens a program, 64-column steps, fp32
     # FMA products, d fn spans of 4096 tokens and 32 columns), and errors against float64 no
     # larger (mix 3.1e-7 vs 1.1e-6, d fn 1.6e-7 vs 1.1e-6).
+    # Compiled for sm_90 (Triton 3.6), tf32x3's split operands fill the registers: the forward
+    # spills at 32 tokens on 4 warps (1 KB a thread), d streams at 32 x 256 on 4 warps.
     tokens: int = 16
     k: int = 128
+    k_spans: int = 4
     warps: int = 4
+    dx_tokens: int = 64
+    dx_cols: int = 128
+    dx_warps: int = 4
     fn_cols: int = 64
     fn_rows: int = 32
     fn_tokens: int = 512
@@ -85,43 +98,63 @@ def _fn_cols(fn_ptr, k, K, N, BN: tl.constexpr):
 
 
 @triton.jit
-def _hc_mix_fwd(x_ptr, fn_ptr, mix_ptr, rstd_ptr, T, K, N, eps, BT: tl.constexpr,
+def _hc_mix_fwd(x_ptr, fn_ptr, part_ptr, sq_ptr, T, K, N, span, BT: tl.constexpr,
                 BK: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+    """Partial products and sums of squares of tokens t over the columns [s span, (s + 1)
+    span) into slice s of the partials (span a multiple of BK)."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
+    s = tl.program_id(1)
     tmask = t < T
     acc = tl.zeros([BT, BN], tl.float32)
     squares = tl.zeros([BT], tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in range(s * span, tl.minimum((s + 1) * span, K), BK):
         x, k = _load_rows(x_ptr, t, tmask, k0, K, BK)
         squares += tl.sum(x * x, axis=1)
         acc += tl.dot(x, tl.trans(_fn_cols(fn_ptr, k, K, N, BN)), input_precision=PREC)
-    rstd = tl.rsqrt(squares / K + eps)
     n = tl.arange(0, BN)
+    tl.store(part_ptr + (s * T + t[:, None]).to(tl.int64) * BN + n[None, :], acc,
+             mask=tmask[:, None])
+    tl.store(sq_ptr + s * T + t, squares, mask=tmask)
+
+
+@triton.jit
+def _hc_mix_fwd_finish(part_ptr, sq_ptr, mix_ptr, rstd_ptr, T, K, N, spans, eps,
+                       BT: tl.constexpr, BN: tl.constexpr):
+    """The spans' partials added in order; rstd (x . f) rather than (x rstd) . f: fp32
+    rounding differences only."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    tmask = t < T
+    n = tl.arange(0, BN)
+    acc = tl.zeros([BT, BN], tl.float32)
+    squares = tl.zeros([BT], tl.float32)
+    for s in range(0, spans):
+        acc += tl.load(part_ptr + (s * T + t[:, None]).to(tl.int64) * BN + n[None, :],
+                       mask=tmask[:, None], other=0.0)
+        squares += tl.load(sq_ptr + s * T + t, mask=tmask, other=0.0)
+    rstd = tl.rsqrt(squares / K + eps)
     tl.store(mix_ptr + t[:, None] * N + n[None, :], acc * rstd[:, None],
              mask=tmask[:, None] & (n < N)[None, :])
     tl.store(rstd_ptr + t, rstd, mask=tmask)
 
 
 @triton.jit
-def _hc_mix_bwd_streams(x_ptr, fn_ptr, rstd_ptr, grad_ptr, dx_ptr, T, K, N, BT: tl.constexpr,
-                        BK: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+def _hc_mix_bwd_streams(x_ptr, fn_ptr, rstd_ptr, mix_ptr, grad_ptr, dx_ptr, T, K, N,
+                        BT: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+                        PREC: tl.constexpr):
+    """d x of tokens t, columns [k0, k0 + BK). The row term needs sum_k g_k x_k over all K,
+    g = grad @ fn: that is sum_n grad_n (fn x)_n = sum_n grad_n mix_n / rstd, from the saved
+    output, so no pass over the row comes first and the columns split over programs."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < T
     grad = _grad_rows(grad_ptr, t, tmask, N, BN)
     rstd = tl.load(rstd_ptr + t, mask=tmask, other=0.0)
-    dots = tl.zeros([BT], tl.float32)  # sum_k g_k x_k
-    for k0 in range(0, K, BK):
-        x, k = _load_rows(x_ptr, t, tmask, k0, K, BK)
-        g = tl.dot(grad, _fn_cols(fn_ptr, k, K, N, BN), input_precision=PREC)
-        dots += tl.sum(g * x, axis=1)
     # mean(g y) = rstd sum(g x) / K; d x = rstd (g - x rstd mean(g y))
-    shift = rstd * rstd * dots / K
-    for k0 in range(0, K, BK):
-        x, k = _load_rows(x_ptr, t, tmask, k0, K, BK)
-        g = tl.dot(grad, _fn_cols(fn_ptr, k, K, N, BN), input_precision=PREC)
-        dx = rstd[:, None] * (g - x * shift[:, None])
-        tl.store(dx_ptr + t[:, None].to(tl.int64) * K + k[None, :],
-                 dx.to(dx_ptr.dtype.element_ty), mask=tmask[:, None] & (k < K)[None, :])
+    shift = rstd * tl.sum(grad * _grad_rows(mix_ptr, t, tmask, N, BN), axis=1) / K
+    x, k = _load_rows(x_ptr, t, tmask, tl.program_id(1) * BK, K, BK)
+    g = tl.dot(grad, _fn_cols(fn_ptr, k, K, N, BN), input_precision=PREC)
+    dx = rstd[:, None] * (g - x * shift[:, None])
+    tl.store(dx_ptr + t[:, None].to(tl.int64) * K + k[None, :],
+             dx.to(dx_ptr.dtype.element_ty), mask=tmask[:, None] & (k < K)[None, :])
 
 
 @triton.jit
@@ -158,24 +191,32 @@ def _width(n_out: int) -> int:
 def mix_forward(x: torch.Tensor, fn32: torch.Tensor, norm_eps: float, tiles: MixTiles):
     """x [T, K] (the streams flattened, their dtype), fn32 [n, K] -> (mix [T, n], rstd [T])."""
     t, k = x.shape
-    n = fn32.shape[0]
+    n, width = fn32.shape[0], _width(fn32.shape[0])
     mix = x.new_empty(t, n, dtype=torch.float32)
     rstd = x.new_empty(t, dtype=torch.float32)
     if t:
-        _hc_mix_fwd[(triton.cdiv(t, tiles.tokens),)](
-            x, fn32, mix, rstd, t, k, n, norm_eps, BT=tiles.tokens, BK=tiles.k, BN=_width(n),
+        spans = max(1, min(tiles.k_spans, k // tiles.k))
+        span = triton.cdiv(triton.cdiv(k, spans), tiles.k) * tiles.k
+        spans = triton.cdiv(k, span)
+        parts = x.new_empty(spans, t, width, dtype=torch.float32)
+        squares = x.new_empty(spans, t, dtype=torch.float32)
+        _hc_mix_fwd[(triton.cdiv(t, tiles.tokens), spans)](
+            x, fn32, parts, squares, t, k, n, span, BT=tiles.tokens, BK=tiles.k, BN=width,
             PREC=tiles.precision, num_warps=tiles.warps)
+        _hc_mix_fwd_finish[(triton.cdiv(t, 64),)](parts, squares, mix, rstd, t, k, n, spans,
+                                                  norm_eps, BT=64, BN=width)
     return mix, rstd
 
 
-def mix_backward_streams(x, fn32, rstd, grad, tiles: MixTiles) -> torch.Tensor:
-    """-> d x [T, K] in x's dtype; grad [T, n] fp32 contiguous."""
+def mix_backward_streams(x, fn32, rstd, mix, grad, tiles: MixTiles) -> torch.Tensor:
+    """-> d x [T, K] in x's dtype; mix and rstd: mix_forward's; grad [T, n] fp32 contiguous."""
     t, k = x.shape
     dx = torch.empty_like(x)
     if t:
-        _hc_mix_bwd_streams[(triton.cdiv(t, tiles.tokens),)](
-            x, fn32, rstd, grad, dx, t, k, fn32.shape[0], BT=tiles.tokens, BK=tiles.k,
-            BN=_width(fn32.shape[0]), PREC=tiles.precision, num_warps=tiles.warps)
+        _hc_mix_bwd_streams[(triton.cdiv(t, tiles.dx_tokens), triton.cdiv(k, tiles.dx_cols))](
+            x, fn32, rstd, mix, grad, dx, t, k, fn32.shape[0], BT=tiles.dx_tokens,
+            BK=tiles.dx_cols, BN=_width(fn32.shape[0]), PREC=tiles.precision,
+            num_warps=tiles.dx_warps)
     return dx
 
 
@@ -193,7 +234,8 @@ def mix_backward_fn(x, rstd, grad, tiles: MixTiles) -> torch.Tensor:
 
 
 class _HcMixFused(torch.autograd.Function):
-    """Saves the streams (their own dtype), fn and one fp32 rstd a token, as mhc._HcMix does."""
+    """Saves the streams (their own dtype), fn, one fp32 rstd a token, as mhc._HcMix does, and
+    the mix (n fp32 a token: the d streams kernel's row term)."""
 
     @staticmethod
     def forward(ctx, streams: torch.Tensor, fn: torch.Tensor, norm_eps: float):
@@ -202,17 +244,17 @@ class _HcMixFused(torch.autograd.Function):
         fn32 = fn.float().contiguous()
         tiles = TILES
         mix, rstd = mix_forward(x, fn32, norm_eps, tiles)
-        ctx.save_for_backward(x, fn32, rstd)
+        ctx.save_for_backward(x, fn32, rstd, mix)
         ctx.shape, ctx.fn_dtype, ctx.tiles = streams.shape, fn.dtype, tiles
         return mix
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, fn32, rstd = ctx.saved_tensors
+        x, fn32, rstd, mix = ctx.saved_tensors
         grad = grad.float().contiguous()
         d_streams = d_fn = None
         if ctx.needs_input_grad[0]:
-            d_streams = mix_backward_streams(x, fn32, rstd, grad, ctx.tiles).view(ctx.shape)
+            d_streams = mix_backward_streams(x, fn32, rstd, mix, grad, ctx.tiles).view(ctx.shape)
         if ctx.needs_input_grad[1]:
             d_fn = mix_backward_fn(x, rstd, grad, ctx.tiles).to(ctx.fn_dtype)
         return d_streams, d_fn, None
