@@ -23,7 +23,7 @@ projection fastest, and what the model's Triton kernels of its torch paths cost 
       CUDA: mHC's mix kernels (hc_mix_triton, hc 4, D 1024, bf16 streams, 24 outputs) for each
       candidate of HC_MIX_TRIALS (MixTiles): device time of the forward, the d streams and the
       d fn kernels, each launched alone, every candidate measured --rounds times, the three's
-      sum as a ratio to the first tiles' (the first candidate) in the same round; and the
+      sum as a ratio to the defaults' (the first candidate) in the same round; and the
       outputs' relative errors against float64.
   python bench/train_ops.py lm-head [--tokens 4096 --dim 1024 --vocab 32000]
       CUDA: the fp32 head's log-probabilities (token_logprobs) forward + backward with each
@@ -319,14 +319,11 @@ class BmmGroupMajor(torch.autograd.Function):
         return grad_o, torch.bmm(by_group.transpose(1, 2), og)
 
 
-# MixTiles fields per candidate, hc-mix mode. The first (the forward one program per 16 tokens
-# over every column, as before its column spans) is the baseline of every round's ratios; the
-# second ({}) the defaults. Older trees' kernels (d streams in two passes over each row: bbb2b5d
-# and earlier) are timed by their own copy of this script.
-HC_MIX_TRIALS = [{"k_spans": 1, "dx_tokens": 16, "dx_cols": 128},
-                 {}, {"k_spans": 8}, {"k_spans": 2}, {"tokens": 64, "k_spans": 8, "warps": 8},
-                 {"dx_tokens": 32, "dx_cols": 256, "dx_warps": 8},
-                 {"dx_tokens": 128, "dx_cols": 64, "dx_warps": 8},
+# MixTiles fields per candidate, hc-mix mode. The first, the defaults, is the baseline of every
+# round's ratios. Older trees' kernels (d streams in two passes over each row:
+# bbb2b5d and earlier) are timed by their own copy of this script.
+HC_MIX_TRIALS = [{}, {"dx_tokens": 64, "dx_cols": 128}, {"dx_tokens": 16, "dx_cols": 256},
+                 {"dx_tokens": 32, "dx_cols": 64}, {"dx_warps": 2}, {"tokens": 32, "k": 64},
                  {"fn_cols": 128, "fn_warps": 8}]
 
 
@@ -367,7 +364,7 @@ def hc_mix_kernels(args) -> None:
                                 ((mix, mix64), (dx, x64.grad), (dfn, fn64.grad)))
                 baseline = baseline or sum(us)
                 print(f"round {r} {str(trial or 'defaults'):78s} {us[0]:7.1f} | {us[1]:7.1f} | "
-                      f"{us[2]:7.1f}  {sum(us) / baseline:5.2f}x the first tiles' time  {err}",
+                      f"{us[2]:7.1f}  {sum(us) / baseline:5.2f}x the defaults' time  {err}",
                       flush=True)
 
 

@@ -5,11 +5,11 @@ The torch path makes an fp32 copy of the streams ([T, hc D]: 64 MiB a sublayer a
 hc 4, D 1024), runs five elementwise kernels and an fp32 GEMM forward, and about ten kernels
 and a second fp32 copy backward: ~17 launches a sublayer, 24 sublayers a step of the small
 preset, whose step is host-bound. Here:
-  * forward, one program per (block of tokens, span of columns): one pass over its inputs
-    accumulates the sum of squares and the products with fn's rows together, into partials of
-    its own; a second kernel adds a token's spans in order (no atomics: deterministic) and
-    scales the products by rstd (rstd (x . f) rather than (x rstd) . f: fp32 rounding
-    differences only). The spans give a 4k-token call 4x the programs of one per token block;
+  * forward, one program per block of tokens: one pass over its tokens' inputs accumulates
+    the sum of squares and the products with fn's rows together; the products are scaled by
+    rstd at the end (rstd (x . f) rather than (x rstd) . f: fp32 rounding differences only).
+    Spans of columns over more programs with an in-order finish kernel were slower (H200, 4k:
+    97-119 vs 77 us);
   * d streams = rstd (g - y mean(g y)), g = grad @ fn, y = x rstd (rms_norm_input_grad's
     formula): the row term sum_k g_k x_k is sum_n grad_n mix_n / rstd (the saved output), so
     one pass per (block of tokens, block of columns) writes the gradient, where a pass over
@@ -36,29 +36,25 @@ import triton.language as tl
 
 @dataclass(frozen=True)
 class MixTiles:
-    """tokens: tokens a program of the forward; k: input columns a step of its loop; k_spans:
-    its spans of columns (programs per block of tokens), at most; warps: its warps. dx_tokens,
-    dx_cols, dx_warps: tokens, columns and warps a program of the d streams kernel. fn_cols: fn
-    columns a program of the d fn kernel; fn_rows: tokens a step of its loop; fn_tokens: its
-    token span a program, at the least; max_fn_spans: at most this many spans; fn_warps: its
-    warps. precision: the products' (tl.dot input_precision: ieee, fp32 FMAs; tf32x3, three
-    TF32 tensor-core products). The autograd Function launches with TILES; bench/train_ops.py
-    hc-mix gives the launchers (mix_forward, mix_backward_streams, mix_backward_fn) candidates
-    of its own."""
+    """tokens: tokens a program of the forward; k: input columns a step of its loop; warps: its
+    warps. dx_tokens, dx_cols, dx_warps: tokens, columns and warps a program of the d streams
+    kernel. fn_cols: fn columns a program of the d fn kernel; fn_rows: tokens a step of its
+    loop; fn_tokens: its token span a program, at the least; max_fn_spans: at most this many
+    spans; fn_warps: its warps. precision: the products' (tl.dot input_precision: ieee, fp32
+    FMAs; tf32x3, three TF32 tensor-core products). The autograd Function launches with TILES;
+    bench/train_ops.py hc-mix gives the launchers (mix_forward, mix_backward_streams,
+    mix_backward_fn) candidates of its own."""
 
     # One H200, 4k tokens, hc 4, D 1024, bf16 streams (bench/train_ops.py hc-mix; results in
-    # bench/results/train_ops_h200.txt), us forward | d streams | d fn: 76.8 | 122.9 | 52.4 with
-    # one program per 16 tokens (forward and d streams; d streams in two passes over each row)
+    # bench/results/train_ops_h200.txt), us forward | d streams | d fn: 77 | 51 | 45 here (d
+    # streams 122 in two passes over each row; 16 x 128 beat 64 x 128, 128 x 64 and 32 x 256)
     # vs 177.4 | 183.3 | 180.6 for the first tiles (32 tokens a program, 64-column steps, fp32
     # FMA products, d fn spans of 4096 tokens and 32 columns), and errors against float64 no
     # larger (mix 3.1e-7 vs 1.1e-6, d fn 1.6e-7 vs 1.1e-6).
-    # Compiled for sm_90 (Triton 3.6), tf32x3's split operands fill the registers: the forward
-    # spills at 32 tokens on 4 warps (1 KB a thread), d streams at 32 x 256 on 4 warps.
     tokens: int = 16
     k: int = 128
-    k_spans: int = 4
     warps: int = 4
-    dx_tokens: int = 64
+    dx_tokens: int = 16
     dx_cols: int = 128
     dx_warps: int = 4
     fn_cols: int = 64
@@ -98,40 +94,18 @@ def _fn_cols(fn_ptr, k, K, N, BN: tl.constexpr):
 
 
 @triton.jit
-def _hc_mix_fwd(x_ptr, fn_ptr, part_ptr, sq_ptr, T, K, N, span, BT: tl.constexpr,
+def _hc_mix_fwd(x_ptr, fn_ptr, mix_ptr, rstd_ptr, T, K, N, eps, BT: tl.constexpr,
                 BK: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
-    """Partial products and sums of squares of tokens t over the columns [s span, (s + 1)
-    span) into slice s of the partials (span a multiple of BK)."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
-    s = tl.program_id(1)
     tmask = t < T
     acc = tl.zeros([BT, BN], tl.float32)
     squares = tl.zeros([BT], tl.float32)
-    for k0 in range(s * span, tl.minimum((s + 1) * span, K), BK):
+    for k0 in range(0, K, BK):
         x, k = _load_rows(x_ptr, t, tmask, k0, K, BK)
         squares += tl.sum(x * x, axis=1)
         acc += tl.dot(x, tl.trans(_fn_cols(fn_ptr, k, K, N, BN)), input_precision=PREC)
-    n = tl.arange(0, BN)
-    tl.store(part_ptr + (s * T + t[:, None]).to(tl.int64) * BN + n[None, :], acc,
-             mask=tmask[:, None])
-    tl.store(sq_ptr + s * T + t, squares, mask=tmask)
-
-
-@triton.jit
-def _hc_mix_fwd_finish(part_ptr, sq_ptr, mix_ptr, rstd_ptr, T, K, N, spans, eps,
-                       BT: tl.constexpr, BN: tl.constexpr):
-    """The spans' partials added in order; rstd (x . f) rather than (x rstd) . f: fp32
-    rounding differences only."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    tmask = t < T
-    n = tl.arange(0, BN)
-    acc = tl.zeros([BT, BN], tl.float32)
-    squares = tl.zeros([BT], tl.float32)
-    for s in range(0, spans):
-        acc += tl.load(part_ptr + (s * T + t[:, None]).to(tl.int64) * BN + n[None, :],
-                       mask=tmask[:, None], other=0.0)
-        squares += tl.load(sq_ptr + s * T + t, mask=tmask, other=0.0)
     rstd = tl.rsqrt(squares / K + eps)
+    n = tl.arange(0, BN)
     tl.store(mix_ptr + t[:, None] * N + n[None, :], acc * rstd[:, None],
              mask=tmask[:, None] & (n < N)[None, :])
     tl.store(rstd_ptr + t, rstd, mask=tmask)
@@ -191,20 +165,13 @@ def _width(n_out: int) -> int:
 def mix_forward(x: torch.Tensor, fn32: torch.Tensor, norm_eps: float, tiles: MixTiles):
     """x [T, K] (the streams flattened, their dtype), fn32 [n, K] -> (mix [T, n], rstd [T])."""
     t, k = x.shape
-    n, width = fn32.shape[0], _width(fn32.shape[0])
+    n = fn32.shape[0]
     mix = x.new_empty(t, n, dtype=torch.float32)
     rstd = x.new_empty(t, dtype=torch.float32)
     if t:
-        spans = max(1, min(tiles.k_spans, k // tiles.k))
-        span = triton.cdiv(triton.cdiv(k, spans), tiles.k) * tiles.k
-        spans = triton.cdiv(k, span)
-        parts = x.new_empty(spans, t, width, dtype=torch.float32)
-        squares = x.new_empty(spans, t, dtype=torch.float32)
-        _hc_mix_fwd[(triton.cdiv(t, tiles.tokens), spans)](
-            x, fn32, parts, squares, t, k, n, span, BT=tiles.tokens, BK=tiles.k, BN=width,
+        _hc_mix_fwd[(triton.cdiv(t, tiles.tokens),)](
+            x, fn32, mix, rstd, t, k, n, norm_eps, BT=tiles.tokens, BK=tiles.k, BN=_width(n),
             PREC=tiles.precision, num_warps=tiles.warps)
-        _hc_mix_fwd_finish[(triton.cdiv(t, 64),)](parts, squares, mix, rstd, t, k, n, spans,
-                                                  norm_eps, BT=64, BN=width)
     return mix, rstd
 
 
