@@ -323,7 +323,7 @@ class BmmGroupMajor(torch.autograd.Function):
 # round's ratios. Older trees' kernels (d streams in two passes over each row:
 # bbb2b5d and earlier) are timed by their own copy of this script.
 HC_MIX_TRIALS = [{}, {"dx_tokens": 64, "dx_cols": 128}, {"dx_tokens": 16, "dx_cols": 256},
-                 {"dx_tokens": 32, "dx_cols": 64}, {"dx_warps": 2}, {"tokens": 32, "k": 64},
+                 {"dx_tokens": 32, "dx_cols": 64}, {"dx_warps": 2}, {"tokens": 16, "k": 128},
                  {"fn_cols": 128, "fn_warps": 8}]
 
 

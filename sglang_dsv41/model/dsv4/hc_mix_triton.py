@@ -50,9 +50,11 @@ class MixTiles:
     # streams 122 in two passes over each row; 16 x 128 beat 64 x 128, 128 x 64 and 32 x 256)
     # vs 177.4 | 183.3 | 180.6 for the first tiles (32 tokens a program, 64-column steps, fp32
     # FMA products, d fn spans of 4096 tokens and 32 columns), and errors against float64 no
-    # larger (mix 3.1e-7 vs 1.1e-6, d fn 1.6e-7 vs 1.1e-6).
-    tokens: int = 16
-    k: int = 128
+    # larger (mix 2.3e-7 vs 1.1e-6, d fn 1.6e-7 vs 1.1e-6). The forward at 32 tokens x 64
+    # columns rather than 16 x 128: 76-77 vs 77-80 us at 4k, 901-907 vs 1135-1138 at 64k (two
+    # runs on one lease, run AB calls 3-4).
+    tokens: int = 32
+    k: int = 64
     warps: int = 4
     dx_tokens: int = 16
     dx_cols: int = 128
