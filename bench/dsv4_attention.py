@@ -507,7 +507,7 @@ def decode_sweep(batch=512, seq=8192, page=64):
             totals[config] = total
             print(f"decode H={heads} {config}: " + "; ".join(row), flush=True)
         print(f"best decode H={heads}: {min(totals, key=totals.get)}", flush=True)
-        del cache, comp
+        cache = comp = None  # freed before the next head count's inputs
         torch.cuda.empty_cache()
 
 

@@ -4,9 +4,9 @@ A host-bound training step moves with the host: on one H200 lease the same code'
 193-285 ms from run to run (bench/results/train_h200.txt). This runs a command (bench/train.py,
 say) as a child and samples /proc every --every seconds: per thread of the child, its share of
 one core over each interval and the core it last ran on. At the end it prints, for the busiest
-threads, the mean share and the cores seen, and how often the busiest thread (the Python main thread in
-a host-bound step) shared its core, or an SMT sibling of it, with another busy thread of the
-same process.
+threads, the mean share and the cores seen, and how often the busiest thread (the Python main
+thread in a host-bound step) shared its core, or an SMT sibling of it, with another busy thread
+of the same process.
 
   python bench/host_threads.py [--every 0.5] [--busy 0.2] -- python bench/train.py ...
 """

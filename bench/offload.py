@@ -55,7 +55,8 @@ def model_config(name: str) -> DSV4Config:
     if name != "offload-50m":
         return get_preset(name)
     return replace(get_preset("tiny-v4"), num_hidden_layers=8,
-                   compress_ratios=[0, 4, 128, 4, 0, 4, 128, 4], hidden_size=512, n_routed_experts=8,
+                   compress_ratios=[0, 4, 128, 4, 0, 4, 128, 4], hidden_size=512,
+                   n_routed_experts=8,
                    moe_intermediate_size=512, q_lora_rank=128, o_lora_rank=128,
                    num_attention_heads=8, head_dim=64, qk_rope_head_dim=16)
 
