@@ -21,9 +21,9 @@ projection fastest, and what the model's Triton kernels of its torch paths cost 
       with an older tree first on PYTHONPATH to time that tree's kernels with this script.
   python bench/train_ops.py hc-mix [--tokens 4096,65536 --rounds 2]
       CUDA: mHC's mix kernels (hc_mix_triton, hc 4, D 1024, bf16 streams, 24 outputs) for each
-      candidate of HC_MIX_TRIALS (MixTiles): device time of the forward, the d streams and the
-      d fn kernels, each launched alone, every candidate measured --rounds times, the three's
-      sum as a ratio to the defaults' (the first candidate) in the same round; and the
+      candidate of HC_MIX_TRIALS (MixTiles): device time of the forward and of the backward
+      (d streams and d fn), each launched alone, every candidate measured --rounds times, the
+      two's sum as a ratio to the defaults' (the first candidate) in the same round; and the
       outputs' relative errors against float64.
   python bench/train_ops.py lm-head [--tokens 4096 --dim 1024 --vocab 32000]
       CUDA: the fp32 head's log-probabilities (token_logprobs) forward + backward with each
@@ -320,11 +320,11 @@ class BmmGroupMajor(torch.autograd.Function):
 
 
 # MixTiles fields per candidate, hc-mix mode. The first, the defaults, is the baseline of every
-# round's ratios. Older trees' kernels (d streams in two passes over each row:
-# bbb2b5d and earlier) are timed by their own copy of this script.
-HC_MIX_TRIALS = [{}, {"dx_tokens": 64, "dx_cols": 128}, {"dx_tokens": 16, "dx_cols": 256},
-                 {"dx_tokens": 32, "dx_cols": 64}, {"dx_warps": 2}, {"tokens": 16, "k": 128},
-                 {"fn_cols": 128, "fn_warps": 8}]
+# round's ratios. Older trees' kernels (d streams and d fn as kernels of their own: 8517352 and
+# earlier) are timed by their own copy of this script.
+HC_MIX_TRIALS = [{}, {"bwd_cols": 64}, {"bwd_cols": 256, "bwd_warps": 8}, {"bwd_rows": 32},
+                 {"bwd_tokens": 512}, {"bwd_tokens": 128}, {"bwd_warps": 2},
+                 {"bwd_cols": 64, "bwd_tokens": 128}, {"tokens": 16, "k": 128}]
 
 
 def hc_mix_kernels(args) -> None:
@@ -347,25 +347,22 @@ def hc_mix_kernels(args) -> None:
         fn64 = fn.double().requires_grad_(True)
         mix64 = F.linear(x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + eps), fn64)
         mix64.backward(grad.double())
-        print(f"== hc_mix T {tokens}: us (forward | d streams | d fn), do_bench medians; rel. "
-              "error vs float64 (mix, d streams in bf16, d fn)", flush=True)
+        print(f"== hc_mix T {tokens}: us (forward | backward: d streams and d fn), do_bench "
+              "medians; rel. error vs float64 (mix, d streams in bf16, d fn)", flush=True)
         for r in range(args.rounds):
-            baseline = None  # the round's first candidate: the sum of its three kernels
+            baseline = None  # the round's first candidate: the sum of its kernels
             for trial in HC_MIX_TRIALS:
                 tiles = replace(hm.MixTiles(), **trial)
                 mix, rstd = hm.mix_forward(x, fn, eps, tiles)
-                dx = hm.mix_backward_streams(x, fn, rstd, mix, grad, tiles)
-                dfn = hm.mix_backward_fn(x, rstd, grad, tiles)
+                dx, dfn = hm.mix_backward(x, fn, rstd, mix, grad, tiles)
                 us = [1e3 * do_bench(f, warmup=10, rep=50) for f in (
                     lambda: hm.mix_forward(x, fn, eps, tiles),
-                    lambda: hm.mix_backward_streams(x, fn, rstd, mix, grad, tiles),
-                    lambda: hm.mix_backward_fn(x, rstd, grad, tiles))]
+                    lambda: hm.mix_backward(x, fn, rstd, mix, grad, tiles))]
                 err = ", ".join(f"{((a.double() - b).norm() / b.norm()).item():.1e}" for a, b in
                                 ((mix, mix64), (dx, x64.grad), (dfn, fn64.grad)))
                 baseline = baseline or sum(us)
-                print(f"round {r} {str(trial or 'defaults'):78s} {us[0]:7.1f} | {us[1]:7.1f} | "
-                      f"{us[2]:7.1f}  {sum(us) / baseline:5.2f}x the defaults' time  {err}",
-                      flush=True)
+                print(f"round {r} {str(trial or 'defaults'):50s} {us[0]:7.1f} | {us[1]:7.1f}  "
+                      f"{sum(us) / baseline:5.2f}x the defaults' time  {err}", flush=True)
 
 
 def lm_head(args) -> None:

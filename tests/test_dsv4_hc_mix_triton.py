@@ -62,23 +62,31 @@ def test_fused_mix_takes_zero_tokens_and_refuses_bad_shapes():
         hc_mix_fused(torch.zeros(2, 4, 16, device=DEV), torch.zeros(24, 63, device=DEV), 1e-6)
 
 
-def test_fn_gradient_summed_over_token_spans_is_exact_and_deterministic(monkeypatch):
-    """Long inputs split d fn's sum over tokens into spans (partials added in a fixed order):
-    here spans of 32 tokens, 100 tokens -> 3 spans, the last one short."""
-    tiles = replace(hc_mix_triton.TILES, fn_tokens=32)
+def test_gradients_summed_over_token_spans_are_exact_and_deterministic(monkeypatch):
+    """Long inputs split the backward over spans of tokens (d fn's partials added in a fixed
+    order): here spans of 32 tokens, 100 tokens -> 3 spans, the last one short. d fn is the same
+    bits whether the launch also writes d streams or not, and across runs."""
+    tiles = replace(hc_mix_triton.TILES, bwd_tokens=32)
     monkeypatch.setattr(hc_mix_triton, "TILES", tiles)
-    spans = hc_mix_triton.fn_spans
+    spans = hc_mix_triton.bwd_spans
     assert spans(100, tiles) == 3 and spans(31, tiles) == 1
-    assert spans(10 ** 9, tiles) == tiles.max_fn_spans
+    assert spans(10 ** 9, tiles) == tiles.max_bwd_spans
     gen = torch.Generator().manual_seed(1)
     streams = torch.randn(100, 2, 24, generator=gen)
     fn = torch.randn(8, 48, generator=gen) * 0.1
     grad = torch.randn(100, 8, generator=gen)
     grads = []
-    for mix, dtype in ((plain_mix, torch.float64), (hc_mix_fused, torch.float32),
-                       (hc_mix_fused, torch.float32)):
+    for mix, dtype, with_streams in ((plain_mix, torch.float64, True),
+                                     (hc_mix_fused, torch.float32, True),
+                                     (hc_mix_fused, torch.float32, False),
+                                     (hc_mix_fused, torch.float32, True)):
+        s = streams.to(DEV, dtype).clone().requires_grad_(with_streams)
         f = fn.to(DEV, dtype).clone().requires_grad_(True)
-        mix(streams.to(DEV, dtype), f, 1e-6).backward(grad.to(DEV, dtype))
-        grads.append(f.grad)
-    torch.testing.assert_close(grads[1], grads[0].float(), rtol=1e-5, atol=1e-5)
-    assert torch.equal(grads[1], grads[2])
+        mix(s, f, 1e-6).backward(grad.to(DEV, dtype))
+        grads.append((s.grad, f.grad))
+    (s64, f64), (s32, f32), (none, f32_alone), (s32_again, f32_again) = grads
+    torch.testing.assert_close(f32, f64.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s32, s64.float(), rtol=1e-5, atol=1e-5)
+    assert none is None
+    assert torch.equal(f32, f32_alone) and torch.equal(f32, f32_again)
+    assert torch.equal(s32, s32_again)
