@@ -348,6 +348,7 @@ SWEEP_TRIALS = {
                (64, 64, 4, 2, 128)],
         "dq": [(256, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 2)],
         "dkv": [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2)],
+        "dkv_rows": [(64,), (128,)],
     },
     16: {  # the small preset's heads
         "narrow_selection": [(False,), (True,)],
@@ -357,7 +358,8 @@ SWEEP_TRIALS = {
         "dq": [(256, 64, 4, 2), (512, 64, 8, 2), (128, 128, 4, 2), (64, 64, 4, 2),
                (256, 32, 4, 3)],
         "dkv": [(256, 64, 4, 2), (128, 128, 4, 2), (64, 64, 4, 2), (128, 64, 4, 3),
-                (256, 64, 8, 2)],
+                (256, 64, 8, 2), (128, 64, 8, 2)],
+        "dkv_rows": [(16,), (32,), (64,), (128,)],
     },
 }
 
@@ -372,7 +374,7 @@ def sweep(kernels, total=4096):
     flops = {kind: 4 * H * D * pairs(total, ins[kind][3]) for kind in ins}
     base = default_blocks(H)
     for kernel in kernels:
-        names = (kernel,) if kernel == "narrow_selection" else tuple(
+        names = (kernel,) if kernel in ("narrow_selection", "dkv_rows") else tuple(
             f"{kernel}_{f}" for f in ("bh" if kernel in ("fwd", "ds") else "bd", "bn", "warps",
                                       "stages") + (("bd",) if kernel == "ds" else ()))
         own = tuple(getattr(base, n) for n in names)
@@ -596,8 +598,9 @@ def training_compile_report(arch=90):
                                                DOT_PREC="tf32"), b.ds_warps, b.ds_stages),
             "dQ": (bwd._dsv4_dq_kernel, dict(BH=b.dq_bh, BN=b.dq_bn, BD=b.dq_bd,
                                              DOT_PREC="tf32"), b.dq_warps, b.dq_stages),
-            "window dKV": (bwd._dsv4_dkv_window_kernel, dict(BN=b.dkv_bn, BHH=bhh, BD=b.dkv_bd,
-                                                             DOT_PREC="tf32"),
+            "window dKV": (bwd._dsv4_dkv_window_kernel,
+                           dict(BN=b.dkv_bn, BHH=bhh, TB=max(1, b.dkv_rows // bhh), BD=b.dkv_bd,
+                                DOT_PREC="tf32"),
                            b.dkv_warps, b.dkv_stages)}
         for name, (kernel, consts, warps, stages) in kernels.items():
             r = compile_report(kernel, types_, consts, aligned, arch, warps, stages)

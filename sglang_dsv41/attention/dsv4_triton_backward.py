@@ -22,9 +22,10 @@ Three kernels; the scores are recomputed once, not once per output:
   * dQ pass: one program per (token, head block, D columns) sums scale*dS @ K over the token's
     keys from that buffer.
   * window dKV, key-major: one program per (block of keys, D columns) loops over the queries
-    that see those keys (k .. k + window - 1) and sums scale*dS^T @ Q + P^T @ dO over all heads
-    with tensor-core tiles [keys x heads] x [heads x D]. Each key is owned by one program: no
-    atomics, fixed summation order.
+    that see those keys (k .. k + window - 1), a few at a time (DSV4Blocks.dkv_rows rows of
+    (query, head)), and sums scale*dS^T @ Q + P^T @ dO over their heads with tensor-core tiles
+    [keys x rows] x [rows x D]. Each key is owned by one program: no atomics, fixed summation
+    order.
 dsink is reduced in torch from per-(token, head) terms: deterministic, no atomics.
 """
 
@@ -162,37 +163,36 @@ def _dsv4_dq_kernel(ds_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, first_ptr, dq_pt
 
 
 @triton.jit
-def _token_rows(q_ptr, do_ptr, t, offs_h, offs_d, hmask, dmask, stride_qt, stride_qh):
-    """-> (q, dO) [heads, BD] of token t, the D columns of this program."""
-    qrow = tl.cast(t, tl.int64) * stride_qt + offs_h * stride_qh
-    return (_head_cols(q_ptr, qrow, offs_d, hmask, dmask),
-            _head_cols(do_ptr, qrow, offs_d, hmask, dmask))
-
-
-@triton.jit
 def _dsv4_dkv_window_kernel(q_ptr, do_ptr, p_ptr, ds_ptr, first_ptr, dkv_ptr, T, H, D, window,
                             num_sel, stride_qt, stride_qh, BN: tl.constexpr, BHH: tl.constexpr,
-                            BD: tl.constexpr, DOT_PREC: tl.constexpr):
+                            TB: tl.constexpr, BD: tl.constexpr, DOT_PREC: tl.constexpr):
     offs_k = tl.program_id(0) * BN + tl.arange(0, BN)
     offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
-    offs_h = tl.arange(0, BHH)
+    # A step's rows: TB consecutive queries x BHH heads, so its MMAs sum over TB x BHH rows
+    # (at 16 heads 4 queries: 64, where a query a step gave 16-deep MMAs and 4x the steps).
+    offs_r = tl.arange(0, TB * BHH)
+    r_t = offs_r // BHH
+    r_h = offs_r % BHH
     kmask = offs_k < T
-    hmask = offs_h < H
     dmask = offs_d < D
     acc = tl.zeros([BN, BD], tl.float32)
     k_first = tl.program_id(0) * BN
+    t_end = tl.minimum(k_first + BN - 1 + window, T)
     # Query t sees key k when first[t] <= k <= t < k + window.
-    for t in range(k_first, tl.minimum(k_first + BN - 1 + window, T)):
-        slot = offs_k - (t + 1 - window)
-        valid = kmask & (offs_k <= t) & (slot >= 0) & (offs_k >= tl.load(first_ptr + t))
-        row_th = tl.cast(t, tl.int64) * H + offs_h
-        pmask = hmask[:, None] & valid[None, :]
-        p = tl.load(p_ptr + (row_th * window)[:, None] + slot[None, :], mask=pmask, other=0.0)
-        ds = tl.load(ds_ptr + (row_th * (window + num_sel))[:, None] + slot[None, :], mask=pmask,
+    for t0 in range(k_first, t_end, TB):
+        t = t0 + r_t
+        rmask = (t < t_end) & (r_h < H)
+        first = tl.load(first_ptr + t, mask=rmask, other=0)
+        slot = offs_k[None, :] - (t + 1 - window)[:, None]
+        valid = (rmask[:, None] & kmask[None, :] & (offs_k[None, :] <= t[:, None]) & (slot >= 0)
+                 & (offs_k[None, :] >= first[:, None]))
+        row_th = t.to(tl.int64) * H + r_h
+        p = tl.load(p_ptr + (row_th * window)[:, None] + slot, mask=valid, other=0.0)
+        ds = tl.load(ds_ptr + (row_th * (window + num_sel))[:, None] + slot, mask=valid,
                      other=0.0)
-        q, do = _token_rows(q_ptr, do_ptr, t, offs_h, offs_d, hmask, dmask, stride_qt, stride_qh)
-        acc += mma(tl.trans(ds), q, DOT_PREC)
-        acc += mma(tl.trans(p), do, DOT_PREC)
+        qrow = t.to(tl.int64) * stride_qt + r_h * stride_qh
+        acc += mma(tl.trans(ds), _head_cols(q_ptr, qrow, offs_d, rmask, dmask), DOT_PREC)
+        acc += mma(tl.trans(p), _head_cols(do_ptr, qrow, offs_d, rmask, dmask), DOT_PREC)
     tl.store(dkv_ptr + offs_k[:, None].to(tl.int64) * D + offs_d[None, :],
              acc.to(dkv_ptr.dtype.element_ty), mask=kmask[:, None] & dmask[None, :])
 
@@ -226,7 +226,8 @@ def dsv4_backward(q, kv, sinks, first_rows, window, scale, comp_kv, comp_idx, se
     dkv = torch.empty_like(kv)
     bhh = max(16, triton.next_power_of_2(heads))
     cols = min(blocks.dkv_bd, bd)
-    launch = dict(BN=blocks.dkv_bn, BHH=bhh, BD=cols, DOT_PREC=prec,
+    launch = dict(BN=blocks.dkv_bn, BHH=bhh, TB=max(1, blocks.dkv_rows // bhh), BD=cols,
+                  DOT_PREC=prec,
                   num_warps=blocks.dkv_warps, num_stages=blocks.dkv_stages)
     _dsv4_dkv_window_kernel[(triton.cdiv(total, blocks.dkv_bn), triton.cdiv(dim, cols))](
         q, dout, p_buf, ds_buf, first_rows, dkv, total, heads, dim, window, num_sel, q.stride(0),

@@ -32,7 +32,8 @@ class DSV4Blocks:
     """Tile sizes of the DSV4 kernels: heads per program (bh), keys per tile (bn), D columns per
     program (bd; the P/dS pass: D columns per step of its scores' loop), warps, stages. fwd:
     forward; ds: the backward's P/dS pass (which also adds the selection dKV); dq: dQ = dS @ K;
-    dkv: window dKV (all heads at once, split over D). narrow_selection: the forward's selection
+    dkv: window dKV (all heads at once, split over D; dkv_rows: (query, head) rows a step of its
+    loop, dkv_rows / heads queries, at least one). narrow_selection: the forward's selection
     tiles narrow when K is small (selection_tile)."""
 
     fwd_bh: int = 64
@@ -51,6 +52,7 @@ class DSV4Blocks:
     dq_stages: int = 2
     dkv_bd: int = 128
     dkv_bn: int = 64
+    dkv_rows: int = 64
     dkv_warps: int = 4
     dkv_stages: int = 2
     narrow_selection: bool = True
@@ -58,15 +60,16 @@ class DSV4Blocks:
     def __post_init__(self):
         for f in fields(self):
             val = getattr(self, f.name)
-            if f.name.endswith(("_bh", "_bn", "_bd")) and (val < 16 or val & (val - 1)):
+            if f.name.endswith(("_bh", "_bn", "_bd", "_rows")) and (val < 16 or val & (val - 1)):
                 raise ValueError(f"DSV4Blocks.{f.name}={val}: must be a power of two >= 16")
 
 
 # The interpreter runs programs one by one: small tiles, but the dQ pass split in 32 columns (a
-# 48-wide test head still splits in two, with half the programs of 16).
+# 48-wide test head still splits in two, with half the programs of 16) and the window dKV's
+# steps two queries deep (32 rows of its 16-head blocks).
 INTERPRET_BLOCKS = replace(
     DSV4Blocks(**{f.name: 1 if f.name.endswith(("_warps", "_stages")) else 16
-                  for f in fields(DSV4Blocks) if f.type == "int"}), dq_bd=32)
+                  for f in fields(DSV4Blocks) if f.type == "int"}), dq_bd=32, dkv_rows=32)
 
 
 def default_blocks(heads: int) -> DSV4Blocks:
