@@ -21,7 +21,7 @@ preset, whose step is host-bound. Here:
       MixTiles.bwd_tokens tokens (one below twice that), at most MixTiles.max_bwd_spans: a
       64k-token sequence gets spans x K / bwd_cols programs, not the K / bwd_cols that would
       each walk all 64k tokens.
-    As two kernels (d streams, then d fn) they read x twice: 51 + 45 us at 4k;
+    As two kernels (d streams, then d fn) they read x twice: 51 + 45 us at 4k.
 Products run on TF32 tensor cores as three products of split operands (input_precision
 "tf32x3", MixTiles.precision): on an H200 no further from float64 than fp32 FMAs and 1.5-3.5x
 faster a kernel (MixTiles). The streams are read in their own dtype. The CPU keeps the torch path
@@ -184,7 +184,7 @@ def mix_backward(x, fn32, rstd, mix, grad, tiles: MixTiles, streams: bool = True
     span = triton.cdiv(triton.cdiv(max(t, 1), spans), tiles.bwd_rows) * tiles.bwd_rows
     dx = torch.empty_like(x) if streams else None
     parts = grad.new_empty(spans, n, k) if fn else None
-    if t or fn:
+    if (t and streams) or fn:
         _hc_mix_bwd[(triton.cdiv(k, tiles.bwd_cols), spans)](
             x, fn32, rstd, mix, grad, x if dx is None else dx, grad if parts is None else parts,
             t, k, n, span, BT=tiles.bwd_rows, BK=tiles.bwd_cols, BN=_width(n),
