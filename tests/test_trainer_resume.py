@@ -27,7 +27,13 @@ BASELINE = os.path.join(os.path.dirname(__file__), "assets", "losses", "tiny_off
 # the same tokens, logprobs 5e-7 apart). So the sampler and the trainer here run on numerics
 # that do not depend on the x86 machine: aten's unvectorised kernels, MKL's conditional
 # numerical reproducibility, oneDNN capped at SSE4.1, one thread (the same losses to the bit
-# with MKL on AVX2 or AVX-512 kernels).
+# with MKL on AVX2 or AVX-512 kernels). They still differ between machines in the last bits: on
+# an AMD EPYC (family 26, Zen 5) these numerics give steps 0-2 within 1e-4 of the baseline and
+# step 3 3.3e-4 off, with the code that matched it to the bit where it was recorded (bbb2b5d and
+# main alike; the same value whatever OPENBLAS_CORETYPE; off MKL's COMPATIBLE mode three of the
+# four steps move by up to 5%). So the baseline holds each loss to 1e-3 relative: that catches
+# the percent-sized moves a changed model or loss makes and lets a machine's rounding pass.
+BASELINE_REL = 1e-3
 CANONICAL_CPU_NUMERICS = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE",
                           "ONEDNN_MAX_CPU_ISA": "SSE41", "OMP_NUM_THREADS": "1"}
 
@@ -145,7 +151,7 @@ def test_resume_continues_exactly(tmp_path, offline_rollouts):
         assert final["optim"]["state"][name]["exp_avg"].dtype == torch.float32
     with open(BASELINE) as f:
         baseline = [float(line.split()[1]) for line in f if line.strip() and line[0] != "#"]
-    assert [a[i] for i in range(4)] == pytest.approx(baseline, rel=1e-4, abs=1e-6)
+    assert [a[i] for i in range(4)] == pytest.approx(baseline, rel=BASELINE_REL, abs=1e-6)
 
 
 def crash_worker(out_dir: str, rollouts: str, queue) -> None:
