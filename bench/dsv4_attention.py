@@ -365,12 +365,13 @@ SWEEP_TRIALS = {
 
 
 def sweep(kernels, total=4096):
-    """Tile configs of the given kernels at 4k, CSA and HCA, one kernel's config varied at a
-    time from the defaults; per kernel, the config with the least CSA + HCA time is named if it
-    beats the default's by 2% (less is within run-to-run noise), else the default."""
+    """Tile configs of the given kernels at 4k, every kind (the window kernels serve the
+    sliding layers alone), one kernel's config varied at a time from the defaults; per kernel,
+    the config with the least summed time is named if it beats the default's by 2% (less is
+    within run-to-run noise), else the default."""
     import dataclasses
 
-    ins = {kind: core_inputs(kind, total) for kind in ("CSA", "HCA")}
+    ins = {kind: core_inputs(kind, total) for kind in KINDS}
     flops = {kind: 4 * H * D * pairs(total, ins[kind][3]) for kind in ins}
     base = default_blocks(H)
     for kernel in kernels:
