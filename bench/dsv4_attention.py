@@ -590,7 +590,7 @@ def training_compile_report(arch=90):
                "stride_c", "stride_idx", "stride_ot", "stride_oh"}
     for heads in (16, 64):
         b = default_blocks(heads)
-        bhh = max(16, triton.next_power_of_2(heads))
+        bhh, tb = bwd.dkv_window_rows(heads, b)
         kernels = {
             "forward": (fwd._dsv4_fwd_kernel, dict(HAS_SINK=True, BH=b.fwd_bh, BN=b.fwd_bn,
                                                    BNS=b.fwd_bn, BD=D, DOT_PREC="tf32"),
@@ -600,8 +600,7 @@ def training_compile_report(arch=90):
             "dQ": (bwd._dsv4_dq_kernel, dict(BH=b.dq_bh, BN=b.dq_bn, BD=b.dq_bd,
                                              DOT_PREC="tf32"), b.dq_warps, b.dq_stages),
             "window dKV": (bwd._dsv4_dkv_window_kernel,
-                           dict(BN=b.dkv_bn, BHH=bhh, TB=max(1, b.dkv_rows // bhh), BD=b.dkv_bd,
-                                DOT_PREC="tf32"),
+                           dict(BN=b.dkv_bn, BHH=bhh, TB=tb, BD=b.dkv_bd, DOT_PREC="tf32"),
                            b.dkv_warps, b.dkv_stages)}
         for name, (kernel, consts, warps, stages) in kernels.items():
             r = compile_report(kernel, types_, consts, aligned, arch, warps, stages)

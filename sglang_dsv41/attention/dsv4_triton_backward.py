@@ -197,6 +197,13 @@ def _dsv4_dkv_window_kernel(q_ptr, do_ptr, p_ptr, ds_ptr, first_ptr, dkv_ptr, T,
              acc.to(dkv_ptr.dtype.element_ty), mask=kmask[:, None] & dmask[None, :])
 
 
+def dkv_window_rows(heads: int, blocks: DSV4Blocks) -> tuple[int, int]:
+    """-> (BHH, TB) of the window dKV kernel: its head block (all heads, at least the 16 rows
+    an MMA needs) and the queries a step of its loop, blocks.dkv_rows rows at least one."""
+    bhh = max(16, triton.next_power_of_2(heads))
+    return bhh, max(1, blocks.dkv_rows // bhh)
+
+
 def dsv4_backward(q, kv, sinks, first_rows, window, scale, comp_kv, comp_idx, sel_end, out,
                   lse, dout, blocks: DSV4Blocks):
     """-> (dq, dkv, dsinks or None, dcomp_kv) for contiguous inputs saved by the forward."""
@@ -224,10 +231,9 @@ def dsv4_backward(q, kv, sinks, first_rows, window, scale, comp_kv, comp_idx, se
         BH=blocks.dq_bh, BN=blocks.dq_bn, BD=dq_cols, DOT_PREC=prec,
         num_warps=blocks.dq_warps, num_stages=blocks.dq_stages)
     dkv = torch.empty_like(kv)
-    bhh = max(16, triton.next_power_of_2(heads))
+    bhh, tb = dkv_window_rows(heads, blocks)
     cols = min(blocks.dkv_bd, bd)
-    launch = dict(BN=blocks.dkv_bn, BHH=bhh, TB=max(1, blocks.dkv_rows // bhh), BD=cols,
-                  DOT_PREC=prec,
+    launch = dict(BN=blocks.dkv_bn, BHH=bhh, TB=tb, BD=cols, DOT_PREC=prec,
                   num_warps=blocks.dkv_warps, num_stages=blocks.dkv_stages)
     _dsv4_dkv_window_kernel[(triton.cdiv(total, blocks.dkv_bn), triton.cdiv(dim, cols))](
         q, dout, p_buf, ds_buf, first_rows, dkv, total, heads, dim, window, num_sel, q.stride(0),
