@@ -180,3 +180,5 @@ def test_hostile_inputs_get_clear_errors():
         DSV4Blocks(ds_bd=48)
     with pytest.raises(ValueError, match=r"DSV4Blocks.fwd_bn=8"):
         dataclasses.replace(default_blocks(4), fwd_bn=8)
+    with pytest.raises(ValueError, match=r"DSV4Blocks.dkv_rows=24"):
+        DSV4Blocks(dkv_rows=24)
