@@ -182,7 +182,7 @@ def print_profile(prof, label: str, steps: int, device, trace_dir: str | None) -
     for key in (["self_device_time_total"] if device.type == "cuda" else []) + \
             ["self_cpu_time_total"]:
         print(f"--- {label}: top ops by {key} over {steps} steps ---")
-        print(table.table(sort_by=key, row_limit=25, max_name_column_width=60))
+        print(table.table(sort_by=key, row_limit=40, max_name_column_width=60))
     if trace_dir:
         os.makedirs(trace_dir, exist_ok=True)
         # letters, digits, - _ . only: "ours small ac=none @ 4096" -> ours_small_ac_none_4096

@@ -323,7 +323,7 @@ class BmmGroupMajor(torch.autograd.Function):
 # round's ratios. Older trees' kernels (d streams and d fn as kernels of their own: 8517352 and
 # earlier) are timed by their own copy of this script.
 HC_MIX_TRIALS = [{}, {"bwd_cols": 64}, {"bwd_cols": 256, "bwd_warps": 8}, {"bwd_rows": 32},
-                 {"bwd_tokens": 512}, {"bwd_tokens": 128}, {"bwd_warps": 2},
+                 {"bwd_tokens": 512}, {"bwd_tokens": 128}, {"bwd_warps": 4},
                  {"bwd_cols": 64, "bwd_tokens": 128}, {"tokens": 16, "k": 128}]
 
 

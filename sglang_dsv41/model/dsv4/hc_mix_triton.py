@@ -55,8 +55,10 @@ class MixTiles:
     # tokens and 32 columns), and errors against float64 no larger (mix 2.3e-7 vs 1.1e-6, d fn
     # 1.6e-7 vs 1.1e-6). The forward at 32 tokens x 64 columns rather than 16 x 128: 76-77 vs
     # 77-80 us at 4k, 901-907 vs 1135-1138 at 64k (two runs on one lease, run AB calls 3-4).
-    # The one-kernel backward's tiles are not yet timed on a GPU (bench/train_ops.py hc-mix has
-    # the candidates); compiled for sm_90 they do not spill.
+    # The one-kernel backward (d streams and d fn from one read of x), run AC call 1: 108-109 us
+    # at 4k and 1452-1462 at 64k on 4 warps, 103.6-104.0 and 1370.5-1370.6 on 2 (the default);
+    # the two kernels it replaced took 111-135 and 1283-1293 (a loss at 64k of 87 us a mix, ~2 ms
+    # of a 2.8 s step; a win at 4k of ~7 us a mix). Compiled for sm_90 they do not spill.
     tokens: int = 32
     k: int = 64
     warps: int = 4
@@ -64,7 +66,7 @@ class MixTiles:
     bwd_rows: int = 16
     bwd_tokens: int = 256
     max_bwd_spans: int = 32
-    bwd_warps: int = 4
+    bwd_warps: int = 2
     precision: str = "tf32x3"
 
 
