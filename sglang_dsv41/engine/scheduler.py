@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -165,7 +166,8 @@ def _setup_logging(args: ServerArgs, info: ParallelInfo) -> None:
 
 def run_scheduler_process(server_args: ServerArgs, rank: int, model_dir: str, dist_port: int,
                           req_queue, out_queue, ready_queue) -> None:
-    """Process target: one scheduler rank. Exits 0 after ShutdownReq, non-zero on a failure."""
+    """Process target: one scheduler rank. Exits 0 after ShutdownReq (os._exit, _exit_flushed),
+    non-zero on a failure."""
     args = server_args
     info = ParallelInfo.from_server_args(args, rank)
     _setup_logging(args, info)
@@ -213,3 +215,19 @@ def run_scheduler_process(server_args: ServerArgs, rank: int, model_dir: str, di
         watchdog.close()
     if info.is_leader:
         logger.info("shut down")
+    _exit_flushed(out_queue, ready_queue)
+
+
+def _exit_flushed(*queues: Any) -> None:
+    """A rank's clean exit: its messages delivered and its logs written, then os._exit(0),
+    which skips the interpreter's teardown. There the C++ objects still alive (torch's and
+    gloo's threads) are destroyed in no fixed order: once in CI a rank that had shut down
+    cleanly aborted in it ("terminate called without an active exception", exit -6), which
+    the launcher and the tests read as a crashed rank."""
+    for q in queues:
+        q.close()
+        q.join_thread()  # the queue's feeder thread has written everything put
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
