@@ -29,9 +29,10 @@ import httpx
 import psutil
 from fastapi import FastAPI, Request
 
+from sglang_dsv41.ports import free_port
 from sglang_dsv41.router.base import Route
 from sglang_dsv41.router.sticky import StickyRouter
-from sglang_dsv41.server_process import ServerProcess, free_port
+from sglang_dsv41.server_process import ServerProcess
 
 
 def run_stub(port: int) -> None:

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sglang_dsv41.model.dsv4.config import DSV4Config  # noqa: E402
 from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM, init_weights  # noqa: E402
 from sglang_dsv41.model.dsv4.presets import get_preset  # noqa: E402
-from sglang_dsv41.server_process import free_port  # noqa: E402
+from sglang_dsv41.ports import free_port  # noqa: E402
 from trainer_bridge.dist import run_spawned  # noqa: E402
 from trainer_bridge.batch import Sample, pack  # noqa: E402
 from trainer_bridge.config import ModelConfig, OptimConfig  # noqa: E402

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,12 +13,7 @@ import time
 
 import httpx
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
+from .ports import free_port
 
 # A server started under torchrun builds its own process group: with these variables (and
 # TORCHELASTIC_USE_AGENT_STORE) inherited, its ranks would join the trainer's store and hang.

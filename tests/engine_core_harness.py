@@ -14,7 +14,7 @@ from sglang_dsv41.engine.messages import (ControlOut, ControlReq, GenerateOut, G
                                           RankStats, ReadyMsg, SamplingParams, ShutdownReq)
 from sglang_dsv41.engine.scheduler import run_scheduler_process
 from sglang_dsv41.server_args import ServerArgs
-from sglang_dsv41.server_process import free_port
+from sglang_dsv41.ports import free_port
 
 
 def _rank_main(stderr_path, *args) -> None:

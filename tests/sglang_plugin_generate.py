@@ -235,7 +235,7 @@ def request_path_case(work_dir: str, run_dir: str) -> dict:
     import torch
 
     from sglang_dsv41.policies.watchdog import StallReport
-    from sglang_dsv41.server_process import free_port
+    from sglang_dsv41.ports import free_port
     from sglang_dsv41.sglang_backend.watchdog_hooks import write_stall_report
 
     serializer = import_sglang("sglang.srt.utils.common").MultiprocessingSerializer

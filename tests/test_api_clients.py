@@ -14,8 +14,9 @@ import httpx
 import pytest
 from sglang_cpu import import_sglang
 
+from sglang_dsv41.ports import free_port
 from sglang_dsv41.router.smg import SMGProcess, SMGSessionRouter
-from sglang_dsv41.server_process import ServerProcess, free_port
+from sglang_dsv41.server_process import ServerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 LAYOUT = ["--model-path", "tiny", "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention",

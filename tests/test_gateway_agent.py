@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from sglang_dsv41.gateway.__main__ import build_gateway
 from sglang_dsv41.gateway.app import create_gateway_app
 from sglang_dsv41.model.dsv4 import get_preset
-from sglang_dsv41.server_process import free_port
+from sglang_dsv41.ports import free_port
 from sglang_dsv41.tokenizer import ByteTokenizer
 from trainer_bridge.envs.agent_shell import TASKS, ShellAgentEpisode
 

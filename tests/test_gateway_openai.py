@@ -22,7 +22,8 @@ import uvicorn
 from sglang_dsv41.gateway.__main__ import build_gateway
 from sglang_dsv41.gateway.app import create_gateway_app
 from sglang_dsv41.gateway.trajectory import END_OF_ASSISTANT
-from sglang_dsv41.server_process import ServerProcess, free_port
+from sglang_dsv41.ports import free_port
+from sglang_dsv41.server_process import ServerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 LAYOUT = ["--model-path", "tiny", "--context-length", "1024", "--max-new-tokens-limit", "256"]

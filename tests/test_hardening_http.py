@@ -24,7 +24,7 @@ from sglang_dsv41.engine.sampling import model_logprobs, sample_token
 from sglang_dsv41.loader import weight_sync_group
 from sglang_dsv41.model.dsv4 import get_preset
 from sglang_dsv41.server_args import ServerArgs
-from sglang_dsv41.server_process import free_port
+from sglang_dsv41.ports import free_port
 from sglang_dsv41.tokenizer import ByteTokenizer
 
 pytestmark = [pytest.mark.timeout(60)]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_dsv41.server_process import free_port
+from sglang_dsv41.ports import free_port
 from trainer_bridge.dist import run_spawned
 
 pytestmark = pytest.mark.timeout(240)

@@ -11,8 +11,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from sglang_dsv41.ports import free_port
 from sglang_dsv41.router import NoEngineAvailable, Route, RouterError, StickyRouter
-from sglang_dsv41.server_process import free_port
 
 
 class FakeEngine:

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from sglang_dsv41.server_process import free_port
+from sglang_dsv41.ports import free_port
 from sglang_dsv41.sglang_backend.http_workers import PLUGIN_APP
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -181,7 +181,7 @@ def test_one_rank_choices_and_refusals():
 def cuda_worker(queue) -> None:
     import os
 
-    from sglang_dsv41.server_process import free_port
+    from sglang_dsv41.ports import free_port
 
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port()), LOCAL_WORLD_SIZE="1")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sglang_dsv41.model.dsv4.context import DSV4Context
-from sglang_dsv41.server_process import free_port
+from sglang_dsv41.ports import free_port
 from trainer_bridge.batch import Sample, pack
 from trainer_bridge.dist import run_spawned
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang_dsv41.model.dsv4.mhc import hc_mix, unweighted_rms_norm, weighted_stream_sum
-from sglang_dsv41.server_process import free_port
+from sglang_dsv41.ports import free_port
 from trainer_bridge.batch import Sample, pack
 from trainer_bridge.dist import run_spawned
 

@@ -353,7 +353,7 @@ def on_cuda(body, queue) -> None:
     traceback) on the queue."""
     import os
 
-    from sglang_dsv41.server_process import free_port
+    from sglang_dsv41.ports import free_port
 
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port()), LOCAL_WORLD_SIZE="1")

@@ -25,7 +25,8 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from sglang_dsv41.server_process import ServerProcess, free_port
+from sglang_dsv41.ports import free_port
+from sglang_dsv41.server_process import ServerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 SERVER_ARGS = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention",

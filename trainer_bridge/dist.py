@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from sglang_dsv41.server_process import free_port
+from sglang_dsv41.ports import free_port
 
 
 @dataclass(frozen=True)

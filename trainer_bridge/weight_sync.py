@@ -26,8 +26,8 @@ from sglang_dsv41.loader.serving import cast_for_serving_
 from sglang_dsv41.loader.weight_sync_group import parse_dtype, plan_buckets
 from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM
 from sglang_dsv41.model.dsv4.names import is_frozen_table, per_expert_state, storable_state
+from sglang_dsv41.ports import free_port
 from sglang_dsv41.router import SessionRouter
-from sglang_dsv41.server_process import free_port
 
 from .dist import broadcast_object
 from .parallelize import server_param_name
