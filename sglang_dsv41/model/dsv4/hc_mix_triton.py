@@ -57,8 +57,8 @@ class MixTiles:
     # 77-80 us at 4k, 901-907 vs 1135-1138 at 64k (two runs on one lease, run AB calls 3-4).
     # The one-kernel backward (d streams and d fn from one read of x), run AC call 1: 108-109 us
     # at 4k and 1452-1462 at 64k on 4 warps, 103.6-104.0 and 1370.5-1370.6 on 2 (the default);
-    # the two kernels it replaced took 111-135 and 1283-1293 (a loss at 64k of 87 us a mix, ~2 ms
-    # of a 2.8 s step; a win at 4k of ~7 us a mix). Compiled for sm_90 they do not spill.
+    # the two kernels it replaced took 98-135 (runs AB, AC) and 1283-1293: even at 4k, 87 us a
+    # mix slower at 64k (~2 ms of a 2.2 s step). Compiled for sm_90 they do not spill.
     tokens: int = 32
     k: int = 64
     warps: int = 4
