@@ -11,7 +11,6 @@ watchdog names, instead of two unrelated collectives being paired with each othe
 from __future__ import annotations
 
 import datetime
-import gc
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -155,12 +154,6 @@ class DistGroups:
     def shutdown(self) -> None:
         self.barrier()
         dist.destroy_process_group()
-        # Our handles would keep the groups' C++ objects (gloo's worker threads) alive until the
-        # interpreter's teardown, which destroys them in no fixed order: once in CI a rank
-        # aborted there after a clean shutdown ("terminate called without an active
-        # exception", exit -6). Freed here, they go while the process is whole.
-        self.world = self.world_cpu = self.attn = self.attn_cpu = None
-        gc.collect()
 
 
 def init_distributed(args: "ServerArgs", rank: int, dist_port: int, device: torch.device,
