@@ -2,7 +2,7 @@
 AdamW, ~11.5 ms of a 4k step of the ``small`` preset on one H200) can run under the graphed
 forward and backward on a second stream?
 
-Times (device-synchronised, medians of --steps after --warmup):
+Times (bench/train.py's time_steps: device-synchronised, medians of --steps after --warmup):
   fb          the micro-batch graph alone (forward, loss, backward)
   opt         clip_and_step alone (the norm's square sums and AdamW)
   sequential  fb, then opt (a step)
@@ -21,30 +21,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import train as bench_train  # noqa: E402  (bench/train.py: the same build and step)
-
-
-def timed(fn, device, steps: int, warmup: int, before=None) -> float:
-    """Median ms of fn() over ``steps`` runs after ``warmup``; ``before`` runs untimed first."""
-    times = []
-    for i in range(warmup + steps):
-        if before is not None:
-            before()
-        torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize(device)
-        if i >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def main(argv=None) -> int:
@@ -90,10 +73,11 @@ def main(argv=None) -> int:
             opt()
         main.wait_stream(side)
 
-    rows = [("fb", timed(fb_alone, device, args.steps, args.warmup)),
-            ("opt", timed(opt, device, args.steps, args.warmup, before=fb_alone)),
-            ("sequential", timed(sequential, device, args.steps, args.warmup)),
-            ("overlapped", timed(overlapped, device, args.steps, args.warmup))]
+    def ms_of(fn, before=None) -> float:
+        return bench_train.time_steps(fn, args, device, None, before=before)[0] * 1e3
+
+    rows = [("fb", ms_of(fb_alone)), ("opt", ms_of(opt, before=fb_alone)),
+            ("sequential", ms_of(sequential)), ("overlapped", ms_of(overlapped))]
     ms = dict(rows)
     print(f"{args.preset}, one sequence of {args.seq} tokens, micro-batch graphs; "
           f"{torch.cuda.get_device_name(device)}; medians of {args.steps} after {args.warmup}")

@@ -121,15 +121,17 @@ def free(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def time_steps(step, args, device, profile_label: str | None
+def time_steps(step, args, device, profile_label: str | None, before=None
                ) -> tuple[float, int, float, float]:
     """Median seconds of ``args.steps`` steps after ``args.warmup``; peak bytes; the median CPU
     seconds per step of the calling (main) thread, and of the whole process (every thread: the
-    backward's launches come from autograd's device thread). With a ``profile_label``, then
-    ``args.steps`` more steps under torch.profiler (not timed) and one under CUDA sync
-    debugging."""
+    backward's launches come from autograd's device thread). ``before``: run untimed ahead of
+    each step. With a ``profile_label``, then ``args.steps`` more steps under torch.profiler (not
+    timed) and one under CUDA sync debugging."""
     times, host, process = [], [], []
     for i in range(args.warmup + args.steps):
+        if before is not None:
+            before()
         sync(device)
         t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
         step()
