@@ -38,6 +38,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     args = p.parse_args(argv)
+    for flag, value, least in (("--seq", args.seq, 2), ("--steps", args.steps, 1),
+                               ("--warmup", args.warmup, 0)):
+        if value < least:
+            p.error(f"{flag} {value}: at least {least}")
     device = bench_train.resolve_device("auto")
     if device.type != "cuda":
         raise SystemExit("overlap_probe: needs a GPU (streams)")

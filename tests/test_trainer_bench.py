@@ -310,3 +310,13 @@ def test_packed_launches_bench_refuses_bad_packs():
         out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "packed_launches.py"),
                               "--packs", packs], capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and msg in out.stderr, (packs, out.stderr[-500:])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flags", [["--steps", "0"], ["--warmup", "-1"], ["--seq", "1"]])
+def test_overlap_probe_refuses_bad_flags(flags):
+    """bench/overlap_probe.py: a count that cannot time anything is refused by name, before
+    any model is built (on a CPU too, where the probe itself cannot run)."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "overlap_probe.py"), *flags],
+                         capture_output=True, text=True, timeout=50)
+    assert out.returncode == 2 and f"{flags[0]} {flags[1]}: at least" in out.stderr, out.stderr
