@@ -116,12 +116,24 @@ def _on_sigterm(signum, frame):
     raise _Terminated()
 
 
-async def _serve(server, sock: socket.socket, url: str) -> None:
+async def _serve(server, sock: socket.socket, url: str, state, grace: float) -> None:
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
     if server.started:
         logger.info("server ready at %s", url)
+    while not server.should_exit and not task.done():
+        await asyncio.sleep(0.05)
+    if not task.done():  # SIGTERM (or a dead rank): uvicorn drains the open requests
+        state.draining = True
+        # When the grace runs out uvicorn cancels what still runs and answers it with a bare
+        # 500; end those requests a little earlier with a 503 that says why.
+        try:
+            await asyncio.wait_for(asyncio.shield(task), grace - min(1.0, grace / 4))
+        except TimeoutError:
+            cut = state.controller.cut_all(
+                f"--shutdown-grace {grace:g} s ran out before this request finished")
+            logger.warning("shutdown grace ran out: %d request(s) ended with 503", cut)
     await task
 
 
@@ -150,7 +162,8 @@ def run_embedded(server_args: ServerArgs) -> int:
                                 timeout_graceful_shutdown=server_args.shutdown_grace)
         server = uvicorn.Server(config)
         engine.on_fatal = lambda reason: setattr(server, "should_exit", True)
-        asyncio.run(_serve(server, sock, f"http://{host}:{port}"))
+        asyncio.run(_serve(server, sock, f"http://{host}:{port}", state,
+                           server_args.shutdown_grace))
         if engine.fatal_reason is not None:
             logger.error("exiting: %s", engine.fatal_reason)
             return 1

@@ -51,8 +51,9 @@ class ControlError(RuntimeError):
 @dataclass
 class EngineFailure:
     """Sent to a waiting request instead of a GenerateOut when the engine, not the request,
-    failed."""
+    failed (or the server's shutdown cut it); the client reads ``f"{what}: {reason}"``."""
     reason: str
+    what: str = "engine failed"
 
 
 @dataclass
@@ -217,6 +218,17 @@ class DPController:
         for rid, dp_rank in owners:
             self.req_queues[dp_rank].put(AbortReq(rid))
         return len(owners)
+
+    def cut_all(self, reason: str) -> int:
+        """End every waiting request now with a 503 naming ``reason`` and abort it on its
+        scheduler (a shutdown whose grace runs out); returns how many."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for rid, p in pending.items():
+            self.req_queues[p.dp_rank].put(AbortReq(rid))
+            p.loop.call_soon_threadsafe(p.chunks.put_nowait,
+                                        EngineFailure(reason, what="server shutting down"))
+        return len(pending)
 
     def num_in_flight(self) -> list[int]:
         with self._lock:

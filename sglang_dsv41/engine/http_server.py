@@ -216,7 +216,7 @@ async def _collect(state: ServerState, req: GenerateReq, chunks: asyncio.Queue,
         while not out.finished:
             item = await chunks.get()
             if isinstance(item, EngineFailure):
-                raise ApiError(503, f"engine failed: {item.reason}", "ServiceUnavailable")
+                raise ApiError(503, f"{item.what}: {item.reason}", "ServiceUnavailable")
             if item.error:
                 raise ApiError(400, f"request refused by the scheduler: {item.error}")
             out.add(item)
@@ -244,7 +244,7 @@ async def _stream(state: ServerState, req: GenerateReq, chunks: asyncio.Queue,
             item = await chunks.get()
             if isinstance(item, EngineFailure):
                 finished = True
-                yield _sse({"error": {"message": f"engine failed: {item.reason}", "code": 503}})
+                yield _sse({"error": {"message": f"{item.what}: {item.reason}", "code": 503}})
                 break
             if item.error:
                 finished = True
