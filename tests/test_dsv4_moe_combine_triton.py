@@ -86,7 +86,7 @@ def test_fused_combine_empty_and_refusals():
                              torch.zeros(5, dtype=torch.long, device=DEV))
 
 
-def test_moe_layer_with_the_kernel_equals_its_torch_path(monkeypatch):
+def test_moe_layer_with_the_kernel_equals_its_torch_path(monkeypatch, seed):
     """MoE.routed_grouped on the kernel (as on CUDA) vs the torch path (as on CPU), on the
     device the kernel runs on here: tokens and gradients."""
     from test_dsv4_moe_grouped import T, moe_pair, run
@@ -107,7 +107,11 @@ def test_moe_layer_with_the_kernel_equals_its_torch_path(monkeypatch):
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
     for name in want[2]:
-        torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-5, atol=1e-6)
+        # A weight's gradient sums its experts' tokens, whose combine adds in another order:
+        # elements near zero after cancellation differ by up to 2.8e-7 of the tensor's largest
+        # (40 seeds; max |grad| 1.9-63), past a fixed 1e-6 once in CI; the bound scales.
+        scale = float(want[2][name].abs().max())
+        torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-5, atol=2e-6 * scale)
 
 
 def test_kernels_compile_for_the_h200():
