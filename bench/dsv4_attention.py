@@ -349,8 +349,6 @@ SWEEP_TRIALS = {
         "dq": [(256, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 2)],
         "dkv": [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2)],
         "dkv_rows": [(64,), (128,)],
-        # dQ in the P/dS pass: a [64 x D] fp32 dQ whole per program (expected to spill).
-        "dsdq": [(True, 64, 8, 2), (False, 64, 4, 3)],
     },
     16: {  # the small preset's heads
         "narrow_selection": [(False,), (True,)],
@@ -362,10 +360,6 @@ SWEEP_TRIALS = {
         "dkv": [(256, 64, 4, 2), (128, 128, 4, 2), (64, 64, 4, 2), (128, 64, 4, 3),
                 (256, 64, 8, 2), (128, 64, 8, 2)],
         "dkv_rows": [(16,), (32,), (64,), (128,)],
-        # (ds_fuse_dq, ds_bn, ds_warps, ds_stages): dQ in the P/dS pass or a pass of its own
-        # (False: the split passes as tuned before, 64-key tiles on 2 warps).
-        "dsdq": [(False, 64, 2, 3), (True, 16, 4, 2), (True, 32, 4, 2), (True, 32, 8, 2),
-                 (True, 64, 8, 2), (True, 16, 4, 3)],
     },
 }
 
@@ -381,8 +375,7 @@ def sweep(kernels, total=4096):
     flops = {kind: 4 * H * D * pairs(total, ins[kind][3]) for kind in ins}
     base = default_blocks(H)
     for kernel in kernels:
-        names = (kernel,) if kernel in ("narrow_selection", "dkv_rows") else (
-            "ds_fuse_dq", "ds_bn", "ds_warps", "ds_stages") if kernel == "dsdq" else tuple(
+        names = (kernel,) if kernel in ("narrow_selection", "dkv_rows") else tuple(
             f"{kernel}_{f}" for f in ("bh" if kernel in ("fwd", "ds") else "bd", "bn", "warps",
                                       "stages") + (("bd",) if kernel == "ds" else ()))
         own = tuple(getattr(base, n) for n in names)
@@ -583,10 +576,10 @@ def decode_compile_report(arch=90):
 
 
 def training_compile_report(arch=90):
-    """The training kernels (forward, P/dS pass and dQ or the two fused, window dKV) at
-    default_blocks of 16 heads (the small preset) and 64 (V4-Flash) compiled for sm_<arch>
-    without a GPU (compile_report): which MMA instructions they use, their asynchronous copies
-    (the pipelined gathers), shared memory, registers and spills."""
+    """The training kernels (forward, P/dS pass, dQ, window dKV) at default_blocks of 16 heads
+    (the small preset) and 64 (V4-Flash) compiled for sm_<arch> without a GPU (compile_report):
+    which MMA instructions they use, their asynchronous copies (the pipelined gathers), shared
+    memory, registers and spills."""
     from sglang_dsv41.attention import dsv4_triton_backward as bwd, dsv4_triton_forward as fwd
 
     types_ = {n: "*bf16" for n in ("q_ptr", "kv_ptr", "comp_ptr", "o_ptr", "do_ptr", "p_ptr",
@@ -602,13 +595,10 @@ def training_compile_report(arch=90):
             "forward": (fwd._dsv4_fwd_kernel, dict(HAS_SINK=True, BH=b.fwd_bh, BN=b.fwd_bn,
                                                    BNS=b.fwd_bn, BD=D, DOT_PREC="tf32"),
                         b.fwd_warps, b.fwd_stages),
-            **({"P/dS + dQ": (bwd._dsv4_dsdq_kernel, dict(BH=b.ds_bh, BN=b.ds_bn, BD=D,
-                                                         BC=b.ds_bd, DOT_PREC="tf32"),
-                              b.ds_warps, b.ds_stages)} if b.ds_fuse_dq else {
-                "P/dS": (bwd._dsv4_ds_kernel, dict(BH=b.ds_bh, BN=b.ds_bn, BC=b.ds_bd,
-                                                   DOT_PREC="tf32"), b.ds_warps, b.ds_stages),
-                "dQ": (bwd._dsv4_dq_kernel, dict(BH=b.dq_bh, BN=b.dq_bn, BD=b.dq_bd,
-                                                 DOT_PREC="tf32"), b.dq_warps, b.dq_stages)}),
+            "P/dS": (bwd._dsv4_ds_kernel, dict(BH=b.ds_bh, BN=b.ds_bn, BC=b.ds_bd,
+                                               DOT_PREC="tf32"), b.ds_warps, b.ds_stages),
+            "dQ": (bwd._dsv4_dq_kernel, dict(BH=b.dq_bh, BN=b.dq_bn, BD=b.dq_bd,
+                                             DOT_PREC="tf32"), b.dq_warps, b.dq_stages),
             "window dKV": (bwd._dsv4_dkv_window_kernel,
                            dict(BN=b.dkv_bn, BHH=bhh, TB=tb, BD=b.dkv_bd, DOT_PREC="tf32"),
                            b.dkv_warps, b.dkv_stages)}

@@ -136,19 +136,6 @@ def test_selection_tiles_narrower_than_the_window_tiles(seed):
     _compare(lens, 4, 32, 20, torch.float32, rows, idx, blocks=blocks)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["sliding", "hca", "csa"])
-def test_dq_fused_into_the_ds_pass_matches_float64_reference(seed, kind, dtype):
-    # DSV4Blocks.ds_fuse_dq: one pass for P, dS, dQ and the selection dKV; 24 columns (not a
-    # power of two: masked columns in the whole-row tiles), 16-key tiles over 3 sequences.
-    lens, ratio, gen = [5, 37, 22], 4, torch.Generator().manual_seed(seed)
-    comp_idx, rows = {"sliding": (None, 0), "hca": hca_selection(lens, ratio),
-                      "csa": csa_selection(lens, ratio, 20, gen)}[kind]
-    blocks = dataclasses.replace(default_blocks(4), ds_fuse_dq=True)
-    _compare(lens, heads=4, dim=24, window=16, dtype=dtype, comp_rows=rows, comp_idx=comp_idx,
-             blocks=blocks)
-
-
 @pytest.mark.skipif(INTERPRET, reason="the GPU's own tiles at real head shapes: too slow for "
                                         "the interpreter (its tiles are 16 wide)")
 @pytest.mark.parametrize("heads", [16, 64])

@@ -20,10 +20,7 @@ Three kernels; the scores are recomputed once, not once per output:
     columns) with the tensor cores idle; inside this pass they overlap its MMAs (fwd+bwd 5.30 vs
     5.86 ms), and P of the selection slots is never stored.
   * dQ pass: one program per (token, head block, D columns) sums scale*dS @ K over the token's
-    keys from that buffer. Or, with DSV4Blocks.ds_fuse_dq (few heads: a program's q, dO and
-    fp32 dQ whole fit its registers), in the P/dS pass itself: each key tile is gathered once for
-    the scores, dO @ K^T and dQ, not again by a dQ pass, and dS is stored for the window slots
-    only (the window dKV's input).
+    keys from that buffer.
   * window dKV, key-major: one program per (block of keys, D columns) loops over the queries
     that see those keys (k .. k + window - 1), a few at a time (DSV4Blocks.dkv_rows rows of
     (query, head)), and sums scale*dS^T @ Q + P^T @ dO over their heads with tensor-core tiles
@@ -126,77 +123,6 @@ def _dsv4_ds_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, first_ptr, do_ptr
 
 
 @triton.jit
-def _dsdq_tile(q, do, dq, lse, delta, qrow, q_ptr, do_ptr, kv_ptr, comp_ptr, idx_ptr, p_ptr,
-               ds_ptr, dcomp_ptr, t, n, hi, D, window, num_sel, stride_kv, stride_c, stride_idx,
-               offs_n, offs_d, dmask, hmask, offs_h, H, qk_scale, scale, BC: tl.constexpr,
-               IS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Key tile n of token t, whole rows of D: -> dq + scale * dS @ keys; a window tile's
-    scale * dS and P to their [T, H, window] slots, a selection tile's dKV added into dcomp."""
-    k, valid, row = _load_keys(kv_ptr, comp_ptr, idx_ptr, t, n, hi, num_sel, stride_kv, stride_c,
-                               stride_idx, offs_n, offs_d, dmask, IS_WINDOW)
-    s = mma(q, tl.trans(k), DOT_PREC)
-    dp = mma(do, tl.trans(k), DOT_PREC)
-    p = tl.where(valid[None, :], tl.exp2(s * qk_scale - lse[:, None]), 0.0)
-    dtype = ds_ptr.dtype.element_ty
-    ds = to_dtype(p * (dp - delta[:, None]) * scale, dtype, DOT_PREC)
-    p = to_dtype(p, dtype, DOT_PREC)
-    dq += mma(ds, k, DOT_PREC)
-    if IS_WINDOW:
-        smask = hmask[:, None] & valid[None, :]
-        at = ((t.to(tl.int64) * H + offs_h) * window)[:, None] + (n + offs_n - (t + 1 - window))
-        tl.store(ds_ptr + at, ds, mask=smask)
-        tl.store(p_ptr + at, p, mask=smask)
-    else:
-        offs_c = tl.arange(0, BC)
-        for c in range(0, D, BC):  # [keys x D] in fp32 whole would not fit the registers
-            cols = c + offs_c
-            cmask = cols < D
-            dc = mma(tl.trans(ds), _head_cols(q_ptr, qrow, cols, hmask, cmask), DOT_PREC) \
-                + mma(tl.trans(p), _head_cols(do_ptr, qrow, cols, hmask, cmask), DOT_PREC)
-            tl.atomic_add(dcomp_ptr + row[:, None].to(tl.int64) * D + cols[None, :], dc,
-                          mask=valid[:, None] & cmask[None, :], sem="relaxed")
-    return dq
-
-
-@triton.jit
-def _dsv4_dsdq_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, first_ptr, do_ptr, o_ptr,
-                      lse_ptr, delta_ptr, p_ptr, ds_ptr, dcomp_ptr, dq_ptr, H, D, window,
-                      num_sel, qk_scale, scale, stride_qt, stride_qh, stride_kv, stride_c,
-                      stride_idx, BH: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-                      BC: tl.constexpr, DOT_PREC: tl.constexpr):
-    """The P/dS pass with dQ in it (DSV4Blocks.ds_fuse_dq): q and dO held whole, each key
-    tile loaded once for the scores, dO @ K^T and dQ (module docstring)."""
-    t = tl.program_id(0)
-    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
-    offs_d = tl.arange(0, BD)
-    offs_n = tl.arange(0, BN)
-    hmask = offs_h < H
-    dmask = offs_d < D
-    qrow = t.to(tl.int64) * stride_qt + offs_h * stride_qh
-    q = _head_cols(q_ptr, qrow, offs_d, hmask, dmask)
-    do = _head_cols(do_ptr, qrow, offs_d, hmask, dmask)
-    delta = tl.sum(do.to(tl.float32) * _head_cols(o_ptr, qrow, offs_d, hmask, dmask)
-                   .to(tl.float32), 1)
-    tl.store(delta_ptr + t * H + offs_h, delta, mask=hmask)
-    lse = tl.load(lse_ptr + t * H + offs_h, mask=hmask, other=float("inf"))
-    dq = tl.zeros([BH, BD], tl.float32)
-    hi = t + 1
-    lo = tl.maximum(tl.load(first_ptr + t), t + 1 - window)
-    for n in range(lo, hi, BN):
-        dq = _dsdq_tile(q, do, dq, lse, delta, qrow, q_ptr, do_ptr, kv_ptr, comp_ptr, idx_ptr,
-                        p_ptr, ds_ptr, dcomp_ptr, t, n, hi, D, window, num_sel, stride_kv,
-                        stride_c, stride_idx, offs_n, offs_d, dmask, hmask, offs_h, H, qk_scale,
-                        scale, BC, True, DOT_PREC)
-    for n in range(0, tl.load(end_ptr + t), BN):
-        dq = _dsdq_tile(q, do, dq, lse, delta, qrow, q_ptr, do_ptr, kv_ptr, comp_ptr, idx_ptr,
-                        p_ptr, ds_ptr, dcomp_ptr, t, n, hi, D, window, num_sel, stride_kv,
-                        stride_c, stride_idx, offs_n, offs_d, dmask, hmask, offs_h, H, qk_scale,
-                        scale, BC, False, DOT_PREC)
-    tl.store(dq_ptr + qrow[:, None] + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty),
-             mask=hmask[:, None] & dmask[None, :])
-
-
-@triton.jit
 def _dq_tile(acc, ds_ptr, kv_ptr, comp_ptr, idx_ptr, prow, slot_base, t, n, hi, num_sel,
              stride_kv, stride_c, stride_idx, offs_n, offs_d, dmask, hmask,
              IS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -238,7 +164,7 @@ def _dsv4_dq_kernel(ds_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, first_ptr, dq_pt
 
 @triton.jit
 def _dsv4_dkv_window_kernel(q_ptr, do_ptr, p_ptr, ds_ptr, first_ptr, dkv_ptr, T, H, D, window,
-                            ds_row, stride_qt, stride_qh, BN: tl.constexpr, BHH: tl.constexpr,
+                            num_sel, stride_qt, stride_qh, BN: tl.constexpr, BHH: tl.constexpr,
                             TB: tl.constexpr, BD: tl.constexpr, DOT_PREC: tl.constexpr):
     offs_k = tl.program_id(0) * BN + tl.arange(0, BN)
     offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -262,7 +188,8 @@ def _dsv4_dkv_window_kernel(q_ptr, do_ptr, p_ptr, ds_ptr, first_ptr, dkv_ptr, T,
                  & (offs_k[None, :] >= first[:, None]))
         row_th = t.to(tl.int64) * H + r_h
         p = tl.load(p_ptr + (row_th * window)[:, None] + slot, mask=valid, other=0.0)
-        ds = tl.load(ds_ptr + (row_th * ds_row)[:, None] + slot, mask=valid, other=0.0)
+        ds = tl.load(ds_ptr + (row_th * (window + num_sel))[:, None] + slot, mask=valid,
+                     other=0.0)
         qrow = t.to(tl.int64) * stride_qt + r_h * stride_qh
         acc += mma(tl.trans(ds), _head_cols(q_ptr, qrow, offs_d, rmask, dmask), DOT_PREC)
         acc += mma(tl.trans(p), _head_cols(do_ptr, qrow, offs_d, rmask, dmask), DOT_PREC)
@@ -288,39 +215,28 @@ def dsv4_backward(q, kv, sinks, first_rows, window, scale, comp_kv, comp_idx, se
     if total == 0:
         return dq, torch.zeros_like(kv), _dsinks(sinks, lse, delta), dcomp32.to(comp_kv.dtype)
     bd, prec, num_sel = triton.next_power_of_2(dim), dot_precision(q.dtype), comp_idx.shape[1]
-    qk_scale, chunk = scale * LOG2E, min(blocks.ds_bd, bd)
-    # scale*dS and the window's P in the MMA operand dtype (what the MMAs read); with dQ fused
-    # into the P/dS pass, only the window dKV reads dS, so only the window slots are stored.
-    ds_row = window if blocks.ds_fuse_dq else window + num_sel
-    ds_buf = torch.empty(total, heads, ds_row, device=q.device, dtype=q.dtype)
+    # scale*dS and the window's P in the MMA operand dtype (what the MMAs read).
+    ds_buf = torch.empty(total, heads, window + num_sel, device=q.device, dtype=q.dtype)
     p_buf = torch.empty(total, heads, window, device=q.device, dtype=q.dtype)
-    grid = (total, triton.cdiv(heads, blocks.ds_bh))
-    strides = (q.stride(0), q.stride(1), kv.stride(0), comp_kv.stride(0), comp_idx.stride(0))
-    if blocks.ds_fuse_dq:
-        _dsv4_dsdq_kernel[grid](
-            q, kv, comp_kv, comp_idx, sel_end, first_rows, dout, out, lse, delta, p_buf, ds_buf,
-            dcomp32, dq, heads, dim, window, num_sel, qk_scale, scale, *strides,
-            BH=blocks.ds_bh, BN=blocks.ds_bn, BD=bd, BC=chunk, DOT_PREC=prec,
-            num_warps=blocks.ds_warps, num_stages=blocks.ds_stages)
-    else:
-        _dsv4_ds_kernel[grid](
-            q, kv, comp_kv, comp_idx, sel_end, first_rows, dout, out, lse, delta, p_buf, ds_buf,
-            dcomp32, heads, dim, window, num_sel, qk_scale, scale, *strides, BH=blocks.ds_bh,
-            BN=blocks.ds_bn, BC=chunk, DOT_PREC=prec, num_warps=blocks.ds_warps,
-            num_stages=blocks.ds_stages)
-        dq_cols = min(blocks.dq_bd, bd)
-        _dsv4_dq_kernel[(total, triton.cdiv(heads, blocks.dq_bh), triton.cdiv(dim, dq_cols))](
-            ds_buf, kv, comp_kv, comp_idx, sel_end, first_rows, dq, heads, dim, window, num_sel,
-            dq.stride(0), dq.stride(1), kv.stride(0), comp_kv.stride(0), comp_idx.stride(0),
-            BH=blocks.dq_bh, BN=blocks.dq_bn, BD=dq_cols, DOT_PREC=prec,
-            num_warps=blocks.dq_warps, num_stages=blocks.dq_stages)
+    _dsv4_ds_kernel[(total, triton.cdiv(heads, blocks.ds_bh))](
+        q, kv, comp_kv, comp_idx, sel_end, first_rows, dout, out, lse, delta, p_buf, ds_buf,
+        dcomp32, heads, dim, window, num_sel, scale * LOG2E, scale, q.stride(0), q.stride(1),
+        kv.stride(0), comp_kv.stride(0), comp_idx.stride(0), BH=blocks.ds_bh, BN=blocks.ds_bn,
+        BC=min(blocks.ds_bd, bd), DOT_PREC=prec, num_warps=blocks.ds_warps,
+        num_stages=blocks.ds_stages)
+    dq_cols = min(blocks.dq_bd, bd)
+    _dsv4_dq_kernel[(total, triton.cdiv(heads, blocks.dq_bh), triton.cdiv(dim, dq_cols))](
+        ds_buf, kv, comp_kv, comp_idx, sel_end, first_rows, dq, heads, dim, window, num_sel,
+        dq.stride(0), dq.stride(1), kv.stride(0), comp_kv.stride(0), comp_idx.stride(0),
+        BH=blocks.dq_bh, BN=blocks.dq_bn, BD=dq_cols, DOT_PREC=prec,
+        num_warps=blocks.dq_warps, num_stages=blocks.dq_stages)
     dkv = torch.empty_like(kv)
     bhh, tb = dkv_window_rows(heads, blocks)
     cols = min(blocks.dkv_bd, bd)
     launch = dict(BN=blocks.dkv_bn, BHH=bhh, TB=tb, BD=cols, DOT_PREC=prec,
                   num_warps=blocks.dkv_warps, num_stages=blocks.dkv_stages)
     _dsv4_dkv_window_kernel[(triton.cdiv(total, blocks.dkv_bn), triton.cdiv(dim, cols))](
-        q, dout, p_buf, ds_buf, first_rows, dkv, total, heads, dim, window, ds_row, q.stride(0),
+        q, dout, p_buf, ds_buf, first_rows, dkv, total, heads, dim, window, num_sel, q.stride(0),
         q.stride(1), **launch)
     return dq, dkv, _dsinks(sinks, lse, delta), dcomp32.to(comp_kv.dtype)
 

@@ -34,9 +34,7 @@ class DSV4Blocks:
     forward; ds: the backward's P/dS pass (which also adds the selection dKV); dq: dQ = dS @ K;
     dkv: window dKV (all heads at once, split over D; dkv_rows: (query, head) rows a step of its
     loop, dkv_rows / heads queries, at least one). narrow_selection: the forward's selection
-    tiles narrow when K is small (selection_tile). ds_fuse_dq: dQ summed in the P/dS pass, its
-    programs holding q, dO and dQ whole (ds_bd then steps only the selection dKV's adds); the
-    dq_* tiles are unused."""
+    tiles narrow when K is small (selection_tile)."""
 
     fwd_bh: int = 64
     fwd_bn: int = 64
@@ -58,7 +56,6 @@ class DSV4Blocks:
     dkv_warps: int = 4
     dkv_stages: int = 2
     narrow_selection: bool = True
-    ds_fuse_dq: bool = False
 
     def __post_init__(self):
         for f in fields(self):
@@ -88,12 +85,7 @@ def default_blocks(heads: int) -> DSV4Blocks:
         # 16 heads (the small preset), same sweeps: CSA fwd+bwd 2.49 vs 2.72 ms with the 64-head
         # tiles (forward 32-key tiles on 4 warps, the P/dS pass on 2 warps). The bench's HCA and
         # sliding cores at 16 heads vary 0.98-1.76 ms run to run, too much to decide by.
-        # dQ in the P/dS pass (each gathered key tile used for the scores, dO @ K^T and dQ;
-        # the dQ pass gathered them again): 32-key tiles on 4 warps, 3 stages, compiled for
-        # sm_90 without spills (219 registers, 97 KB shared: bench/dsv4_attention.py
-        # --training-compile).
-        return DSV4Blocks(fwd_bh=16, fwd_bn=32, fwd_warps=4, ds_bh=16, ds_bn=32, ds_warps=4,
-                          ds_fuse_dq=True, dq_bh=16)
+        return DSV4Blocks(fwd_bh=16, fwd_bn=32, fwd_warps=4, ds_bh=16, ds_warps=2, dq_bh=16)
     bh = min(64, triton.next_power_of_2(heads))
     return DSV4Blocks(fwd_bh=bh, ds_bh=bh, dq_bh=bh)
 
