@@ -252,6 +252,41 @@ async def test_abort_metrics_and_dead_rank():
         controller.shutdown()
 
 
+async def test_shutdown_cut_ends_running_requests_with_503_and_aborts_them():
+    # What the server does when SIGTERM's grace runs out (launch_server._serve): a plain
+    # request gets a 503 naming the reason, a stream an error event then [DONE], and each
+    # scheduler is told to abort its request; /health says the server is shutting down.
+    import asyncio
+
+    http, controller, drainer, state = make_server()
+    async with http:
+        drainer.hold = True
+        plain = asyncio.create_task(gen(http, input_ids=[1], rid="p", routed_dp_rank=0))
+        stream = asyncio.create_task(gen(http, input_ids=[1], rid="s", routed_dp_rank=1,
+                                         stream=True))
+        while len(drainer.parked) < 2:
+            await asyncio.sleep(0.01)
+        state.draining = True
+        assert controller.cut_all("--shutdown-grace 1 s ran out") == 2
+        r = await plain
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["message"] == \
+            "server shutting down: --shutdown-grace 1 s ran out"
+        events = [line for line in (await stream).text.splitlines() if line]
+        assert json.loads(events[0].removeprefix("data: ")) == {"error": {
+            "message": "server shutting down: --shutdown-grace 1 s ran out", "code": 503}}
+        assert events[-1] == "data: [DONE]"
+        async def aborted():
+            return sorted(m.rid for _, m in drainer.seen if isinstance(m, AbortReq))
+
+        await poll_until(aborted, lambda rids: rids == ["p", "s"])
+        assert controller.num_in_flight() == [0, 0] and controller.healthy
+        r = await http.get("/health")
+        assert r.status_code == 503 and "shutting down" in r.text
+        assert (await gen(http, input_ids=[1])).status_code == 503
+        controller.shutdown()
+
+
 async def test_stall_report_marks_unhealthy():
     http, controller, _, _ = make_server()
     async with http:
