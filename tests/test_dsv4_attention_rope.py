@@ -47,6 +47,13 @@ def test_rope_gradient_is_autograds_bit_for_bit(dtype, shape, inverse):
     out_shared = apply_rope(shared, positions, freqs, inverse, table=rope_table(positions, freqs))
     out_shared.backward(grad)
     assert torch.equal(out_shared, want) and torch.equal(shared.grad, ref.grad)
+    # overwrite_grad: the backward rotates the incoming gradient where it is (the same bits);
+    # a gradient strided in its last dimension is copied instead.
+    for incoming in (grad.clone(), grad.clone().transpose(0, -1).contiguous().transpose(0, -1)):
+        held = x.clone().requires_grad_()
+        apply_rope(held, positions, freqs, inverse, overwrite_grad=True).backward(incoming)
+        assert torch.equal(held.grad, ref.grad)
+        assert torch.equal(incoming, grad) != (incoming.stride(-1) == 1)  # rotated where it is
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1" and
@@ -69,6 +76,14 @@ def test_triton_rope_is_the_torch_path_bit_for_bit(dtype, negate_sin):
         got = rope_triton(x.to(device), cos.to(device), sin.to(device), negate_sin)
         assert got.is_contiguous() and got.dtype == dtype
         assert torch.equal(got.cpu(), want)
+        # In place: the same bits, in x's own (strided) layout, nothing else written.
+        mine = x.to(device)
+        before = mine.clone()
+        same = rope_triton(mine, cos.to(device), sin.to(device), negate_sin, in_place=True)
+        assert same is mine and torch.equal(mine.cpu(), want)
+        assert torch.equal(mine[..., :-64], before[..., :-64])
+    with pytest.raises(ValueError, match="last dimension must be contiguous"):
+        rope_triton(base[0].transpose(-1, -2), cos, sin, in_place=True)
 
 
 def test_a_forward_computes_each_rope_table_once_and_its_layers_share_them():

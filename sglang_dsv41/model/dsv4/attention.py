@@ -107,7 +107,10 @@ class Attention(nn.Module):
         if self.cfg.q_head_norm:
             q = unweighted_rms_norm(q, self.eps)
         table = ctx.rope_table(self.freqs, self.ratio > 0)  # q's, kv's and the output's
-        q = apply_rope(q, ctx.positions, self.freqs, table=table)
+        # The gradients of the rotated q and of the de-rotated output are read by nothing but
+        # these rotations (the attention's fresh dq; the grouped projection's fresh dx):
+        # rotated in place by the backward.
+        q = apply_rope(q, ctx.positions, self.freqs, table=table, overwrite_grad=True)
         kv = self.wkv(x)
         kv = (served_window_kv(kv, self.kv_norm, ctx.positions, self.freqs, table)
               if ctx.serving_numerics
@@ -119,7 +122,8 @@ class Attention(nn.Module):
             entries = ctx.compressed_as_read(source, entries, self.cfg.qk_rope_head_dim)
         o = ctx.attend(self.layer_id, q, kv, rank_part(self.attn_sink, 0, heads), self.window,
                        self.scale, entries, selected)
-        o = apply_rope(o, ctx.positions, self.freqs, inverse=True, table=table)
+        o = apply_rope(o, ctx.positions, self.freqs, inverse=True, table=table,
+                       overwrite_grad=True)
         rank = self.wo_a.weight.shape[0] // self.o_groups
         wo_a = rank_part(self.wo_a.weight.view(self.o_groups, rank, -1), 0, groups)
         o = GroupedProjection.apply(o.reshape(t, len(groups), -1), wo_a.to(o.dtype))
