@@ -5,7 +5,9 @@ projection fastest, and what the model's Triton kernels of its torch paths cost 
       one step of ours (bench/train.py's policy, loss and AdamW) under torch.profiler with
       stacks: the calls of each listed aten op per step, by the innermost project source line
       (the CPU gives the same op counts as the GPU for the torch paths; bf16 compute on the CPU
-      shows the dtype casts the GPU makes).
+      shows the dtype casts the GPU makes). On CUDA also the aten ops by device time, and with
+      --where aten::copy_ that op's time by input shapes (the GPU's events carry no Python
+      stack: the shapes tell which code made them).
   python bench/train_ops.py grouped-proj [--tokens 4096]
       CUDA: forward + backward of the [T, G, I] x [G, R, I] -> [T, G, R] projection (the small
       preset's G 4, I 2048, R 512) for each candidate layout, median of timed repeats, every
@@ -152,13 +154,15 @@ def sources(args) -> None:
     acts = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=acts, with_stack=True) as prof:
+    with torch.profiler.profile(activities=acts, with_stack=True,
+                                record_shapes=bool(args.where)) as prof:
         step()
         if device.type == "cuda":
             torch.cuda.synchronize()
     calls: dict[str, Counter] = {op: Counter() for op in OPS}
     device_us: Counter = Counter()
     device_calls: Counter = Counter()
+    where_us: Counter = Counter()
     for e in prof.events():
         if not e.name.startswith("aten::"):
             continue
@@ -168,6 +172,12 @@ def sources(args) -> None:
         if e.self_device_time_total > 0:
             device_us[(e.name, place)] += e.self_device_time_total
             device_calls[(e.name, place)] += 1
+            if e.name == args.where:
+                where_us[(str(e.input_shapes), place)] += e.self_device_time_total
+    if where_us:
+        print(f"--- {args.where} by input shapes, one step ---")
+        for (shapes, place), us in where_us.most_common(args.top):
+            print(f"{us / 1e3:8.3f} ms  {shapes[:70]:70s} {place}")
     for op, places in calls.items():
         print(f"--- {op}: {sum(places.values())} calls a step ---")
         for place, n in places.most_common(args.top):
@@ -692,6 +702,8 @@ def main(argv=None) -> int:
     s.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     s.add_argument("--device", default="auto")
     s.add_argument("--top", type=int, default=15)
+    s.add_argument("--where", default=None, metavar="ATEN_OP",
+                   help="also this op's device time by input shapes (CUDA)")
     gp = sub.add_parser("grouped-proj")
     gp.add_argument("--tokens", type=int, default=4096)
     gp.add_argument("--repeats", type=int, default=20)
