@@ -94,7 +94,19 @@ def engram_gate(streams: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor,
                 k_weight: torch.Tensor, eps: float, clamp_value: float = GATE_CLAMP
                 ) -> torch.Tensor:
     """streams [T, hc, D]; kv [T, (hc+1)*D] = one key per hc copy, then the shared value.
-    Adds the gated value to every copy."""
+    Adds the gated value to every copy. On CUDA one Triton kernel each way (engram_triton.py)
+    when streams and kv share a dtype."""
+    if streams.is_cuda and kv.dtype == streams.dtype and streams.dim() == 3:
+        from .engram_triton import engram_gate_fused
+
+        return engram_gate_fused(streams, kv, q_weight, k_weight, eps, clamp_value)
+    return engram_gate_torch(streams, kv, q_weight, k_weight, eps, clamp_value)
+
+
+def engram_gate_torch(streams: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor,
+                      k_weight: torch.Tensor, eps: float, clamp_value: float = GATE_CLAMP
+                      ) -> torch.Tensor:
+    """engram_gate in torch ops (the CPU path, and the kernels' reference)."""
     hc_mult, dim = streams.shape[-2:]
     key, value = kv.split([hc_mult * dim, dim], dim=-1)
     key = key.float().unflatten(-1, (hc_mult, dim))
