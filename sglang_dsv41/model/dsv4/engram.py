@@ -8,7 +8,8 @@ residual streams before the layer's attention sublayer. Mirrors the torch paths 
   EngramTable   EngramEmbedding for one rank holding the whole table (_owned_rows' CPU path):
                 fp8 e4m3 rows with one e8m0 scale per 32 columns, dequantized to bf16 per row
   engram_gate   engram_gate: the per-hc-copy RMS-normalised q.k dot, signed square root,
-                sigmoid, times the shared value (fp32 math, cast back to the streams' dtype)
+                sigmoid, times the shared value (fp32 math, cast back to the streams' dtype;
+                on CUDA engram_triton.py's kernels: the same math, fp32 sums in their order)
   Engram        Engram: embed -> wkv -> engram_gate; parameter names as SGLang loads them
                 (``embed.weight``, ``embed.scale``, ``wkv.weight``, ``q_weight``, ``k_weight``)
 
