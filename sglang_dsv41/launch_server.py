@@ -116,7 +116,7 @@ def _on_sigterm(signum, frame):
     raise _Terminated()
 
 
-async def _serve(server, sock: socket.socket, url: str, state, grace: float) -> None:
+async def _serve(server, sock: socket.socket, url: str, state) -> None:
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
@@ -126,6 +126,7 @@ async def _serve(server, sock: socket.socket, url: str, state, grace: float) -> 
         await asyncio.sleep(0.05)
     if not task.done():  # SIGTERM (or a dead rank): uvicorn drains the open requests
         state.draining = True
+        grace = state.server_args.shutdown_grace  # uvicorn's timeout_graceful_shutdown
         # When the grace runs out uvicorn cancels what still runs and answers it with a bare
         # 500; end those requests a little earlier with a 503 that says why.
         try:
@@ -162,8 +163,7 @@ def run_embedded(server_args: ServerArgs) -> int:
                                 timeout_graceful_shutdown=server_args.shutdown_grace)
         server = uvicorn.Server(config)
         engine.on_fatal = lambda reason: setattr(server, "should_exit", True)
-        asyncio.run(_serve(server, sock, f"http://{host}:{port}", state,
-                           server_args.shutdown_grace))
+        asyncio.run(_serve(server, sock, f"http://{host}:{port}", state))
         if engine.fatal_reason is not None:
             logger.error("exiting: %s", engine.fatal_reason)
             return 1
