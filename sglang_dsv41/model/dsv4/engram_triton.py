@@ -51,6 +51,25 @@ def _sums(s_ptr, kv_ptr, w_ptr, t, valid, h, hmask, D, HC: tl.constexpr, BHC: tl
 
 
 @triton.jit
+def _gate(sh, sk, s, D, eps, clamp, scale):
+    """-> a, b, dot, root, negative (dot's sign bit, which copysign reads), g: [BT, BHC]."""
+    a = tl.math.rsqrt(sh / D + eps)
+    b = tl.math.rsqrt(sk / D + eps)
+    dot = s * (a * b) * scale
+    root = tl.sqrt(tl.maximum(tl.abs(dot), clamp))
+    negative = (dot.to(tl.int32, bitcast=True) >> 31) != 0
+    g = tl.sigmoid(tl.where(negative, -root, root))
+    return a, b, dot, root, negative, g
+
+
+@triton.jit
+def _value(kv_ptr, t, valid, d, D, HC: tl.constexpr):
+    """-> the shared value's columns d of tokens t, fp32 [BT, BD]."""
+    return tl.load(kv_ptr + t[:, None] * ((HC + 1) * D) + HC * D + d[None, :],
+                   mask=valid[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _engram_gate_fwd(s_ptr, kv_ptr, w_ptr, out_ptr, T, D, eps, clamp, scale,
                      HC: tl.constexpr, BHC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                      ROUND: tl.constexpr):
@@ -59,18 +78,13 @@ def _engram_gate_fwd(s_ptr, kv_ptr, w_ptr, out_ptr, T, D, eps, clamp, scale,
     h = tl.arange(0, BHC)
     hmask = h < HC
     sh, sk, s = _sums(s_ptr, kv_ptr, w_ptr, t, valid, h, hmask, D, HC, BHC, BT, BD)
-    dot = s * (tl.math.rsqrt(sh / D + eps) * tl.math.rsqrt(sk / D + eps)) * scale
-    root = tl.sqrt(tl.maximum(tl.abs(dot), clamp))
-    negative = (dot.to(tl.int32, bitcast=True) >> 31) != 0  # copysign reads the sign bit
-    g = tl.sigmoid(tl.where(negative, -root, root))
+    g = _gate(sh, sk, s, D, eps, clamp, scale)[5]
     for d0 in range(0, D, BD):
         d = d0 + tl.arange(0, BD)
         m = valid[:, None, None] & hmask[None, :, None] & (d < D)[None, None, :]
         at = t[:, None, None] * (HC * D) + h[None, :, None] * D + d[None, None, :]
         x = tl.load(s_ptr + at, mask=m, other=0.0).to(tl.float32)
-        value = tl.load(kv_ptr + t[:, None] * ((HC + 1) * D) + HC * D + d[None, :],
-                        mask=valid[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
-        out = x + g[:, :, None] * value[:, None, :]
+        out = x + g[:, :, None] * _value(kv_ptr, t, valid, d, D, HC)[:, None, :]
         tl.store(out_ptr + at, to_dtype(out, out_ptr.dtype.element_ty, ROUND), mask=m)
 
 
@@ -91,23 +105,14 @@ def _engram_gate_bwd(g_ptr, s_ptr, kv_ptr, w_ptr, d_s_ptr, d_kv_ptr, d_w_ptr, T,
         m = valid[:, None, None] & hmask[None, :, None] & (d < D)[None, None, :]
         go = tl.load(g_ptr + t[:, None, None] * (HC * D) + h[None, :, None] * D
                      + d[None, None, :], mask=m, other=0.0).to(tl.float32)
-        value = tl.load(kv_ptr + t[:, None] * ((HC + 1) * D) + HC * D + d[None, :],
-                        mask=valid[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
-        dg += tl.sum(go * value[:, None, :], 2)
-    a = tl.math.rsqrt(sh / D + eps)
-    b = tl.math.rsqrt(sk / D + eps)
-    c = scale
-    dot = s * (a * b) * c
-    mag = tl.abs(dot)
-    root = tl.sqrt(tl.maximum(mag, clamp))
-    negative = (dot.to(tl.int32, bitcast=True) >> 31) != 0  # copysign reads the sign bit
-    g = tl.sigmoid(tl.where(negative, -root, root))
+        dg += tl.sum(go * _value(kv_ptr, t, valid, d, D, HC)[:, None, :], 2)
+    a, b, dot, root, negative, g = _gate(sh, sk, s, D, eps, clamp, scale)
     d_root = dg * g * (1.0 - g) * tl.where(negative, -1.0, 1.0)
-    d_mag = tl.where(mag >= clamp, d_root * 0.5 / root, 0.0)
+    d_mag = tl.where(tl.abs(dot) >= clamp, d_root * 0.5 / root, 0.0)
     d_dot = d_mag * tl.where(dot > 0, 1.0, tl.where(dot < 0, -1.0, 0.0))
-    d_s = d_dot * a * b * c
-    da = -d_dot * s * b * c * a * a * a / D   # times h: through mean(h^2)
-    db = -d_dot * s * a * c * b * b * b / D   # times key
+    d_s = d_dot * a * b * scale
+    da = -d_dot * s * b * scale * a * a * a / D   # times h: through mean(h^2)
+    db = -d_dot * s * a * scale * b * b * b / D   # times key
     for d0 in range(0, D, BD):
         d = d0 + tl.arange(0, BD)
         dmask = d < D
