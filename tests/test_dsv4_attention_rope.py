@@ -76,14 +76,19 @@ def test_triton_rope_is_the_torch_path_bit_for_bit(dtype, negate_sin):
         got = rope_triton(x.to(device), cos.to(device), sin.to(device), negate_sin)
         assert got.is_contiguous() and got.dtype == dtype
         assert torch.equal(got.cpu(), want)
-        # In place: the same bits, in x's own (strided) layout, nothing else written.
+        # In place: the same bits, in x's own (strided) layout, the kept channels untouched.
+        # (On the CPU x.to(device) is x itself: this rotates base's slice, which the other
+        # layouts of the loop do not share.)
         mine = x.to(device)
         before = mine.clone()
         same = rope_triton(mine, cos.to(device), sin.to(device), negate_sin, in_place=True)
         assert same is mine and torch.equal(mine.cpu(), want)
-        assert torch.equal(mine[..., :-64], before[..., :-64])
+        keep = x.shape[-1] - 2 * cos.shape[-1]
+        assert torch.equal(mine[..., :keep], before[..., :keep])
     with pytest.raises(ValueError, match="last dimension must be contiguous"):
         rope_triton(base[0].transpose(-1, -2), cos, sin, in_place=True)
+    with pytest.raises(ValueError, match="fold to \\[T, H, D\\] as a view"):
+        rope_triton(base.transpose(0, 1), cos[:, None], sin[:, None], in_place=True)
 
 
 def test_a_forward_computes_each_rope_table_once_and_its_layers_share_them():
