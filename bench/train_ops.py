@@ -149,6 +149,10 @@ def op_source(event) -> str:
 
 def sources(args) -> None:
     device = resolve_device(args.device)
+    if args.where and device.type != "cuda":
+        print(f"train_ops.py sources --where {args.where}: device times need CUDA (the device "
+              f"is {device.type})", file=sys.stderr)
+        raise SystemExit(2)
     step = ours_step(args.preset, args.seq, getattr(torch, args.dtype), device)
     step()
     acts = [torch.profiler.ProfilerActivity.CPU]
@@ -174,10 +178,12 @@ def sources(args) -> None:
             device_calls[(e.name, place)] += 1
             if e.name == args.where:
                 where_us[(str(e.input_shapes), place)] += e.self_device_time_total
-    if where_us:
+    if args.where:
         print(f"--- {args.where} by input shapes, one step ---")
         for (shapes, place), us in where_us.most_common(args.top):
             print(f"{us / 1e3:8.3f} ms  {shapes[:70]:70s} {place}")
+        if not where_us:
+            print(f"(no {args.where} with device time in this step)")
     for op, places in calls.items():
         print(f"--- {op}: {sum(places.values())} calls a step ---")
         for place, n in places.most_common(args.top):

@@ -320,3 +320,14 @@ def test_overlap_probe_refuses_bad_flags(flags):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "overlap_probe.py"), *flags],
                          capture_output=True, text=True, timeout=50)
     assert out.returncode == 2 and f"{flags[0]} {flags[1]}: at least" in out.stderr, out.stderr
+
+
+@pytest.mark.timeout(60)
+def test_train_ops_where_refuses_a_cpu_run():
+    """bench/train_ops.py sources --where lists device times: on a CPU it says so and stops
+    before building the model, instead of printing an empty table."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "train_ops.py"), "sources",
+                          "--device", "cpu", "--where", "aten::copy_"],
+                         capture_output=True, text=True, timeout=50)
+    assert out.returncode == 2 and "--where aten::copy_: device times need CUDA" in out.stderr, \
+        out.stderr
