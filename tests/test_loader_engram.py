@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -98,3 +99,31 @@ def test_leases_count_references(shm_dir):
     assert not a.release_lease()  # b still holds it
     assert os.path.exists(a.segment_path("x"))
     assert b.release_lease() and os.listdir(shm_dir) == []
+
+
+def test_lock_holds_when_a_release_unlinks_the_lock_file(shm_dir):
+    # A release removes the namespace, lock file included. Whoever waited on that file must
+    # not end up holding a lock on a file nobody else opens: the next comer would take the new
+    # file's lock beside it (two ranks in the namespace at once: segments deleted under a rank
+    # that had just published them).
+    import threading
+
+    ns = ShmNamespace("lk")
+    entered, release = threading.Event(), threading.Event()
+
+    def waiter():
+        with ns.locked():
+            entered.set()
+            release.wait(10)
+
+    with ns.locked():
+        t = threading.Thread(target=waiter)
+        t.start()
+        time.sleep(0.2)  # the waiter blocks on this lock file
+        ns._remove_all()
+    assert entered.wait(10)
+    with pytest.raises(BlockingIOError):  # the waiter holds the lock at the path now
+        with ns.locked(blocking=False):
+            pass
+    release.set()
+    t.join(10)

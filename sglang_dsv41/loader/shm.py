@@ -77,9 +77,22 @@ class ShmNamespace:
 
     @contextlib.contextmanager
     def locked(self, blocking: bool = True):
-        fd = os.open(self.base + ".lock", os.O_CREAT | os.O_RDWR, 0o600)
+        """The namespace's flock. The last release unlinks the lock file too, so a process that
+        waited on the old file would hold a lock nobody else takes (a second process opens a
+        new file at the path): locked only once the path still names the file it locked."""
+        path = self.base + ".lock"
+        while True:
+            fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+                with contextlib.suppress(FileNotFoundError):
+                    if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                        break
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)  # unlinked while we waited: lock the file now at the path
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
             yield
         finally:
             os.close(fd)
