@@ -36,6 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .mhc import StreamGradSum
+from .mhc_streams_triton import hand_on, registered
+
 
 @dataclass(frozen=True)
 class MixTiles:
@@ -119,12 +122,12 @@ def _hc_mix_fwd(x_ptr, fn_ptr, mix_ptr, rstd_ptr, T, K, N, eps, BT: tl.constexpr
 @triton.jit
 def _hc_mix_bwd(x_ptr, fn_ptr, rstd_ptr, mix_ptr, grad_ptr, dx_ptr, dfn_ptr, T, K, N, span,
                 BT: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
-                DX: tl.constexpr, DFN: tl.constexpr):
+                DX: tl.constexpr, DFN: tl.constexpr, ACC: tl.constexpr):
     """Columns [k0, k0 + BK) of the tokens [s span, (s + 1) span) (span a multiple of BT): their
     d x (DX) and their partial of d fn into dfn_ptr's slice s (DFN), x read once for both. d x's
     row term needs sum_k g_k x_k over all K, g = grad @ fn: that is sum_n grad_n (fn x)_n =
     sum_n grad_n mix_n / rstd, from the saved output, so no pass over the row comes first and
-    the columns split over programs."""
+    the columns split over programs. ACC: d x is added to what dx_ptr holds (StreamGradSum)."""
     k0 = tl.program_id(0) * BK
     s = tl.program_id(1)
     k = k0 + tl.arange(0, BK)
@@ -141,8 +144,11 @@ def _hc_mix_bwd(x_ptr, fn_ptr, rstd_ptr, mix_ptr, grad_ptr, dx_ptr, dfn_ptr, T, 
             shift = rstd * tl.sum(grad * _grad_rows(mix_ptr, t, tmask, N, BN), axis=1) / K
             g = tl.dot(grad, fn, input_precision=PREC)
             dx = rstd[:, None] * (g - x * shift[:, None])
-            tl.store(dx_ptr + t[:, None].to(tl.int64) * K + k[None, :],
-                     dx.to(dx_ptr.dtype.element_ty), mask=tmask[:, None] & (k < K)[None, :])
+            dx_at = dx_ptr + t[:, None].to(tl.int64) * K + k[None, :]
+            dx_mask = tmask[:, None] & (k < K)[None, :]
+            if ACC:
+                dx += tl.load(dx_at, mask=dx_mask, other=0.0).to(tl.float32)
+            tl.store(dx_at, dx.to(dx_ptr.dtype.element_ty), mask=dx_mask)
         if DFN:
             acc += tl.dot(tl.trans(grad * rstd[:, None]), x, input_precision=PREC)
     if DFN:
@@ -176,21 +182,22 @@ def mix_forward(x: torch.Tensor, fn32: torch.Tensor, norm_eps: float, tiles: Mix
 
 
 def mix_backward(x, fn32, rstd, mix, grad, tiles: MixTiles, streams: bool = True,
-                 fn: bool = True):
+                 fn: bool = True, dx_into: torch.Tensor | None = None):
     """-> (d x [T, K] in x's dtype or None, d fn [n, K] fp32 or None), as asked; mix and rstd:
     mix_forward's; grad [T, n] fp32 contiguous. d fn's span partials are added in a fixed
-    order."""
+    order. dx_into: d x is added into it (and it is returned) instead of a new tensor."""
     t, k = x.shape
     n = grad.shape[1]
     spans = bwd_spans(t, tiles)
     span = triton.cdiv(triton.cdiv(max(t, 1), spans), tiles.bwd_rows) * tiles.bwd_rows
-    dx = torch.empty_like(x) if streams else None
+    dx = None if not streams else torch.empty_like(x) if dx_into is None else dx_into
     parts = grad.new_empty(spans, n, k) if fn else None
     if (t and streams) or fn:
         _hc_mix_bwd[(triton.cdiv(k, tiles.bwd_cols), spans)](
             x, fn32, rstd, mix, grad, x if dx is None else dx, grad if parts is None else parts,
             t, k, n, span, BT=tiles.bwd_rows, BK=tiles.bwd_cols, BN=_width(n),
-            PREC=tiles.precision, DX=streams, DFN=fn, num_warps=tiles.bwd_warps)
+            PREC=tiles.precision, DX=streams, DFN=fn, ACC=streams and dx_into is not None,
+            num_warps=tiles.bwd_warps)
     dfn = None if parts is None else parts[0] if spans == 1 else parts.sum(0)
     return dx, dfn
 
@@ -200,7 +207,8 @@ class _HcMixFused(torch.autograd.Function):
     the mix (n fp32 a token: the d streams kernel's row term)."""
 
     @staticmethod
-    def forward(ctx, streams: torch.Tensor, fn: torch.Tensor, norm_eps: float):
+    def forward(ctx, streams: torch.Tensor, fn: torch.Tensor, norm_eps: float, grad_sum):
+        ctx.grad_sum = registered(grad_sum, ctx)
         t, hc, d = streams.shape
         x = streams.contiguous().view(t, hc * d)
         fn32 = fn.float().contiguous()
@@ -214,17 +222,21 @@ class _HcMixFused(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x, fn32, rstd, mix = ctx.saved_tensors
         grad = grad.float().contiguous()
+        so_far = None if ctx.grad_sum is None else ctx.grad_sum.so_far()
         d_streams, d_fn = mix_backward(x, fn32, rstd, mix, grad, ctx.tiles,
-                                       *ctx.needs_input_grad[:2])
+                                       *ctx.needs_input_grad[:2],
+                                       dx_into=None if so_far is None else so_far.view_as(x))
         if d_streams is not None:
-            d_streams = d_streams.view(ctx.shape)
-        return d_streams, None if d_fn is None else d_fn.to(ctx.fn_dtype), None
+            d_streams = hand_on(ctx.grad_sum, d_streams.view(ctx.shape))
+        return d_streams, None if d_fn is None else d_fn.to(ctx.fn_dtype), None, None
 
 
-def hc_mix_fused(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+def hc_mix_fused(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float,
+                 grad_sum: StreamGradSum | None = None) -> torch.Tensor:
     """mhc.hc_mix's contract: streams [T, hc, D] -> fn @ rms_norm(flattened streams), fp32
-    [T, n_out]; differentiable in streams and fn."""
+    [T, n_out]; differentiable in streams and fn; the streams' gradient summed in grad_sum
+    when given."""
     if streams.dim() != 3 or fn.dim() != 2 or fn.shape[1] != streams.shape[1] * streams.shape[2]:
         raise ValueError(f"hc_mix_fused: streams {tuple(streams.shape)} and fn "
                          f"{tuple(fn.shape)}: fn must be [n_out, hc x D]")
-    return _HcMixFused.apply(streams, fn, norm_eps)
+    return _HcMixFused.apply(streams, fn, norm_eps, grad_sum)

@@ -37,14 +37,50 @@ def hc_params(owner: nn.Module, prefix: str, hc_mult: int, hidden: int, n_out: i
     owner.register_parameter(f"{prefix}_scale", nn.Parameter(torch.ones(n_scale, dtype=torch.float32)))
 
 
-def hc_mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+class StreamGradSum:
+    """The gradient of one sublayer's streams, summed by the backward kernels of its uses (the
+    mix, the collapse, the write-back) rather than by autograd. Each use's forward registers;
+    its backward adds its gradient into the sum so far (``so_far``: None for the first to run,
+    which writes a fresh tensor) and hands it on (``hand_on``): autograd gets None from every
+    use but the last to run, which hands it the whole sum. Autograd's own sum would write each
+    gradient and then read two and write one per add; here each later use reads the sum once
+    as it writes.
+
+    Every registered use's backward must run in the same backward pass (in a sublayer each
+    use's output reaches the sublayer's output, so they do); the count starts over after the
+    last, so a retained graph can run backward again."""
+
+    def __init__(self):
+        self.uses = 0
+        self.left = 0
+        self.sum: torch.Tensor | None = None
+
+    def register(self) -> "StreamGradSum":
+        self.uses += 1
+        self.left = self.uses
+        return self
+
+    def so_far(self) -> torch.Tensor | None:
+        return self.sum
+
+    def hand_on(self, grad: torch.Tensor) -> torch.Tensor | None:
+        self.left -= 1
+        if self.left > 0:
+            self.sum = grad
+            return None
+        self.sum, self.left = None, self.uses
+        return grad
+
+
+def hc_mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float,
+           grad_sum: StreamGradSum | None = None) -> torch.Tensor:
     """streams [T, hc, D] -> fn @ rms_norm(flattened streams), fp32 [T, n_out]. On CUDA one
     Triton kernel forward and two backward (hc_mix_triton.py): the torch path's ~17 launches
     and two fp32 copies of the streams a sublayer were host time in a host-bound step."""
     if streams.is_cuda:
         from .hc_mix_triton import hc_mix_fused
 
-        return hc_mix_fused(streams, fn, norm_eps)
+        return hc_mix_fused(streams, fn, norm_eps, grad_sum)
     return _HcMix.apply(streams, fn, norm_eps)
 
 
@@ -100,7 +136,8 @@ def _hc_weights(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: 
     return pre, post, sinkhorn(comb + hc_eps, sinkhorn_iters, hc_eps)
 
 
-def weighted_stream_sum(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+def weighted_stream_sum(streams: torch.Tensor, pre: torch.Tensor,
+                        grad_sum: StreamGradSum | None = None) -> torch.Tensor:
     """streams [T, hc, D], pre [T, hc] -> sum_k pre[:, k] * streams[:, k] accumulated in fp32
     in stream order (SGLang's ``mhc_combine`` kernel), cast to the streams' dtype. On CUDA one
     Triton kernel each way (mhc_streams_triton.py)."""
@@ -108,7 +145,7 @@ def weighted_stream_sum(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tenso
         from .mhc_streams_triton import supports, weighted_stream_sum_fused
 
         if supports(streams.shape[1]):
-            return weighted_stream_sum_fused(streams, pre)
+            return weighted_stream_sum_fused(streams, pre, grad_sum)
     return weighted_stream_sum_torch(streams, pre)
 
 
@@ -149,7 +186,7 @@ def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 
 
 def hc_expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
-              comb: torch.Tensor) -> torch.Tensor:
+              comb: torch.Tensor, grad_sum: StreamGradSum | None = None) -> torch.Tensor:
     """post * y + comb^T @ streams: comb[j, k] mixes input stream j into output stream k.
     On CUDA one Triton kernel each way (mhc_streams_triton.py): the torch bmm of T tiny
     matrices ran on a slow cuBLAS kernel (~300 us a sublayer at 4k tokens)."""
@@ -157,7 +194,7 @@ def hc_expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
         from .mhc_streams_triton import hc_expand_fused, supports
 
         if supports(streams.shape[1]):
-            return hc_expand_fused(streams, y, post, comb)
+            return hc_expand_fused(streams, y, post, comb, grad_sum)
     return hc_expand_torch(streams, y, post, comb)
 
 

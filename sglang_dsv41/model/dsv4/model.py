@@ -17,7 +17,8 @@ from .attention import Attention
 from .config import DSV4Config
 from .context import DSV4Context
 from .engram import Engram, EngramHasher
-from .mhc import hc_collapse, hc_expand, hc_head, hc_mix, hc_params, hc_weights
+from .mhc import (StreamGradSum, hc_collapse, hc_expand, hc_head, hc_mix, hc_params,
+                  hc_weights)
 from .moe import MoE
 from .names import per_expert_state
 from .norm import RMSNorm
@@ -43,14 +44,16 @@ class DecoderLayer(nn.Module):
     def sublayer(self, streams: torch.Tensor, prev_pre: torch.Tensor | None, which: str, run):
         """One mHC sublayer -> (new streams, its pre). V4 collapses the streams with the
         sublayer's own pre; V4.1 (hc_pre_from_prev_sublayer) with the previous sublayer's, and
-        hands its own pre on (stream 0 feeds the model's first sublayer)."""
+        hands its own pre on (stream 0 feeds the model's first sublayer). The streams'
+        gradient from their uses is summed by the uses' kernels (StreamGradSum)."""
         cfg = self.cfg
         fn, base, scale = (getattr(self, f"hc_{which}_{p}") for p in ("fn", "base", "scale"))
-        pre, post, comb = hc_weights(hc_mix(streams, fn, cfg.rms_norm_eps), base, scale,
-                                     cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
-        x = (hc_input_from_prev(streams, prev_pre) if cfg.hc_pre_from_prev_sublayer
+        grad_sum = StreamGradSum()
+        pre, post, comb = hc_weights(hc_mix(streams, fn, cfg.rms_norm_eps, grad_sum), base,
+                                     scale, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+        x = (hc_input_from_prev(streams, prev_pre, grad_sum) if cfg.hc_pre_from_prev_sublayer
              else hc_collapse(streams, pre))
-        return hc_expand(streams, run(x), post, comb), pre
+        return hc_expand(streams, run(x), post, comb, grad_sum), pre
 
     def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, ctx: DSV4Context,
                 hash_ids: torch.Tensor | None = None, prev_pre: torch.Tensor | None = None):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .mhc import weighted_stream_sum
+from .mhc import StreamGradSum, weighted_stream_sum
 
 FP4_MAX = 6.0
 FP8_MAX = 448.0
@@ -103,20 +103,23 @@ def renormalize_topk_weights(weights: torch.Tensor) -> torch.Tensor:
 
 
 # ---- mHC with hc_pre_from_prev_sublayer -----------------------------------------------------
-def mhc_combine(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+def mhc_combine(streams: torch.Tensor, pre: torch.Tensor,
+                grad_sum: StreamGradSum | None = None) -> torch.Tensor:
     """streams [T, hc, D], pre [T, hc] -> sum_k pre[:, k] * streams[:, k] [T, D]: fp32
-    accumulation in stream order (SGLang's ``mhc_combine`` kernel), cast to the streams' dtype."""
+    accumulation in stream order (SGLang's ``mhc_combine`` kernel), cast to the streams' dtype.
+    grad_sum: the sublayer's StreamGradSum, if any."""
     if streams.dim() != 3 or pre.shape != streams.shape[:2]:
         raise ValueError(f"mhc_combine: streams {tuple(streams.shape)} and pre "
                          f"{tuple(pre.shape)} must be [T, hc, D] and [T, hc]")
-    return weighted_stream_sum(streams, pre)
+    return weighted_stream_sum(streams, pre, grad_sum)
 
 
-def hc_input_from_prev(streams: torch.Tensor, prev_pre: torch.Tensor | None) -> torch.Tensor:
+def hc_input_from_prev(streams: torch.Tensor, prev_pre: torch.Tensor | None,
+                       grad_sum: StreamGradSum | None = None) -> torch.Tensor:
     """A sublayer's input before its norm under ``hc_pre_from_prev_sublayer``: the streams
     collapsed with the previous sublayer's ``pre``; stream 0 for the model's first sublayer
     (SGLang's ``mhc.combine``: ``norm(x[:, 0, :])`` while no pre exists). An Engram that
     rewrites the streams between layers keeps the pending ``pre`` (``HcState.with_residual``)."""
     if prev_pre is None:
         return streams[:, 0]
-    return mhc_combine(streams, prev_pre)
+    return mhc_combine(streams, prev_pre, grad_sum)
