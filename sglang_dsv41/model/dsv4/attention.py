@@ -24,6 +24,7 @@ from .context import DSV4Context, rank_part
 from .kv_numerics import served_window_kv
 from .mhc import unweighted_rms_norm
 from .norm import RMSNorm
+from .projections import linears_of
 from .rope import apply_rope, layer_inv_freq
 from .v41_sparse import build_low_ratio_modules, low_ratio_entries
 
@@ -101,7 +102,8 @@ class Attention(nn.Module):
         groups = ctx.attn_group_range(self.o_groups)
         per_group = self.n_heads // self.o_groups
         heads = range(groups.start * per_group, groups.stop * per_group)
-        q_lora = self.q_norm(self.wq_a(x))
+        q_lora, kv = linears_of(x, self.wq_a, self.wkv)
+        q_lora = self.q_norm(q_lora)
         wq_b = rank_part(self.wq_b.weight, 0, range(heads.start * d, heads.stop * d))
         q = torch.nn.functional.linear(q_lora, wq_b).view(t, -1, d)
         if self.cfg.q_head_norm:
@@ -111,7 +113,6 @@ class Attention(nn.Module):
         # these rotations (the attention's fresh dq; the grouped projection's fresh dx):
         # rotated in place by the backward.
         q = apply_rope(q, ctx.positions, self.freqs, table=table, overwrite_grad=True)
-        kv = self.wkv(x)
         kv = (served_window_kv(kv, self.kv_norm, ctx.positions, self.freqs, table)
               if ctx.serving_numerics
               else apply_rope(self.kv_norm(kv), ctx.positions, self.freqs, table=table))

@@ -17,6 +17,7 @@ from torch import nn
 from .config import DSV4Config
 from .context import DSV4Context, rank_part
 from .names import expert_names, join_experts, split_experts
+from .projections import linear_packed
 from .v41 import renormalize_topk_weights, sqrtsoftplus_log1p
 
 
@@ -92,7 +93,10 @@ class Expert(nn.Module):
         self.w3 = nn.Linear(hidden, inter, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
+        # w1 and w3 as one GEMM, its [rows, 2I] output packed as the routed experts' is
+        gate_up = linear_packed(x, self.w1, self.w3)
+        rows = gate_up.reshape(-1, gate_up.shape[-1])
+        return self.w2(swiglu_packed(rows, self.limit).view(*x.shape[:-1], -1))
 
 
 class RoutedExperts(nn.Module):
