@@ -12,8 +12,8 @@ from torch import nn
 from torch.optim.adam import adam
 
 from sglang_dsv41.attention.triton_common import interpreting
-from trainer_bridge.adamw_triton import (_FIELDS, DEFAULT_TILES, AdamWTables, adamw_triton_,
-                                         grad_square_sum)
+from trainer_bridge.adamw_triton import (_FIELDS, DEFAULT_TILES, SQUARE_SUM_CHUNKS,
+                                         AdamWTables, adamw_triton_, grad_square_sum)
 from trainer_bridge.compute_copies import apply_compute_copies
 from trainer_bridge.local_shards import LocalShardAdamW
 
@@ -161,9 +161,10 @@ def test_kernel_compiles_for_the_h200_with_16_byte_accesses():
                    GRAD=grad, FIELDS=_FIELDS, BLOCK=DEFAULT_TILES[0]), DEFAULT_TILES[1])
              for f32, cp, grad in ((1, 1, 0), (4, 8, 0), (4, 8, 1), (4, 8, 2))]
     specs += [("trainer_bridge.adamw_triton", "_square_sum_kernel",
-               {**common, "out_ptr": "*fp32"},
+               {**common, "out_ptr": "*fp32", "n_chunks": "i32"},
                dict(F32_MULTIPLE=4, COPY_MULTIPLE=8, GRAD=grad, FIELDS=_FIELDS,
-                    BLOCK=DEFAULT_TILES[0]), DEFAULT_TILES[1]) for grad in (0, 1)]
+                    BLOCK=DEFAULT_TILES[0], CHUNKS=SQUARE_SUM_CHUNKS), DEFAULT_TILES[1])
+              for grad in (0, 1)]
     scalar, *aligned = (len(re.findall(r"ld\.global[^\n]*\.v4", ptx))
                         for ptx in compile_many_sm90(specs))
     assert scalar == 0 and all(n > 0 for n in aligned), (scalar, aligned)

@@ -38,6 +38,11 @@ from .compute_copies import ALIGN_BYTES
 # 1024x4 13.98, 8192x16 14.65, 2048x4 15.05, 4096x8 16.84; torch's fused kernel and the
 # copies' refresh 17.11. bench/train.py --adamw-tiles sets this for its run.
 DEFAULT_TILES = (2048, 8)
+# Chunks a program of the gradient norm's square sums. One a program (the step's tiles, a few
+# KiB) spent it on dependent table loads: 1.05 ms a step over the small preset's 1.46B
+# parameters on an H200 (2.8 TB/s of its bf16 gradients; this session's profile); with several,
+# their loads are in flight together.
+SQUARE_SUM_CHUNKS = 8
 # param, grad, exp_avg, exp_avg_sq, copy, pending gradient offsets; has copy; numel (which
 # gradients a row has is its launch's GRAD: AdamWTables.chunks_for)
 _FIELDS = 8
@@ -123,24 +128,28 @@ def _update(f32_ptr, copy_ptr, row, offs, numel, step_size, bc2_sqrt, scale_ptr,
 
 
 @triton.jit
-def _square_sum_kernel(f32_ptr, copy_ptr, table_ptr, chunk_ptr, out_ptr,
+def _square_sum_kernel(f32_ptr, copy_ptr, table_ptr, chunk_ptr, out_ptr, n_chunks,
                        F32_MULTIPLE: tl.constexpr, COPY_MULTIPLE: tl.constexpr,
-                       GRAD: tl.constexpr, FIELDS: tl.constexpr, BLOCK: tl.constexpr):
+                       GRAD: tl.constexpr, FIELDS: tl.constexpr, BLOCK: tl.constexpr,
+                       CHUNKS: tl.constexpr):
     """out[chunk's place among all kinds'] = the sum of squares of its chunk's gradient
-    (_gradient): summed in one order however the rows divide into kinds."""
-    pid = tl.program_id(0)
-    i = tl.load(chunk_ptr + 3 * pid)
-    start = tl.load(chunk_ptr + 3 * pid + 1).to(tl.int64) * BLOCK
-    row = table_ptr + i * FIELDS
-    numel = tl.load(row + 7)
-    offs = start + tl.arange(0, BLOCK)
-    if start + BLOCK <= numel:
-        g = _gradient(f32_ptr, copy_ptr, row, offs, None, F32_MULTIPLE, COPY_MULTIPLE, GRAD,
-                      False)
-    else:
-        g = _gradient(f32_ptr, copy_ptr, row, offs, offs < numel, F32_MULTIPLE, COPY_MULTIPLE,
-                      GRAD, True)
-    tl.store(out_ptr + tl.load(chunk_ptr + 3 * pid + 2), tl.sum(g * g))
+    (_gradient): summed in one order however the rows divide into kinds. CHUNKS chunks a
+    program (SQUARE_SUM_CHUNKS), each summed on its own as one a program was."""
+    for j in tl.static_range(CHUNKS):
+        c = tl.program_id(0) * CHUNKS + j
+        if c < n_chunks:
+            i = tl.load(chunk_ptr + 3 * c)
+            start = tl.load(chunk_ptr + 3 * c + 1).to(tl.int64) * BLOCK
+            row = table_ptr + i * FIELDS
+            numel = tl.load(row + 7)
+            offs = start + tl.arange(0, BLOCK)
+            if start + BLOCK <= numel:
+                g = _gradient(f32_ptr, copy_ptr, row, offs, None, F32_MULTIPLE, COPY_MULTIPLE,
+                              GRAD, False)
+            else:
+                g = _gradient(f32_ptr, copy_ptr, row, offs, offs < numel, F32_MULTIPLE,
+                              COPY_MULTIPLE, GRAD, True)
+            tl.store(out_ptr + tl.load(chunk_ptr + 3 * c + 2), tl.sum(g * g))
 
 
 _COPY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -326,8 +335,9 @@ def grad_square_sum(params: list[torch.Tensor], grads: list[torch.Tensor | None]
     f32_multiple, copy_multiple = launch.multiples
     for kind, chunks in launch.chunks.items():
         if chunks.shape[0]:
-            _square_sum_kernel[(chunks.shape[0],)](
-                launch.f32, launch.low, launch.offsets, chunks, parts,
+            _square_sum_kernel[(triton.cdiv(chunks.shape[0], SQUARE_SUM_CHUNKS),)](
+                launch.f32, launch.low, launch.offsets, chunks, parts, chunks.shape[0],
                 F32_MULTIPLE=f32_multiple, COPY_MULTIPLE=copy_multiple, GRAD=kind,
-                FIELDS=_FIELDS, BLOCK=launch.block, num_warps=launch.warps)
+                FIELDS=_FIELDS, BLOCK=launch.block, CHUNKS=SQUARE_SUM_CHUNKS,
+                num_warps=launch.warps)
     return parts.sum()
