@@ -26,7 +26,6 @@ from ...attention.indexer_scores import indexer_scores
 from .config import DSV4Config
 from .context import host_to_device
 from .norm import RMSNorm
-from .projections import linears_of
 from .rope import apply_rope
 
 
@@ -47,7 +46,8 @@ class Compressor(nn.Module):
         sequence's entries are pooled together: the same kernels for one sequence or many (a
         loop over the packed sequences added launches with each one,
         bench/results/packed_launches_cpu.txt)."""
-        kv_all, gate_all = linears_of(x, self.wkv, self.wgate)
+        # module calls, not one GEMM (projections.py): the engine's cache hooks these layers
+        kv_all, gate_all = self.wkv(x), self.wgate(x)
         r, d = self.ratio, self.head_dim
         counts = [(end - start) // r for start, end in bounds]
         starts = [0, *itertools.accumulate(counts)]
