@@ -96,7 +96,7 @@ class Expert(nn.Module):
         # w1 and w3 as one GEMM, its [rows, 2I] output packed as the routed experts' is
         gate_up = linear_packed(x, self.w1, self.w3)
         rows = gate_up.reshape(-1, gate_up.shape[-1])
-        return self.w2(swiglu_packed(rows, self.limit).view(*x.shape[:-1], -1))
+        return self.w2(swiglu_packed(rows, self.limit).view(*x.shape[:-1], self.w1.out_features))
 
 
 class RoutedExperts(nn.Module):
