@@ -39,9 +39,9 @@ from .compute_copies import ALIGN_BYTES
 # copies' refresh 17.11. bench/train.py --adamw-tiles sets this for its run.
 DEFAULT_TILES = (2048, 8)
 # Chunks a program of the gradient norm's square sums. One a program (the step's tiles, a few
-# KiB) spent it on dependent table loads: 1.05 ms a step over the small preset's 1.46B
-# parameters on an H200 (2.8 TB/s of its bf16 gradients; this session's profile); with several,
-# their loads are in flight together.
+# KiB) spent it on dependent table loads: 1.01 ms over the small preset's 1.46B parameters on an
+# H200 (2.8 TB/s of its bf16 gradients); with 8, their loads in flight together, 0.82 ms
+# (bench/results/train_h200.txt, run AG).
 SQUARE_SUM_CHUNKS = 8
 # param, grad, exp_avg, exp_avg_sq, copy, pending gradient offsets; has copy; numel (which
 # gradients a row has is its launch's GRAD: AdamWTables.chunks_for)

@@ -3,7 +3,7 @@
 At the small preset's 4k tokens the model's [T, 1024] x [1024, 512] projections (attention's
 wq_a and wkv, the shared expert's w1 and w3, a compressor's wkv and wgate) each fill about one
 wave of an H200's SMs with short inner loops: on one H200 those shapes took 2.1 ms of a 4k step
-forward and backward (bench/results/train_h200.txt, run AG). One GEMM over the concatenated
+forward and backward (bench/results/train_ops_h200.txt, run AG). One GEMM over the concatenated
 weights has more tiles per wave, and its backward is one d x GEMM where autograd ran one per
 layer and added them. The weights are concatenated each call (a copy of a few MiB): the
 parameters, their names and their gradients stay the layers' own. The layers' forward hooks
