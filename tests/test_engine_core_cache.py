@@ -212,3 +212,39 @@ def test_model_path_layouts_and_dummy_load(runner, tmp_path):
             assert t.abs().max() <= 1e-3, name
     with pytest.raises(ValueError, match="load_format"):
         load_serving_model(runner.model_dir, torch.float32, "cpu", "npcache")
+
+
+def test_two_runners_in_one_process_keep_their_own_engram_tables(tmp_path):
+    """Two in-process runners of different checkpoints, alive at once, each read their own
+    Engram tables, in shared-memory namespaces of their own (they once shared one named by the
+    parent process's pid: under xdist every worker's runners did, the second's tables replaced
+    the first's files and the last release unlinked files another worker was attaching); the
+    first's tables outlive the second's close. A launch's ranks on a node share one name that
+    holds its rendezvous port."""
+    from sglang_dsv41.engine.model_runner import ModelRunner, node_namespace
+    from sglang_dsv41.loader.engram_layouts import engram_tables
+    from sglang_dsv41.model.dsv4.model import init_weights
+    from sglang_dsv41.server_args import ServerArgs
+
+    runners = []
+    for seed in (1, 2):
+        cfg, model = engine_test_model()
+        init_weights(model, seed=seed)
+        path = write_flat_checkpoint(str(tmp_path / f"m{seed}"), cfg, model)
+        args = ServerArgs(model_path=path, device="cpu", page_size=PAGE, max_total_tokens=256)
+        runners.append(ModelRunner(args, None, path, torch.device("cpu")))
+    try:
+        assert all(r.engram_store.layout == "shared" for r in runners)
+        names = {r.engram_store.namespace.namespace for r in runners}
+        assert len(names) == 2, names
+        first, second = ({n: t.weight.float().clone() for n, t in engram_tables(r.model).items()}
+                         for r in runners)
+        assert first.keys() == second.keys() and first
+        assert any(not torch.equal(first[n], second[n]) for n in first)
+        runners.pop().close()
+        for name, table in engram_tables(runners[0].model).items():
+            assert torch.equal(table.weight.float(), first[name]), name
+    finally:
+        for r in runners:
+            r.close()
+    assert node_namespace(29500) != node_namespace(29501)

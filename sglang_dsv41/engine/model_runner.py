@@ -7,6 +7,7 @@ feed the compressors their cached rows. Cache layout: docs/structures.md, "Cache
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from typing import TYPE_CHECKING
@@ -42,9 +43,21 @@ def resolve_dtype(args: "ServerArgs", device: torch.device) -> torch.dtype:
     return parse_dtype(args.dtype)
 
 
+_IN_PROCESS_RUNNERS = itertools.count()
+
+
+def node_namespace(dist_port: int) -> str:
+    """The shared-memory namespace of one launch's ranks on a node: they are the launching
+    process's children, and its rendezvous port is bound while it runs, so two launches from
+    one process (or from two processes of one parent) never share a name."""
+    return f"srv{os.getppid()}_{dist_port}"
+
+
 class ModelRunner:
     def __init__(self, args: "ServerArgs", groups: "DistGroups | None", model_dir: str,
-                 device: torch.device):
+                 device: torch.device, shm_namespace: str | None = None):
+        """shm_namespace: where the node's ranks share the Engram tables (node_namespace);
+        None, a runner of its own process (a name no other runner has)."""
         self.args, self.groups, self.device = args, groups, device
         self.info = groups.info if groups is not None else None
         self.model_dir = model_dir
@@ -58,12 +71,13 @@ class ModelRunner:
         self.cfg = cfg
         self.serving_numerics = serving_numerics_for(model_dir)
         self.hooks = ModelHooks(self.model)
-        # SGLang's host layouts for the Engram tables, chosen by the shared policy. The ranks
-        # are the server process's children: its pid names the node's shared-memory namespace.
+        # SGLang's host layouts for the Engram tables, chosen by the shared policy.
         per_node = max(1, args.tp_size // args.nnodes)
         rank = self.info.rank if self.info else 0
+        if shm_namespace is None:
+            shm_namespace = f"run{os.getpid()}_{next(_IN_PROCESS_RUNNERS)}"
         self.engram_store = install_engram_layout(self.model, args.resolved_engram_layout,
-                                                  groups, f"srv{os.getppid()}",
+                                                  groups, shm_namespace,
                                                   local_rank=rank % per_node)
         self.page_size = args.page_size
         self.context_length = args.context_length or cfg.max_position_embeddings

@@ -32,7 +32,7 @@ from .control import run_control_op
 from .dist import DistGroups, ParallelInfo, init_distributed
 from .leader import LeaderScheduler
 from .messages import AbortReq, ControlReq, GenerateReq, RankStats, ReadyMsg, ShutdownReq
-from .model_runner import ModelRunner, resolve_device
+from .model_runner import ModelRunner, node_namespace, resolve_device
 
 logger = logging.getLogger("sglang_dsv41.engine")
 IDLE_POLL_S = 0.05         # how long an idle leader waits for a request before the next sync
@@ -188,7 +188,7 @@ def run_scheduler_process(server_args: ServerArgs, rank: int, model_dir: str, di
         if device.type == "cuda":
             torch.cuda.set_device(device)
         groups = init_distributed(args, rank, dist_port, device, watchdog)
-        runner = ModelRunner(args, groups, model_dir, device)
+        runner = ModelRunner(args, groups, model_dir, device, node_namespace(dist_port))
         rank_loop = SchedulerRank(args, groups, runner, req_queue, out_queue, watchdog)
         groups.barrier()
     except Exception as e:
