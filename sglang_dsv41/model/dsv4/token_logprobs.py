@@ -97,14 +97,11 @@ def head_mm(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...],
     """a @ b (plus out, in place, when given) from split_operand's parts: one GEMM (fp32, or one
     TF32 product when ``tf32``), or for (hi, lo) parts hi_a lo_b + lo_a hi_b + hi_a hi_b on
     TF32 tensor cores, the small products first, the inner dimension in chunks of TF32_K_CHUNK
-    each added by a GEMM's fp32 epilogue (module docstring); without ``out``, when the three
-    products fit one chunk, as one GEMM (_three_products_as_one: the logits)."""
+    each added by a GEMM's fp32 epilogue (module docstring)."""
     if len(a) == 1:
         with fp32_matmul("tf32" if tf32 else "ieee"):
             prod = a[0] @ b[0]
         return prod if out is None else out.add_(prod)
-    if out is None and 3 * a[0].shape[1] <= TF32_K_CHUNK:
-        return _three_products_as_one(a, b)
     with fp32_matmul("tf32"):
         for k in range(0, a[0].shape[1], TF32_K_CHUNK):
             (a_hi, a_lo), (b_hi, b_lo) = ([p.narrow(dim, k, min(TF32_K_CHUNK, p.shape[dim] - k))
@@ -113,21 +110,6 @@ def head_mm(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...],
             out.addmm_(a_lo, b_hi)
             out.addmm_(a_hi, b_hi)
     return out
-
-
-def _three_products_as_one(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]
-                           ) -> torch.Tensor:
-    """hi_a lo_b + lo_a hi_b + hi_a hi_b as one TF32 GEMM over the parts side by side along the
-    inner dimension ([hi_a | lo_a | hi_a] @ [lo_b; hi_b; hi_b], 3K <= TF32_K_CHUNK: the
-    chunk's sum, the small products first as head_mm sums them). Three GEMMs into one output
-    wrote it three times and read it twice (the head's logits: [4k, 32,000] fp32, 0.5 GB);
-    the stacked b is made K-major ([N, 3K] row-major, transposed) as b's parts usually are
-    (the weight's parts, transposed)."""
-    (a_hi, a_lo), (b_hi, b_lo) = a, b
-    a3 = torch.cat([a_hi, a_lo, a_hi], dim=1)
-    b3 = torch.cat([b_lo.t(), b_hi.t(), b_hi.t()], dim=1).t()
-    with fp32_matmul("tf32"):
-        return a3 @ b3
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
