@@ -112,7 +112,6 @@ def saved_bytes(policy: Policy, seq: int) -> int:
 
 def step_peak(policy: Policy, seq: int) -> int:
     mb = step_batch(policy, seq)
-    mb.old_logprobs = torch.zeros_like(mb.rollout_logprobs)
 
     def step():
         forward_backward(policy, mb, float(mb.loss_mask.sum()), LossConfig(), 1, replay=False)

@@ -19,9 +19,11 @@ Rows: ours on the preset (V4.1: ratio-1/2 layers, Engram), ours and transformers
 The row of the most tokens prints its memory plan (fp32 master weights, gradients, Adam state,
 activations); before it runs, each of ours' models prints its planned peak for one sequence of
 that many tokens (an upper bound when they are packed sequences: each sees fewer compressed
-entries): the static state, every layer's retained bytes and the backward's rise above them,
-each measured on steps of the shortest length and its half and extrapolated linearly (all
-O(T) since the selection and the head run in chunks), and the largest temporaries.
+entries): the static state, every layer's retained bytes plain and checkpointed and the
+backward's rise above them, each measured on two steps (trainer_bridge/memory_plan.py's
+probe_length and its half) and extrapolated linearly (all O(T) since the selection and the head
+run in chunks), and the largest temporaries. ``--checkpointing auto`` checkpoints the layers
+that plan picks, as the trainer's model.activation_checkpointing=auto does.
 
 On one GPU ours runs as the trainer does there (``--one-rank``, the trainer's model.one_rank):
 without FSDP, on compute-dtype copies of its fp32 weights, when those fit; ``--one-rank fsdp``
@@ -51,11 +53,12 @@ from sglang_dsv41.model.dsv4.config import V4  # noqa: E402
 from sglang_dsv41.model.dsv4.context import DSV4Context  # noqa: E402
 from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM, init_weights  # noqa: E402
 from sglang_dsv41.model.dsv4.moe import MoE  # noqa: E402
-from trainer_bridge.batch import Sample, pack  # noqa: E402
+from trainer_bridge.batch import random_batch, random_tokens  # noqa: E402
 from trainer_bridge.config import LossConfig, ModelConfig, OptimConfig  # noqa: E402
 from trainer_bridge.dist import close_distributed, init_distributed  # noqa: E402
 from trainer_bridge.micro_batch_graphs import MicroBatchGraphs  # noqa: E402
-from trainer_bridge.parallelize import ONE_RANK_MODES  # noqa: E402
+from trainer_bridge import memory_plan as memplan  # noqa: E402
+from trainer_bridge.parallelize import ONE_RANK_MODES, layer_checkpointing  # noqa: E402
 from trainer_bridge.policy import ForwardState, policy_from_model, resolve_device  # noqa: E402
 from trainer_bridge import adamw_triton  # noqa: E402
 from trainer_bridge.schedule import build_optimizer  # noqa: E402
@@ -263,22 +266,12 @@ class Shape:
         return str(self.length) if self.n == 1 else f"{self.n}x{self.length}"
 
 
-def random_tokens(cfg: DSV4Config, seq: int, seed: int = 0) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, min(cfg.vocab_size, 256), (seq,), generator=gen).tolist()
-
-
 def bench_batch(cfg: DSV4Config, routed_layers: list[int], shape: Shape, index: int = 0):
-    """``shape.n`` random sequences (every token after the first in the loss, advantage 1)
-    packed into one micro-batch; ``index`` numbers the micro-batches drawn (per rank, per
-    micro-batch of a step), each with its own tokens."""
-    samples = []
-    for i in range(shape.n):
-        s = Sample(random_tokens(cfg, shape.length, seed=index * shape.n + i),
-                   [0] + [1] * (shape.length - 1), [0.0] * shape.length, 1.0, 0)
-        s.advantage = 1.0
-        samples.append(s)
-    return pack(samples, routed_layers, use_routing=False)
+    """``shape.n`` random sequences packed into one micro-batch (batch.random_batch); ``index``
+    numbers the micro-batches drawn (per rank, per micro-batch of a step), each with its own
+    tokens."""
+    return random_batch(cfg.vocab_size, routed_layers, [shape.length] * shape.n,
+                        seed=index * shape.n)
 
 
 def static_bytes(model: torch.nn.Module) -> tuple[int, int, int]:
@@ -340,10 +333,8 @@ class Ours:
         micro-batch's loss."""
         batches = []
         for m in range(micro_batches):
-            mb = bench_batch(self.cfg, self.policy.routed_layers, shape,
-                             self.info.rank * micro_batches + m)
-            mb.old_logprobs = torch.zeros_like(mb.rollout_logprobs)
-            batches.append(mb)
+            batches.append(bench_batch(self.cfg, self.policy.routed_layers, shape,
+                                       self.info.rank * micro_batches + m))
         # the loss is normalised by the global token count: every rank's batches hold as many
         tokens = sum(float(mb.loss_mask.sum()) for mb in batches) * self.info.world_size
 
@@ -386,51 +377,15 @@ class Ours:
         return ("" if self.copies is None else
                 f"compute copies {self.copies.nbytes / GiB:.2f} (no FSDP on one rank), ")
 
-    def retained_per_layer(self, seq: int, last: bool = True) -> tuple[list[int], int] | None:
-        """Bytes each decoder layer, then the norm and head, leave allocated after one forward
-        of ``seq`` tokens: what they keep for the backward under this checkpointing policy
-        (and a layer's gathered parameters when FSDP keeps them unsharded); and how far the
-        backward then rises above that (the gradients it allocates, a layer's recompute under
-        checkpointing, its temporaries). ``last``: a step's last micro-batch, whose compute
-        copies' gradients stay pending for the Triton AdamW (no fp32 ones: compute_copies.py),
-        as the step's own would. CUDA only: the allocator's counters, read in a hook after each
-        layer and at the backward's peak."""
-        if self.device.type != "cuda":
-            return None
-        marks: list[int] = []
-        hooks = [layer.register_forward_hook(
-            lambda *_: marks.append(torch.cuda.memory_allocated(self.device)))
-            for layer in self.policy.model.layers]
-        mb = bench_batch(self.cfg, self.policy.routed_layers, Shape(1, seq), self.info.rank)
-        free(self.device)
-        try:
-            before = torch.cuda.memory_allocated(self.device)
-            out = self.policy.forward(mb, replay=False)
-            points = [before, *marks, torch.cuda.memory_allocated(self.device)]
-        finally:
-            for h in hooks:
-                h.remove()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        if last and self.copies is not None:
-            self.copies.defer_next_backward()  # a no-op without the Triton AdamW
-        try:  # a whole iteration, so FSDP's backward state completes
-            out.logprobs.sum().backward()
-            rise = torch.cuda.max_memory_allocated(self.device) - points[-1]
-        finally:
-            out.release()
-        self.zero_grad()
-        del out
-        free(self.device)
-        return [b - a for a, b in zip(points, points[1:])], rise
-
     def planned_memory(self, seq: int, probe_seq: int, checkpointing: str,
-                       micro_batches: int = 1) -> str:
-        """The memory plan at ``seq`` tokens from steps of ``probe_seq`` // 2 and
-        ``probe_seq``: each layer's retained bytes, and the backward's rise above them, are a
-        fixed part (gathered parameters, the gradients) plus an O(T) part (activations, the
-        chunked selection and head), fitted through the two and taken at ``seq``; plus the
-        static state (master weights, buffers, Adam state), FSDP's unsharded fp32 gradients
-        when several micro-batches a step accumulate into them, and the largest temporaries."""
+                       micro_batches: int = 1,
+                       fraction: float = memplan.MEMORY_FRACTION) -> str:
+        """The memory plan at ``seq`` tokens (trainer_bridge/memory_plan.py: probes at
+        probe_seq // 2 and probe_seq, plain and every layer checkpointed) under the layers'
+        current policies, with the static state, FSDP's unsharded fp32 gradients when several
+        micro-batches a step accumulate into them, and the largest temporaries. ``auto``: the
+        layers then get the plan's fitting policies within ``fraction`` of the device, as the
+        trainer's model.activation_checkpointing=auto gives them."""
         master, trained, buffers = static_bytes(self.policy.model)
         accumulated = 0
         if self.policy.accumulate_unsharded and micro_batches > 1:  # the whole model's, fp32
@@ -454,37 +409,42 @@ class Ours:
                  f"{2 * trained / GiB:.2f}; largest "
                  f"temporaries: head chunk {head_chunk / GiB:.2f} (vocab {cfg.vocab_size}), "
                  f"selection chunk {selection_chunk / GiB:.2f}"]
-        one = micro_batches == 1  # then the backward is also the step's last
-        half = self.retained_per_layer(probe_seq // 2, one)
-        if half is None:
+        if self.device.type != "cuda":
             lines.append("  activations: measured on CUDA only (the allocator's counter)")
             return "\n".join(lines)
-        probed = self.retained_per_layer(probe_seq, one)
-
-        def fit(at_half: int, at_probe: int) -> tuple[float, float]:
-            """(fixed part, value at seq) of a line through the two probes."""
-            fixed = 2 * at_half - at_probe
-            return fixed, fixed + (at_probe - fixed) * seq / probe_seq
-
-        layers = [fit(a, b) for a, b in zip(half[0], probed[0])]
-        rise_fixed, rise = fit(half[1], probed[1])
-        kinds = [f"L{i} r{cfg.compress_ratio(i)}" for i in range(cfg.num_hidden_layers)]
-        per_layer = ", ".join(f"{k} {b / GiB:.2f}"
-                              for k, (_, b) in zip(kinds + ["norm+head"], layers))
-        retained = sum(b for _, b in layers)
-        copies = 0 if self.copies is None else self.copies.nbytes
-        total = master + buffers + copies + 2 * trained + retained + rise + accumulated
-        lines.append(f"  retained after the forward, GiB (fitted from {probe_seq // 2} and "
-                     f"{probe_seq} tokens; of the sum {sum(f for f, _ in layers) / GiB:.2f} "
-                     f"does not grow with T): {per_layer}; sum {retained / GiB:.2f}")
-        lines.append(f"  the backward's rise above that (gradients, recompute, temporaries; "
-                     f"fitted likewise, {rise_fixed / GiB:.2f} fixed): {rise / GiB:.2f} GiB")
-        lines.append(f"  planned peak {total / GiB:.2f} GiB (master weights + buffers + "
-                     + ("compute copies + " if copies else "")
-                     + "Adam state + retained + the backward's rise"
-                     + (f" + {accumulated / GiB:.2f} of unsharded fp32 gradients the "
-                        f"{micro_batches} micro-batches accumulate into)" if accumulated else ")"))
+        # A one-micro-batch step's backward is also its last: the compute copies' gradients
+        # stay pending in bf16 for the Triton AdamW (no fp32 ones), as the step's own would.
+        last = (self.copies.defer_next_backward if micro_batches == 1 and self.copies is not None
+                else None)
+        kinds = memplan.layer_kinds(self.policy)
+        if checkpointing == "auto":  # the trainer's own planning (probes at probe_length(seq))
+            try:
+                chosen, plan = memplan.plan_checkpointing(
+                    self.policy, seq, fraction, 2 * trained + accumulated, self.zero_grad, last)
+                lines.append(f"  auto within {fraction} of the device: "
+                             f"{sum(p != 'none' for p in chosen)} of {len(chosen)} layers "
+                             "checkpointed")
+            except memplan.MemoryPlanError as e:  # the trainer refuses; the bench tries
+                plan = e.plan
+                memplan.apply(self.policy, (memplan.RECOMPUTED,) * cfg.num_hidden_layers)
+                lines.append(f"  auto refused ({e}); every layer checkpointed")
+        else:
+            plan = memplan.measure(self.policy, lambda t: bench_batch(
+                cfg, self.policy.routed_layers, Shape(1, t)), probe_seq,
+                2 * trained + accumulated, self.zero_grad, last)
+        current = [layer_checkpointing(layer) for layer in self.policy.model.layers]
+        every = [memplan.RECOMPUTED] * len(kinds)
+        for label, policies in (("as built", current), ("every layer checkpointed", every)):
+            if all(p in plan.kept for p in policies):
+                lines.append(f"  {label}: {plan.describe(seq, policies, kinds)}")
         return "\n".join(lines)
+
+    def checkpointing(self, requested: str) -> str:
+        """``requested``, or for auto the layers it checkpointed: auto:K/N."""
+        if requested != "auto":
+            return requested
+        got = [layer_checkpointing(layer) for layer in self.policy.model.layers]
+        return f"auto:{sum(p != 'none' for p in got)}/{len(got)}"
 
     def zero_grad(self) -> None:
         self.opt.zero_grad(set_to_none=True)
@@ -514,7 +474,7 @@ class Transformers:
 
     def stepper(self, shape: Shape, micro_batches: int, reference_pass: bool = False):
         """``reference_pass``: each micro-batch's no-grad forward first, as Ours.stepper's."""
-        batches = [torch.tensor([random_tokens(self.cfg, shape.length, seed=m * shape.n + i)
+        batches = [torch.tensor([random_tokens(self.cfg.vocab_size, shape.length, m * shape.n + i)
                                  for i in range(shape.n)], device=self.device)
                    for m in range(micro_batches)]
 
@@ -631,8 +591,14 @@ def main(argv=None) -> int:
     p.add_argument("--attention", default=None, help="triton | reference (default: triton on "
                    "CUDA, the torch reference on CPU)")
     p.add_argument("--checkpointing", default="none",
-                   help="ours: none | layer | selective; a length that runs out of memory is "
-                   "retried with selective, then layer (one process; under torchrun it fails)")
+                   choices=("none", "layer", "selective", "auto"),
+                   help="ours: none | layer | selective | auto (the trainer's: the fewest layers "
+                   "checkpointed that fit the longest --seqs within --memory-fraction, by the "
+                   "memory plan); a length that runs out of memory is retried with selective, "
+                   "then layer (one process; under torchrun it fails)")
+    p.add_argument("--memory-fraction", type=float, default=memplan.MEMORY_FRACTION,
+                   help="--checkpointing auto: the share of the device the planned peak may "
+                   "take (the trainer's model.memory_fraction)")
     p.add_argument("--transformers", default="eager,grouped_mm",
                    help="comma list of transformers experts implementations, or none")
     p.add_argument("--no-twin", action="store_true", help="skip ours on the V4 twin")
@@ -698,7 +664,6 @@ def main(argv=None) -> int:
         return step_s, peak_b, host_s, cpu_s
 
     policies = list(dict.fromkeys([args.checkpointing, "selective", "layer"]))
-    shortest = min(s.length for s in seqs)
 
     def run_ours(label, c, profile):
         # One model per checkpointing policy, kept for the longer lengths; a length that
@@ -712,18 +677,20 @@ def main(argv=None) -> int:
                                   head_gemm=args.lm_head_gemm,
                                   cuda_graphs=args.cuda_graphs)
                     try:
-                        plan = (runner.planned_memory(biggest.tokens, shortest, policies[ac],
-                                                      args.micro_batches)
-                                if shortest >= 4 else "memory plan: its two probes (half the "
-                                "shortest length and the shortest) need a length of at least 4")
+                        probe = memplan.probe_length(biggest.tokens, c.vocab_size)
+                        plan = (runner.planned_memory(biggest.tokens, probe, policies[ac],
+                                                      args.micro_batches, args.memory_fraction)
+                                if probe >= 4 else "memory plan: its two probes "
+                                "(memory_plan.probe_length) need a length of at least 4")
                     except torch.OutOfMemoryError:
                         if info.world_size > 1:
                             raise  # as in measure: the ranks must stay on one path
-                        plan = f"memory plan: the {shortest}-token probe ran out of memory"
+                        plan = f"memory plan: the {probe}-token probe ran out of memory"
                         free(device)
                     print(f"{label}: {plan}", flush=True)
                     plans.append(f"{label}: {plan}")
-                name = (f"{label} ac={policies[ac]}" + (" graphs" if args.cuda_graphs else "")
+                name = (f"{label} ac={runner.checkpointing(policies[ac])}"
+                        + (" graphs" if args.cuda_graphs else "")
                         + (" +ref" if args.reference_pass else ""))
                 r = measure(runner, name, seq, profile and seq == profile_shape)
                 rows.append((name, c, seq, r))

@@ -183,3 +183,54 @@ def test_failed_backward_frees_the_graph_after_release():
     assert isinstance(out, tuple), out
     entries, alive = out
     assert entries > 0 and alive == 0, out
+
+
+def policies_reapplied(mesh, sample):
+    """A policy built plain for auto checkpointing (trainer_bridge/memory_plan.py), its layers
+    then given none, layer, a mix and none again in place, after FSDP2 wrapped them -> per step:
+    (the layers' policies, tensors the forward saved for the backward, the gradients)."""
+    from trainer_bridge.config import ModelConfig
+    from trainer_bridge.memory_plan import apply
+    from trainer_bridge.parallelize import layer_checkpointing
+    from trainer_bridge.policy import build_policy
+
+    policy = build_policy(ModelConfig(model_path="tiny", activation_checkpointing="auto"),
+                          mesh, torch.device("cpu"))
+    layers = len(policy.model.layers)
+    mb = pack([sample], policy.routed_layers, use_routing=False)
+    steps = []
+    for mode in (None, ["layer"] * layers, ["layer", "none"] * (layers // 2), ["none"] * layers):
+        if mode is not None:
+            apply(policy, mode)
+        saved = 0
+
+        def count(t):
+            nonlocal saved
+            saved += 1
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+            res = policy.forward(mb, replay=False)
+        (-(res.logprobs * mb.loss_mask).sum()).backward()
+        grads = {n: p.grad.full_tensor().numpy().copy()
+                 for n, p in policy.model.named_parameters() if p.grad is not None}
+        policy.model.zero_grad(set_to_none=True)
+        steps.append(([layer_checkpointing(layer) for layer in policy.model.layers], saved,
+                      grads))
+    return steps
+
+
+@pytest.mark.timeout(120)
+def test_checkpointing_given_again_after_fsdp_changes_what_the_forward_keeps_not_gradients():
+    (out,) = run_spawned(on_world_of_one, [(policies_reapplied,)], timeout=110)
+    assert isinstance(out, list), out
+    (built, plain_saved, want), every, mixed, again = out
+    assert set(built) == {"none"} and set(every[0]) == {"layer"} and set(again[0]) == {"none"}
+    assert mixed[0][:2] == ["layer", "none"]
+    # A checkpointed layer keeps its inputs only: the fewer the plain layers, the less saved.
+    assert every[1] < mixed[1] < plain_saved == again[1], (every[1], mixed[1], plain_saved)
+    for _, _, grads in (every, mixed, again):
+        assert grads.keys() == want.keys()
+        for name, g in grads.items():
+            assert np.abs(g - want[name]).max() <= 1e-5 * max(np.abs(want[name]).max(), 1e-6) \
+                + 1e-7, name

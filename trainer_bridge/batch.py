@@ -142,6 +142,27 @@ def pack(samples: list[Sample], routed_layers: list[int], use_routing: bool, top
         routing=routing, num_samples=len(samples))
 
 
+def random_tokens(vocab_size: int, n: int, seed: int = 0) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, min(vocab_size, 256), (n,), generator=gen).tolist()
+
+
+def random_batch(vocab_size: int, routed_layers: list[int], lengths: list[int],
+                 seed: int = 0) -> MicroBatch:
+    """Sequences of random tokens of ``lengths`` (every token after the first in the loss,
+    advantage 1, old logprobs 0) packed into one micro-batch: what the memory plan's probes and
+    bench/train.py step on. Sequence i's tokens are random_tokens(..., seed + i)."""
+    samples = []
+    for i, n in enumerate(lengths):
+        s = Sample(random_tokens(vocab_size, n, seed + i), [0] + [1] * (n - 1), [0.0] * n, 1.0,
+                   0)
+        s.advantage = 1.0
+        samples.append(s)
+    mb = pack(samples, routed_layers, use_routing=False)
+    mb.old_logprobs = torch.zeros_like(mb.rollout_logprobs)
+    return mb
+
+
 def split_by_token_budget(samples: list[Sample], budget: int) -> list[list[Sample]]:
     """Greedy packing in order; a sample longer than the budget gets a micro-batch of its own."""
     out: list[list[Sample]] = []

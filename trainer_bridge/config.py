@@ -16,6 +16,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from sglang_dsv41.model.dsv4.token_logprobs import FP32_GEMMS
 
 from .local_shards import ADAMW_KERNELS
+from .memory_plan import MEMORY_FRACTION
 from .optimizer_offload import OFFLOAD_MODES
 from .parallelize import ACTIVATION_CHECKPOINTING, ONE_RANK_MODES
 
@@ -47,8 +48,14 @@ class ModelConfig:
     # float32 when the engine does not say
     served_dtype: str = "auto"
     # Recompute activations in the backward: none, layer (each decoder layer keeps only its
-    # inputs) or selective (each layer keeps its matmul outputs, recomputes the rest).
+    # inputs), selective (each layer keeps its matmul outputs, recomputes the rest) or auto
+    # (CUDA: the fewest layers checkpointed for a micro-batch of loss.token_budget tokens to fit
+    # memory_fraction of the device, by a plan measured at start-up: memory_plan.py; none on a
+    # CPU). A sample longer than the budget gets a micro-batch of its own: set the budget to the
+    # longest sample the run will see.
     activation_checkpointing: str = "none"
+    # auto checkpointing: the share of the device's memory the planned peak may take.
+    memory_fraction: float = MEMORY_FRACTION
     # Micro-batches of one optimizer step add into unsharded fp32 gradients and keep the
     # parameters gathered; only the last reduces and reshards (FSDP's no-sync accumulation).
     # auto: when the model's unsharded parameters and fp32 gradients fit (parallelize.py);
@@ -70,7 +77,10 @@ class ModelConfig:
                 ("auto", "always", "never"))
         _choice("model.one_rank", self.one_rank, ONE_RANK_MODES)
         _choice("model.activation_checkpointing", self.activation_checkpointing,
-                ACTIVATION_CHECKPOINTING)
+                ("auto", *ACTIVATION_CHECKPOINTING))
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"model.memory_fraction must lie in (0, 1], got "
+                             f"{self.memory_fraction}")
         _choice("model.compute_dtype", self.compute_dtype, ("auto", "float32", "bfloat16"))
         _choice("model.lm_head_gemm", self.lm_head_gemm, ("auto", *FP32_GEMMS))
         _choice("model.served_dtype", self.served_dtype, ("auto", "float32", "bfloat16",

@@ -43,6 +43,8 @@ from .optimizer_offload import offload_policy_for
 
 FP32_HOLDER = "fp32_params"
 ACTIVATION_CHECKPOINTING = ("none", "layer", "selective")
+_PLAIN_FORWARD = "_dsv41_plain_forward"  # a checkpointed layer's own forward
+_CHECKPOINTING = "_dsv41_checkpointing"  # the policy checkpoint_layer last gave a layer
 # One rank: FSDP2 (fsdp), or no FSDP and compute-dtype copies of the weights (copies,
 # compute_copies.py); auto: copies when they fit (keep_unsharded) and nothing is offloaded.
 ONE_RANK_MODES = ("auto", "fsdp", "copies")
@@ -181,14 +183,20 @@ def _selective_context():
 
 def checkpoint_layer(layer: nn.Module, policy: str) -> None:
     """Recompute ``layer``'s forward in its backward (``layer``: keep only its inputs;
-    ``selective``: keep the matmul outputs too). The module and its parameter names are
-    unchanged (no wrapper module: checkpoints and weight sync see the same names)."""
+    ``selective``: keep the matmul outputs too; ``none``: its plain forward). The module and
+    its parameter names are unchanged (no wrapper module: checkpoints and weight sync see the
+    same names). Called again, before or after FSDP wraps the layer (whose hooks run around
+    whatever ``forward`` is then), it replaces the earlier policy: memory_plan.py probes a
+    built model under two policies and then gives each layer its own."""
     if policy not in ACTIVATION_CHECKPOINTING:
         raise ValueError(f"activation checkpointing {policy!r}: choose from "
                          f"{ACTIVATION_CHECKPOINTING}")
+    inner = layer.__dict__.pop(_PLAIN_FORWARD, None) or layer.forward
+    layer.__dict__.pop("forward", None)
+    layer.__dict__[_CHECKPOINTING] = policy
     if policy == "none":
         return
-    inner = layer.forward
+    layer.__dict__[_PLAIN_FORWARD] = inner
     kw = {"context_fn": _selective_context} if policy == "selective" else {}
 
     def run(*args, **kwargs):
@@ -202,6 +210,11 @@ def checkpoint_layer(layer: nn.Module, policy: str) -> None:
         return checkpoint(run, *args, use_reentrant=False, **kw, **kwargs)
 
     layer.forward = forward
+
+
+def layer_checkpointing(layer: nn.Module) -> str:
+    """The policy checkpoint_layer last gave ``layer`` (none if never)."""
+    return layer.__dict__.get(_CHECKPOINTING, "none")
 
 
 def fits_unsharded(model: nn.Module, mesh: DeviceMesh, bytes_per_param: int) -> bool:

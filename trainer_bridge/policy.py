@@ -75,10 +75,12 @@ def policy_from_model(model: DSV4ForCausalLM, cfg: ModelConfig, mesh: DeviceMesh
     model.to(device)
     model.head.fp32_gemm = lm_head_gemm_for(device, cfg.lm_head_gemm)
     compute_dtype = compute_dtype_for(device, cfg.compute_dtype)
+    # auto: built plain, its layers checkpointed after the start-up plan (memory_plan.py)
+    checkpointing = cfg.activation_checkpointing
     parallelize_policy(model, mesh, compute_dtype=compute_dtype, lm_head_fp32=cfg.lm_head_fp32,
                        optimizer_offload=optimizer_offload,
-                       activation_checkpointing=cfg.activation_checkpointing if trainable
-                       else "none", one_rank=cfg.one_rank)
+                       activation_checkpointing=checkpointing if trainable
+                       and checkpointing != "auto" else "none", one_rank=cfg.one_rank)
     if not trainable:
         model.eval()
     accumulate = trainable and accumulates_unsharded(model, mesh, compute_dtype,

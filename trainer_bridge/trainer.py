@@ -24,6 +24,7 @@ from .dist import (all_reduce_scalar, all_reduce_tensor, close_distributed, init
 from .envs import make_env
 from .local_shards import LocalShardAdamW, clip_grad_norm, global_norm
 from .loss import compute_advantages, k3_kl, loss_scale, ppo_loss
+from .memory_plan import layer_kinds, plan_checkpointing, unallocated_static
 from .micro_batch_graphs import MicroBatchGraphs
 from .optimizer_offload import offload_optimizer
 from .parallelize import is_sink_param
@@ -60,6 +61,7 @@ class Trainer:
         self.optimizer, self.scheduler = offload_optimizer(
             *build_optimizer(self.policy, cfg.optim, cfg.steps), offload,
             cfg.optim.offload_chunk_mb)
+        self.checkpointing = self.plan_checkpointing()
         self.step = 0
         self.router = self.rollouts = None
         self.syncer: WeightSyncer | None = None
@@ -87,6 +89,27 @@ class Trainer:
         self.rollouts = ServerRolloutSource(self.router, env, rc, self.cfg.model.r3,
                                             rc.offline_path, seed=self.cfg.seed)
         return self.rollouts
+
+    def plan_checkpointing(self) -> tuple[str, ...] | None:
+        """model.activation_checkpointing = auto: each layer's policy by the start-up memory
+        plan for micro-batches of loss.token_budget tokens (memory_plan.py); None otherwise."""
+        m = self.cfg.model
+        if m.activation_checkpointing != "auto":
+            return None
+        if self.device.type != "cuda":
+            log.info("model.activation_checkpointing=auto on %s: no allocator counters to plan "
+                     "by, every layer keeps its activations", self.device.type)
+            return None
+        budget = self.cfg.loss.token_budget
+        policies, plan = plan_checkpointing(
+            self.policy, budget, m.memory_fraction,
+            unallocated_static(self.policy, self.cfg.optim.optimizer_offload != "none"),
+            lambda: self.optimizer.zero_grad(set_to_none=True))
+        if self.dist.is_primary:
+            log.info("activation checkpointing (auto): %d of %d layers; %s",
+                     sum(p != "none" for p in policies), len(policies),
+                     plan.describe(budget, policies, layer_kinds(self.policy)))
+        return policies
 
     @staticmethod
     def _seed(seed: int) -> None:

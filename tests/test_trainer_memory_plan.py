@@ -1,0 +1,84 @@
+"""The memory plan behind model.activation_checkpointing=auto (trainer_bridge/memory_plan.py):
+the fit through two probes, the planned peak of a mix of plain and checkpointed layers, the
+fewest layers checkpointed within a limit, and the refusal when nothing fits. The probes
+themselves read the CUDA allocator (bench/train.py --checkpointing auto checks them against
+measured peaks on a GPU); re-applying a policy to built layers is tested on FSDP2 in
+test_trainer_long_context.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_dsv41.model.dsv4.token_logprobs import logprob_chunk_rows
+from trainer_bridge.config import ModelConfig
+from trainer_bridge.memory_plan import (PLAIN, PROBE_TOKENS, RECOMPUTED, Linear, MemoryPlan,
+                                        MemoryPlanError, fitting_or_refused, probe_length)
+
+GiB = 1 << 30
+
+
+def plan_of(plain: list[float], recomputed: list[float], head: float = 1.0,
+            static: float = 10 * GiB, rise: Linear = Linear(GiB, 0.5)) -> MemoryPlan:
+    """Layers keeping ``plain`` / ``recomputed`` bytes a token, the head ``head``."""
+    return MemoryPlan(static, {PLAIN: [Linear(0, b) for b in plain] + [Linear(0, head)],
+                               RECOMPUTED: [Linear(0, b) for b in recomputed] + [Linear(0, head)]},
+                      rise, (2048, 4096))
+
+
+def test_a_line_through_two_probes_gives_any_length():
+    line = Linear.through(2048, 7 + 2048 * 3.5, 4096, 7 + 4096 * 3.5)
+    assert line.fixed == pytest.approx(7) and line.per_token == pytest.approx(3.5)
+    assert line.at(65536) == pytest.approx(7 + 65536 * 3.5)
+
+
+def test_peak_adds_static_state_kept_bytes_rise_and_a_recompute():
+    plan = plan_of([4, 1, 2], [1, 1, 1])
+    t = 1000
+    static, rise, head = 10 * GiB, GiB + 0.5 * t, 1.0 * t
+    assert plan.peak(t, [PLAIN] * 3) == static + 7 * t + head + rise
+    # Layer 0 checkpointed: after the forward the layers keep 1 + 1 + 2 a token; in its
+    # backward only it is left, recomputed (4): the peak is the larger, 4 a token.
+    assert plan.peak(t, [RECOMPUTED, PLAIN, PLAIN]) == static + 4 * t + head + rise
+    # Layer 2 checkpointed: its recompute comes first, over layers 0 and 1 (4 + 1 + 2 = 7).
+    assert plan.peak(t, [PLAIN, PLAIN, RECOMPUTED]) == static + 7 * t + head + rise
+    assert plan.peak(t, [RECOMPUTED] * 3) == static + 4 * t + head + rise
+
+
+def test_fitting_checkpoints_the_fewest_layers_where_they_lower_the_peak():
+    plan = plan_of([4, 4, 4, 4], [1, 1, 1, 1])
+    t = 1000
+    base = 10 * GiB + GiB + 0.5 * t + 1.0 * t
+    assert plan.fitting(t, base + 16 * t) == (PLAIN,) * 4
+    # 16 a token plain; one checkpointed layer: 13 after the forward. The first layer is the
+    # one to take (its recompute sits over nothing); the last one's over 12.
+    assert plan.fitting(t, base + 13 * t) == (RECOMPUTED, PLAIN, PLAIN, PLAIN)
+    assert plan.fitting(t, base + 10 * t) == (RECOMPUTED, RECOMPUTED, PLAIN, PLAIN)
+    assert plan.fitting(t, base + 7 * t) == (RECOMPUTED, RECOMPUTED, RECOMPUTED, PLAIN)
+    # The last layer checkpointed too keeps 1 instead of 4, but its backward comes first and
+    # recomputes its 4 over the other three's 1 + 1 + 1: still 7.
+    assert plan.peak(t, [RECOMPUTED] * 4) == base + 7 * t
+    assert plan.fitting(t, base + 7 * t - 1) is None
+
+
+def test_nothing_fitting_is_refused_with_the_plan_and_the_ways_out():
+    plan = plan_of([4, 4], [1, 1])
+    with pytest.raises(MemoryPlanError, match=r"micro-batch of 65536 tokens does not fit "
+                       r"10\.00 GiB \(model.memory_fraction 0.5 of the device\) even with every "
+                       r"layer checkpointed: memory plan @ 65536 tokens.*loss.token_budget"):
+        fitting_or_refused(plan, 65536, 0.5, 20 * GiB, ["L0 r0", "L1 r4"])
+    policies, limit = fitting_or_refused(plan, 65536, 0.9, 80 * GiB)
+    assert policies == (PLAIN, PLAIN) and limit == 0.9 * 80 * GiB
+
+
+def test_the_shorter_probe_holds_a_whole_logprob_chunk():
+    chunk = logprob_chunk_rows(32000)
+    assert probe_length(1 << 20, 32000) == 2 * chunk > PROBE_TOKENS
+    assert probe_length(1 << 20, 129280) == PROBE_TOKENS  # V4.1-Flash's vocabulary
+    assert probe_length(1000, 32000) == 1000
+
+
+@pytest.mark.parametrize("fraction", [0.0, -0.1, 1.5])
+def test_a_memory_fraction_outside_0_1_is_refused(fraction):
+    with pytest.raises(ValueError, match=r"model.memory_fraction must lie in \(0, 1\]"):
+        ModelConfig(model_path="tiny", memory_fraction=fraction)
+    assert ModelConfig(model_path="tiny", activation_checkpointing="auto").memory_fraction < 1
