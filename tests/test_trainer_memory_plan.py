@@ -17,12 +17,12 @@ from trainer_bridge.memory_plan import (PLAIN, PROBE_TOKENS, RECOMPUTED, Linear,
 GiB = 1 << 30
 
 
-def plan_of(plain: list[float], recomputed: list[float], head: float = 1.0,
-            static: float = 10 * GiB, rise: Linear = Linear(GiB, 0.5)) -> MemoryPlan:
-    """Layers keeping ``plain`` / ``recomputed`` bytes a token, the head ``head``."""
-    return MemoryPlan(static, {PLAIN: [Linear(0, b) for b in plain] + [Linear(0, head)],
-                               RECOMPUTED: [Linear(0, b) for b in recomputed] + [Linear(0, head)]},
-                      rise, (2048, 4096))
+def plan_of(plain: list[float], recomputed: list[float], static: float = 10 * GiB,
+            rest: float = GiB) -> MemoryPlan:
+    """Layers keeping ``plain`` / ``recomputed`` bytes a token."""
+    return MemoryPlan(static, {PLAIN: [Linear(0, b) for b in plain],
+                               RECOMPUTED: [Linear(0, b) for b in recomputed]}, rest,
+                      (2048, 4096))
 
 
 def test_a_line_through_two_probes_gives_any_length():
@@ -31,23 +31,23 @@ def test_a_line_through_two_probes_gives_any_length():
     assert line.at(65536) == pytest.approx(7 + 65536 * 3.5)
 
 
-def test_peak_adds_static_state_kept_bytes_rise_and_a_recompute():
+def test_peak_adds_static_state_the_rest_and_the_most_the_layers_hold():
     plan = plan_of([4, 1, 2], [1, 1, 1])
     t = 1000
-    static, rise, head = 10 * GiB, GiB + 0.5 * t, 1.0 * t
-    assert plan.peak(t, [PLAIN] * 3) == static + 7 * t + head + rise
+    base = 11 * GiB
+    assert plan.peak(t, [PLAIN] * 3) == base + 7 * t
     # Layer 0 checkpointed: after the forward the layers keep 1 + 1 + 2 a token; in its
     # backward only it is left, recomputed (4): the peak is the larger, 4 a token.
-    assert plan.peak(t, [RECOMPUTED, PLAIN, PLAIN]) == static + 4 * t + head + rise
+    assert plan.peak(t, [RECOMPUTED, PLAIN, PLAIN]) == base + 4 * t
     # Layer 2 checkpointed: its recompute comes first, over layers 0 and 1 (4 + 1 + 2 = 7).
-    assert plan.peak(t, [PLAIN, PLAIN, RECOMPUTED]) == static + 7 * t + head + rise
-    assert plan.peak(t, [RECOMPUTED] * 3) == static + 4 * t + head + rise
+    assert plan.peak(t, [PLAIN, PLAIN, RECOMPUTED]) == base + 7 * t
+    assert plan.peak(t, [RECOMPUTED] * 3) == base + 4 * t
 
 
 def test_fitting_checkpoints_the_fewest_layers_where_they_lower_the_peak():
     plan = plan_of([4, 4, 4, 4], [1, 1, 1, 1])
     t = 1000
-    base = 10 * GiB + GiB + 0.5 * t + 1.0 * t
+    base = 11 * GiB
     assert plan.fitting(t, base + 16 * t) == (PLAIN,) * 4
     # 16 a token plain; one checkpointed layer: 13 after the forward. The first layer is the
     # one to take (its recompute sits over nothing); the last one's over 12.

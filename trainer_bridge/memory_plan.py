@@ -4,11 +4,14 @@ fits a micro-batch of a given length (model.activation_checkpointing = auto).
 A step's peak is its static state (whatever is allocated when the plan is made: master weights,
 buffers, compute copies, a reference policy; plus the two Adam moments, allocated at the first
 optimizer step, and FSDP's unsharded fp32 gradients when micro-batches accumulate into them),
-what each decoder layer keeps from its forward for the backward, and the backward's rise above
-that (gradients, temporaries). Each of the last two is a fixed part plus a part linear in the
-micro-batch's tokens (no [T, T] tensor anywhere: the attention is sparse, the selection and the
-head are chunked), so two probes (probe_length and its half) fit it for any length. The
-allocator's counters measure it: CUDA only.
+what each decoder layer keeps from its forward for the backward, and the rest: what the norm
+and head keep and the backward's rise above all that (gradients, temporaries). A layer's kept
+bytes are a fixed part plus a part linear in the micro-batch's tokens (no [T, T] tensor
+anywhere: the attention is sparse, the selection chunked), fitted through two probes
+(probe_length and its half) for any length. The rest is not: the head works in logprob chunks
+and the backward one layer at a time, and fits through probes of 2k/4k and 4k/8k carried it to
+10-18 GiB at 64k tokens of the `small` preset where a 32k/64k fit gives 2.5 (run AH), so it is
+the larger of the two probes' own. The allocator's counters measure it all: CUDA only.
 
 Every layer is probed plain and checkpointed (parallelize.checkpoint_layer, applied again in
 place); `MemoryPlan.fitting` then checkpoints the fewest layers that keep the planned peak under
@@ -33,8 +36,9 @@ GiB = float(1 << 30)
 # and is not chosen automatically.
 PLAIN, RECOMPUTED = "none", "layer"
 # model.memory_fraction's default: the rest of the device for the caching allocator's
-# fragmentation, the CUDA context and NCCL.
-MEMORY_FRACTION = 0.93
+# fragmentation, the CUDA context, NCCL, and the plan's own error (run AH: the measured peaks
+# 0.5-1.5% over the planned ones at 64k-128k, growing with the length; those runs took 0.93).
+MEMORY_FRACTION = 0.90
 
 
 @dataclass(frozen=True)
@@ -56,18 +60,18 @@ class Linear:
 @dataclass(frozen=True)
 class MemoryPlan:
     static: float                     # bytes at any length
-    kept: dict[str, list[Linear]]     # PLAIN / RECOMPUTED -> per decoder layer, norm + head last
-    rise: Linear                      # the backward's rise above what was kept, none checkpointed
+    kept: dict[str, list[Linear]]     # PLAIN / RECOMPUTED -> per decoder layer
+    rest: float                       # norm + head kept and the backward's rise (module doc)
     probe_tokens: tuple[int, int]
 
     @property
     def num_layers(self) -> int:
-        return len(self.kept[PLAIN]) - 1
+        return len(self.kept[PLAIN])
 
     def peak(self, tokens: int, policies: Sequence[str]) -> float:
         """Planned peak bytes of a micro-batch of ``tokens`` with ``policies`` (one per decoder
-        layer): the static state, the backward's rise, and the most the layers hold at once.
-        That is what all of them keep after the forward or, in the backward of a checkpointed
+        layer): the static state, the rest, and the most the layers hold at once:
+        what all of them keep after the forward or, in the backward of a checkpointed
         layer i (the layers after it done and freed), what the layers before it keep plus its
         recomputed activations, as large as what it keeps plain."""
         kept = [self.kept[p][i].at(tokens) for i, p in enumerate(policies)]
@@ -76,7 +80,7 @@ class MemoryPlan:
             if p != PLAIN:
                 held = max(held, below + self.kept[PLAIN][i].at(tokens))
             below += kept[i]
-        return self.static + held + self.kept[PLAIN][-1].at(tokens) + self.rise.at(tokens)
+        return self.static + held + self.rest
 
     def fitting(self, tokens: int, limit: float) -> tuple[str, ...] | None:
         """The fewest layers checkpointed for a peak of at most ``limit`` bytes at ``tokens``,
@@ -98,8 +102,8 @@ class MemoryPlan:
             for i, (k, p) in enumerate(zip(kinds, policies)))
         return (f"memory plan @ {tokens} tokens (fitted from {self.probe_tokens[0]} and "
                 f"{self.probe_tokens[1]}): static {self.static / GiB:.2f} GiB; kept after the "
-                f"forward, GiB: {layers}, norm+head {self.kept[PLAIN][-1].at(tokens) / GiB:.2f}; "
-                f"the backward's rise {self.rise.at(tokens) / GiB:.2f}; planned peak "
+                f"forward, GiB: {layers}; norm+head and the backward's rise {self.rest / GiB:.2f}"
+                f"; planned peak "
                 f"{self.peak(tokens, policies) / GiB:.2f} GiB")
 
 
@@ -156,7 +160,7 @@ def measure(policy, batch: Callable[[int], object], probe_tokens: int, extra_sta
     static = torch.cuda.memory_allocated(policy.device) + extra_static
     lengths = (max(2, probe_tokens // 2), max(4, probe_tokens))
     kept: dict[str, list[Linear]] = {}
-    rise = None
+    rest = 0.0
     before = [layer_checkpointing(layer) for layer in policy.model.layers]
     try:
         for mode in (PLAIN, RECOMPUTED):
@@ -164,12 +168,13 @@ def measure(policy, batch: Callable[[int], object], probe_tokens: int, extra_sta
                 checkpoint_layer(layer, mode)
             (a, ra), (b, rb) = (probe(policy, batch, t, zero_grad, before_backward)
                                 for t in lengths)
-            kept[mode] = [Linear.through(lengths[0], x, lengths[1], y) for x, y in zip(a, b)]
+            kept[mode] = [Linear.through(lengths[0], x, lengths[1], y)
+                          for x, y in zip(a[:-1], b[:-1])]
             if mode == PLAIN:
-                rise = Linear.through(lengths[0], ra, lengths[1], rb)
+                rest = max(a[-1] + ra, b[-1] + rb)
     finally:
         apply(policy, before)
-    return MemoryPlan(static, kept, rise, lengths)
+    return MemoryPlan(static, kept, rest, lengths)
 
 
 def apply(policy, policies: Sequence[str]) -> None:
@@ -184,10 +189,10 @@ PROBE_TOKENS = 4096
 
 def probe_length(tokens: int, vocab_size: int) -> int:
     """The longer probe for micro-batches of ``tokens``: PROBE_TOKENS, or two of the head's
-    logprob chunks when that is more (the shorter probe then holds a whole chunk: below one, the
-    head's fp32 logits grow with the tokens and the fit would carry that growth to every length,
-    8 GiB too much at 64k for the small preset's 32k vocabulary, fitted from 2k and 4k), at
-    most ``tokens``."""
+    logprob chunks when that is more, at most ``tokens``. Both probes then hold a whole chunk:
+    below one, the head's fp32 logits grow with the tokens (a 2k/4k fit carried that growth to
+    64k: 8 GiB too much for the small preset's 32k vocabulary, run AH), and the plan's rest is
+    the probes' own (MemoryPlan.rest), which must not miss a chunk's bytes."""
     return min(tokens, max(PROBE_TOKENS, 2 * logprob_chunk_rows(vocab_size)))
 
 
