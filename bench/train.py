@@ -19,11 +19,12 @@ Rows: ours on the preset (V4.1: ratio-1/2 layers, Engram), ours and transformers
 The row of the most tokens prints its memory plan (fp32 master weights, gradients, Adam state,
 activations); before it runs, each of ours' models prints its planned peak for one sequence of
 that many tokens (an upper bound when they are packed sequences: each sees fewer compressed
-entries): the static state, every layer's retained bytes plain and checkpointed and the
-backward's rise above them, each measured on two steps (trainer_bridge/memory_plan.py's
-probe_length and its half) and extrapolated linearly (all O(T) since the selection and the head
-run in chunks), and the largest temporaries. ``--checkpointing auto`` checkpoints the layers
-that plan picks, as the trainer's model.activation_checkpointing=auto does.
+entries): the static state, every layer's retained bytes plain and checkpointed, measured on
+two steps (trainer_bridge/memory_plan.py's probe_length and its half) and extrapolated linearly
+(O(T): the attention is sparse, the selection chunked), the norm and head's bytes and the
+backward's rise above it all as those steps measured them (chunked: not extrapolated), and the
+largest temporaries. ``--checkpointing auto`` checkpoints the layers that plan picks, as the
+trainer's model.activation_checkpointing=auto does.
 
 On one GPU ours runs as the trainer does there (``--one-rank``, the trainer's model.one_rank):
 without FSDP, on compute-dtype copies of its fp32 weights, when those fit; ``--one-rank fsdp``
