@@ -36,7 +36,6 @@ batch of each shape, rows are per GPU and rank 0 prints.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import re
 import statistics
@@ -59,6 +58,7 @@ from trainer_bridge.config import LossConfig, ModelConfig, OptimConfig  # noqa: 
 from trainer_bridge.dist import close_distributed, init_distributed  # noqa: E402
 from trainer_bridge.micro_batch_graphs import MicroBatchGraphs  # noqa: E402
 from trainer_bridge import memory_plan as memplan  # noqa: E402
+from trainer_bridge.memory_plan import free  # noqa: E402
 from trainer_bridge.parallelize import ONE_RANK_MODES, layer_checkpointing  # noqa: E402
 from trainer_bridge.policy import ForwardState, policy_from_model, resolve_device  # noqa: E402
 from trainer_bridge import adamw_triton  # noqa: E402
@@ -116,13 +116,6 @@ def memory(device: torch.device) -> tuple[int, int]:
     if device.type != "cuda":
         return 0, 0
     return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
-
-
-def free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
 
 
 def time_steps(step, args, device, profile_label: str | None, before=None
@@ -388,10 +381,9 @@ class Ours:
         layers then get the plan's fitting policies within ``fraction`` of the device, as the
         trainer's model.activation_checkpointing=auto gives them."""
         master, trained, buffers = static_bytes(self.policy.model)
-        accumulated = 0
-        if self.policy.accumulate_unsharded and micro_batches > 1:  # the whole model's, fp32
-            accumulated = 4 * sum(p.numel() for p in self.policy.model.parameters()
-                                  if p.requires_grad)
+        # the Adam moments, and FSDP's unsharded fp32 gradients when micro-batches add into them
+        unallocated = memplan.unallocated_static(
+            self.policy, False, self.policy.accumulate_unsharded and micro_batches > 1)
         cfg = self.cfg
         # one chunk of fp32 logits, its log_softmax/exp and the bf16 gradient (token_logprobs)
         rows = min(seq, token_logprobs.logprob_chunk_rows(cfg.vocab_size))
@@ -421,7 +413,7 @@ class Ours:
         if checkpointing == "auto":  # the trainer's own planning (probes at probe_length(seq))
             try:
                 chosen, plan = memplan.plan_checkpointing(
-                    self.policy, seq, fraction, 2 * trained + accumulated, self.zero_grad, last)
+                    self.policy, seq, fraction, unallocated, self.zero_grad, last)
                 lines.append(f"  auto within {fraction} of the device: "
                              f"{sum(p != 'none' for p in chosen)} of {len(chosen)} layers "
                              "checkpointed")
@@ -430,9 +422,8 @@ class Ours:
                 memplan.apply(self.policy, (memplan.RECOMPUTED,) * cfg.num_hidden_layers)
                 lines.append(f"  auto refused ({e}); every layer checkpointed")
         else:
-            plan = memplan.measure(self.policy, lambda t: bench_batch(
-                cfg, self.policy.routed_layers, Shape(1, t)), probe_seq,
-                2 * trained + accumulated, self.zero_grad, last)
+            plan = memplan.measure(self.policy, memplan.probe_batch(self.policy), probe_seq,
+                                   unallocated, self.zero_grad, last)
         current = [layer_checkpointing(layer) for layer in self.policy.model.layers]
         every = [memplan.RECOMPUTED] * len(kinds)
         for label, policies in (("as built", current), ("every layer checkpointed", every)):
@@ -614,6 +605,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.micro_batches < 1:
         raise SystemExit(f"--micro-batches {args.micro_batches}: at least 1")
+    if not 0.0 < args.memory_fraction <= 1.0:
+        raise SystemExit(f"--memory-fraction {args.memory_fraction}: in (0, 1]")
     if args.adamw_tiles:
         adamw_triton.DEFAULT_TILES = parse_tiles(args.adamw_tiles, "--adamw-tiles")
     cfg = get_preset(args.preset)

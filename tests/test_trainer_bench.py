@@ -108,6 +108,8 @@ def test_bench_train_reference_pass_with_graphs():
     (["--seqs", "64", "--profile-seq", "32"], "--profile-seq 32 is not one of --seqs 64"),
     (["--seqs", "64", "--micro-batches", "0"], "--micro-batches 0: at least 1"),
     (["--seqs", "64", "--adamw-tiles", "2048x"], "--adamw-tiles 2048x: ELEMENTSxWARPS"),
+    (["--seqs", "64", "--memory-fraction", "1.5"], "--memory-fraction 1.5: in (0, 1]"),
+    (["--seqs", "64", "--checkpointing", "full"], "invalid choice: 'full'"),
 ])
 def test_bench_train_refuses_bad_flags_before_building(args, message):
     env = dict(os.environ, OMP_NUM_THREADS="1")

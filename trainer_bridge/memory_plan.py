@@ -164,8 +164,7 @@ def measure(policy, batch: Callable[[int], object], probe_tokens: int, extra_sta
     before = [layer_checkpointing(layer) for layer in policy.model.layers]
     try:
         for mode in (PLAIN, RECOMPUTED):
-            for layer in policy.model.layers:
-                checkpoint_layer(layer, mode)
+            apply(policy, [mode] * len(policy.model.layers))
             (a, ra), (b, rb) = (probe(policy, batch, t, zero_grad, before_backward)
                                 for t in lengths)
             kept[mode] = [Linear.through(lengths[0], x, lengths[1], y)
@@ -205,14 +204,22 @@ class MemoryPlanError(ValueError):
         self.plan = plan
 
 
-def unallocated_static(policy, optimizer_offloaded: bool) -> float:
+def unallocated_static(policy, optimizer_offloaded: bool, accumulates: bool) -> float:
     """Bytes a step holds that are not allocated before its first optimizer step: the two fp32
     Adam moments of this rank's trained parameters (none on the device when the optimizer is
-    offloaded) and, when micro-batches accumulate unsharded, the whole model's fp32 gradients."""
+    offloaded) and, when ``accumulates`` (micro-batches adding into unsharded gradients), the
+    whole model's fp32 gradients."""
     trained = [p for p in policy.model.parameters() if p.requires_grad]
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in trained)
-    accumulated = 4 * sum(p.numel() for p in trained) if policy.accumulate_unsharded else 0
+    accumulated = 4 * sum(p.numel() for p in trained) if accumulates else 0
     return (0 if optimizer_offloaded else 2 * local) + accumulated
+
+
+def probe_batch(policy) -> Callable[[int], object]:
+    """tokens -> one random sequence of that many tokens as a micro-batch for ``policy``."""
+    from .batch import random_batch
+
+    return lambda t: random_batch(policy.config.vocab_size, policy.routed_layers, [t])
 
 
 def device_bytes(device: torch.device) -> int:
@@ -243,13 +250,11 @@ def plan_checkpointing(policy, tokens: int, fraction: float, extra_static: float
     layer its policy from fitting_or_refused for micro-batches of ``tokens``, and returns (the
     policies, the plan). Every rank takes rank 0's plan (the same choice everywhere: FSDP's
     collectives must match)."""
-    from .batch import random_batch
     from .dist import broadcast_object
 
-    vocab = policy.config.vocab_size
     plan = broadcast_object(measure(
-        policy, lambda t: random_batch(vocab, policy.routed_layers, [t]),
-        probe_length(tokens, vocab), extra_static, zero_grad, before_backward))
+        policy, probe_batch(policy), probe_length(tokens, policy.config.vocab_size),
+        extra_static, zero_grad, before_backward))
     policies, _ = fitting_or_refused(plan, tokens, fraction, device_bytes(policy.device),
                                      layer_kinds(policy))
     apply(policy, policies)

@@ -103,7 +103,8 @@ class Trainer:
         budget = self.cfg.loss.token_budget
         policies, plan = plan_checkpointing(
             self.policy, budget, m.memory_fraction,
-            unallocated_static(self.policy, self.cfg.optim.optimizer_offload != "none"),
+            unallocated_static(self.policy, self.cfg.optim.optimizer_offload != "none",
+                               self.policy.accumulate_unsharded),
             lambda: self.optimizer.zero_grad(set_to_none=True))
         if self.dist.is_primary:
             log.info("activation checkpointing (auto): %d of %d layers; %s",
