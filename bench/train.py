@@ -59,7 +59,8 @@ from trainer_bridge.dist import close_distributed, init_distributed  # noqa: E40
 from trainer_bridge.micro_batch_graphs import MicroBatchGraphs  # noqa: E402
 from trainer_bridge import memory_plan as memplan  # noqa: E402
 from trainer_bridge.memory_plan import free  # noqa: E402
-from trainer_bridge.parallelize import ONE_RANK_MODES, layer_checkpointing  # noqa: E402
+from trainer_bridge.parallelize import (  # noqa: E402
+    ACTIVATION_CHECKPOINTING, ONE_RANK_MODES, layer_checkpointing)
 from trainer_bridge.policy import ForwardState, policy_from_model, resolve_device  # noqa: E402
 from trainer_bridge import adamw_triton  # noqa: E402
 from trainer_bridge.schedule import build_optimizer  # noqa: E402
@@ -323,7 +324,8 @@ class Ours:
         the trainer's own functions (forward_backward per micro-batch, then clip_and_step:
         clipping and AdamW; without ``optimizer`` the gradients stay); with
         ``reference_pass`` each micro-batch's no-grad forward first, as the trainer's
-        reference pass runs it (Policy.forward: its old logprobs). The step returns the last
+        reference pass runs it for several optimizer steps a batch (Policy.forward: its old
+        logprobs; Trainer.on_policy). The step returns the last
         micro-batch's loss."""
         batches = []
         for m in range(micro_batches):
@@ -376,14 +378,13 @@ class Ours:
                        fraction: float = memplan.MEMORY_FRACTION) -> str:
         """The memory plan at ``seq`` tokens (trainer_bridge/memory_plan.py: probes at
         probe_seq // 2 and probe_seq, plain and every layer checkpointed) under the layers'
-        current policies, with the static state, FSDP's unsharded fp32 gradients when several
-        micro-batches a step accumulate into them, and the largest temporaries. ``auto``: the
+        current policies, with the static state, the fp32 gradients held between a step's
+        micro-batches when it has several, and the largest temporaries. ``auto``: the
         layers then get the plan's fitting policies within ``fraction`` of the device, as the
         trainer's model.activation_checkpointing=auto gives them."""
         master, trained, buffers = static_bytes(self.policy.model)
-        # the Adam moments, and FSDP's unsharded fp32 gradients when micro-batches add into them
-        unallocated = memplan.unallocated_static(
-            self.policy, False, self.policy.accumulate_unsharded and micro_batches > 1)
+        # the Adam moments, and the fp32 gradients a step's earlier micro-batches hold
+        unallocated = memplan.unallocated_static(self.policy, False, micro_batches > 1)
         cfg = self.cfg
         # one chunk of fp32 logits, its log_softmax/exp and the bf16 gradient (token_logprobs)
         rows = min(seq, token_logprobs.logprob_chunk_rows(cfg.vocab_size))
@@ -578,16 +579,18 @@ def main(argv=None) -> int:
                    "graph from its second micro-batch on: warm-up steps capture)")
     p.add_argument("--reference-pass", action="store_true",
                    help="each micro-batch's no-grad forward first, in ours and transformers "
-                   "(the trainer's reference pass: old logprobs); MFU still counts 6 x active "
+                   "(the trainer's reference pass: old logprobs, run when loss.mini_batches > 1); "
+                   "MFU still counts 6 x active "
                    "x tokens, not the pass's forward")
     p.add_argument("--attention", default=None, help="triton | reference (default: triton on "
                    "CUDA, the torch reference on CPU)")
     p.add_argument("--checkpointing", default="none",
-                   choices=("none", "layer", "selective", "auto"),
-                   help="ours: none | layer | selective | auto (the trainer's: the fewest layers "
-                   "checkpointed that fit the longest --seqs within --memory-fraction, by the "
-                   "memory plan); a length that runs out of memory is retried with selective, "
-                   "then layer (one process; under torchrun it fails)")
+                   help="ours: comma list of none | layer | selective | auto (the trainer's: "
+                   "the fewest layers checkpointed that fit the longest --seqs within "
+                   "--memory-fraction, by the memory plan), each its own model and rows; with "
+                   "layer among them every other policy's rows get their speed-up over layer's "
+                   "at the same length. A length that runs out of memory is retried with "
+                   "selective, then layer (one process; under torchrun it fails)")
     p.add_argument("--memory-fraction", type=float, default=memplan.MEMORY_FRACTION,
                    help="--checkpointing auto: the share of the device the planned peak may "
                    "take (the trainer's model.memory_fraction)")
@@ -607,6 +610,10 @@ def main(argv=None) -> int:
         raise SystemExit(f"--micro-batches {args.micro_batches}: at least 1")
     if not 0.0 < args.memory_fraction <= 1.0:
         raise SystemExit(f"--memory-fraction {args.memory_fraction}: in (0, 1]")
+    checkpointing = list(dict.fromkeys(args.checkpointing.split(",")))
+    for policy in checkpointing:
+        if policy not in ("auto", *ACTIVATION_CHECKPOINTING):
+            raise SystemExit(f"--checkpointing {policy!r}: one of none, layer, selective, auto")
     if args.adamw_tiles:
         adamw_triton.DEFAULT_TILES = parse_tiles(args.adamw_tiles, "--adamw-tiles")
     cfg = get_preset(args.preset)
@@ -657,11 +664,10 @@ def main(argv=None) -> int:
         free(device)
         return step_s, peak_b, host_s, cpu_s
 
-    policies = list(dict.fromkeys([args.checkpointing, "selective", "layer"]))
-
-    def run_ours(label, c, profile):
+    def run_ours(label, c, profile, first):
         # One model per checkpointing policy, kept for the longer lengths; a length that
         # runs out of memory moves on to the next policy.
+        policies = list(dict.fromkeys([first, "selective", "layer"]))
         runner, ac = None, 0
         for seq in seqs:
             while True:
@@ -701,7 +707,8 @@ def main(argv=None) -> int:
         free(device)
 
     try:
-        run_ours(f"ours {args.preset}", cfg, True)
+        for i, policy in enumerate(checkpointing):
+            run_ours(f"ours {args.preset}", cfg, i == 0, policy)
         for experts in [e for e in args.transformers.split(",") if e != "none"]:
             label = (f"transformers {args.preset}-v4 experts={experts}"
                      + (" +ref" if args.reference_pass else ""))
@@ -717,7 +724,7 @@ def main(argv=None) -> int:
             del runner
             free(device)
         if not args.no_twin:
-            run_ours(f"ours {args.preset}-v4", twin, False)
+            run_ours(f"ours {args.preset}-v4", twin, False, checkpointing[0])
     finally:
         close_distributed()
     print(f"\n{args.preset}: {active_params(cfg) / 1e6:.1f}M active params "
@@ -742,6 +749,12 @@ def main(argv=None) -> int:
             for r in mine:
                 print(f"speed-up at {seq}: {r[0]} / best transformers = "
                       f"{best_hf[0] / r[3][0]:.2f}x")
+        # each policy against layer checkpointing of the same model at the same length
+        for r in mine:
+            layer = next((x for x in mine if x[1] is r[1] and " ac=layer" in x[0]), None)
+            if layer is not None and r[0] != layer[0]:
+                print(f"speed-up at {seq}: {r[0]} / {layer[0]} = "
+                      f"{layer[3][0] / r[3][0]:.2f}x")
     for plan in plans:
         print(plan)
     return 0

@@ -50,13 +50,14 @@ def test_bench_train_runs_on_cpu():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("policy", ["selective", "layer"])
-def test_bench_train_runs_with_activation_checkpointing(policy):
+@pytest.mark.parametrize("policies", ["selective", "none,layer"])
+def test_bench_train_runs_with_activation_checkpointing(policies):
     """One process, world 1, FSDP2 groups nested in each checkpointed layer: the selective
     recompute used to be refused ("profiler._record_function_enter_new ... not found in
     storage") because those groups' hooks open profiler ranges a different number of times.
     Two micro-batches per optimizer step: each step runs two forwards (counted on the
-    policy), and the row counts the tokens of both."""
+    policy), and the row counts the tokens of both. A comma list: one model and row per
+    policy, and each row's speed-up over layer's."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
     count = ("import atexit, trainer_bridge.policy as P; calls = [0]; fwd = P.Policy.forward; "
@@ -66,16 +67,23 @@ def test_bench_train_runs_with_activation_checkpointing(policy):
                       bench=os.path.join(ROOT, "bench", "train.py"))
     code = code.replace("runpy.run_path", count + "runpy.run_path")
     out = subprocess.run([sys.executable, "-c", code, "--preset", "tiny", "--seqs", "64",
-                          "--steps", "1", "--warmup", "1", "--checkpointing", policy,
+                          "--steps", "1", "--warmup", "1", "--checkpointing", policies,
                           "--micro-batches", "2", "--transformers", "none", "--no-twin"],
                          env=env, capture_output=True, text=True, timeout=110)
     assert out.returncode == 0, out.stderr[-3000:]
-    row = next(line for line in out.stdout.splitlines()
-               if line.startswith(f"ours tiny ac={policy} ") and "memory plan" not in line)
-    # one warm-up and one timed step (the memory plan's probes run on CUDA only)
-    assert "policy forwards 4" in out.stdout.splitlines()[-1], out.stdout[-500:]
-    step_ms, tokens_per_s = float(row.split()[-7]), float(row.split()[-6])
-    assert tokens_per_s * step_ms / 1e3 == pytest.approx(2 * 64, rel=0.02), row
+    lines = out.stdout.splitlines()
+    for policy in policies.split(","):
+        row = next(line for line in lines
+                   if line.startswith(f"ours tiny ac={policy} ") and "memory plan" not in line)
+        step_ms, tokens_per_s = float(row.split()[-7]), float(row.split()[-6])
+        assert tokens_per_s * step_ms / 1e3 == pytest.approx(2 * 64, rel=0.02), row
+    # one warm-up and one timed step a policy (the memory plan's probes run on CUDA only)
+    forwards = 4 * len(policies.split(","))
+    assert f"policy forwards {forwards}" in lines[-1], out.stdout[-500:]
+    speedups = [line for line in lines if "/ ours tiny ac=layer = " in line]
+    assert len(speedups) == (1 if "layer" in policies else 0), speedups
+    if speedups:
+        assert speedups[0].startswith("speed-up at 64: ours tiny ac=none / ours tiny ac=layer")
 
 
 @pytest.mark.timeout(120)
@@ -109,7 +117,7 @@ def test_bench_train_reference_pass_with_graphs():
     (["--seqs", "64", "--micro-batches", "0"], "--micro-batches 0: at least 1"),
     (["--seqs", "64", "--adamw-tiles", "2048x"], "--adamw-tiles 2048x: ELEMENTSxWARPS"),
     (["--seqs", "64", "--memory-fraction", "1.5"], "--memory-fraction 1.5: in (0, 1]"),
-    (["--seqs", "64", "--checkpointing", "full"], "invalid choice: 'full'"),
+    (["--seqs", "64", "--checkpointing", "layer,full"], "--checkpointing 'full': one of"),
 ])
 def test_bench_train_refuses_bad_flags_before_building(args, message):
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -333,3 +341,32 @@ def test_train_ops_where_refuses_a_cpu_run():
                          capture_output=True, text=True, timeout=50)
     assert out.returncode == 2 and "--where aten::copy_: device times need CUDA" in out.stderr, \
         out.stderr
+
+
+@pytest.mark.timeout(120)
+def test_bench_trainer_checkpointing_runs_the_trainer_per_policy():
+    """bench/trainer_checkpointing.py: the trainer process once per policy on offline rollouts
+    it writes; a row each, layer's speed-up column; a trainer that fails (here a config it
+    refuses) is a failed row and a non-zero exit, not a missing one."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    bench = os.path.join(ROOT, "bench", "trainer_checkpointing.py")
+    args = [sys.executable, bench, "--model", "tiny", "--length", "96", "--prompt", "16",
+            "--steps", "2"]
+    out = subprocess.run(args + ["--policies", "none,layer"], env=env, capture_output=True,
+                         text=True, timeout=100)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-2000:])
+    rows = {line.split()[0]: line.split()[1:] for line in out.stdout.splitlines()
+            if line.startswith(("none ", "layer "))}
+    assert set(rows) == {"none", "layer"}, out.stdout
+    for step_ms, tokens_per_s, peak, ratio in rows.values():
+        # two samples of 96 tokens a step; no device allocator on the CPU
+        assert float(tokens_per_s) * float(step_ms) / 1e3 == pytest.approx(2 * 96, rel=0.02)
+        assert peak == "n/a" and ratio.endswith("x")
+    assert rows["layer"][3] == "1.00x"
+    bad = subprocess.run(args + ["--policies", "none", "model.memory_fraction=0"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "none       failed: " in bad.stdout, bad.stdout[-2000:]
+    refused = subprocess.run(args + ["--policies", "none,full"], env=env, capture_output=True,
+                             text=True, timeout=30)
+    assert refused.returncode != 0 and "--policies full: one of" in refused.stderr

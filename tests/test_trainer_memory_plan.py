@@ -7,12 +7,16 @@ test_trainer_long_context.py."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from sglang_dsv41.model.dsv4.token_logprobs import logprob_chunk_rows
 from trainer_bridge.config import ModelConfig
 from trainer_bridge.memory_plan import (PLAIN, PROBE_TOKENS, RECOMPUTED, Linear, MemoryPlan,
-                                        MemoryPlanError, fitting_or_refused, probe_length)
+                                        MemoryPlanError, fitting_or_refused, probe_length,
+                                        unallocated_static)
 
 GiB = 1 << 30
 
@@ -82,3 +86,39 @@ def test_a_memory_fraction_outside_0_1_is_refused(fraction):
     with pytest.raises(ValueError, match=r"model.memory_fraction must lie in \(0, 1\]"):
         ModelConfig(model_path="tiny", memory_fraction=fraction)
     assert ModelConfig(model_path="tiny", activation_checkpointing="auto").memory_fraction < 1
+
+
+@pytest.mark.parametrize("unsharded", [False, True])
+def test_static_bytes_not_yet_allocated_count_the_gradients_micro_batches_hold(unsharded):
+    """Adam's two fp32 moments of the trained parameters; with several micro-batches a step the
+    fp32 gradients the earlier ones leave for the later (run AI: the trainer's two-micro-batch
+    steps peaked 6.5-7.5 GiB over a plan without them); none on the device when offloaded."""
+    model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Linear(20, 3))
+    model[1].weight.requires_grad_(False)  # frozen: no moments, no gradient
+    trained = 10 * 20 + 20 + 3
+    policy = SimpleNamespace(model=model, accumulate_unsharded=unsharded)
+    assert unallocated_static(policy, False, False) == 8 * trained
+    assert unallocated_static(policy, False, True) == 12 * trained
+    assert unallocated_static(policy, True, True) == 4 * trained
+    assert unallocated_static(policy, True, False) == 0
+
+
+@pytest.mark.parametrize("source,prompts,group,world,minis,expected", [
+    ("server", 1, 1, 1, 1, False),   # one sample a step: one micro-batch
+    ("server", 2, 4, 8, 1, False),   # one sample a rank
+    ("server", 2, 4, 4, 1, True),    # two a rank: the token budget decides
+    ("server", 2, 4, 4, 2, False),   # one a rank a mini-batch
+    ("offline", 1, 1, 1, 1, True),   # a record holds any number of samples
+])
+def test_the_trainer_plans_for_accumulation_unless_a_rank_gets_one_sample(
+        source, prompts, group, world, minis, expected):
+    from trainer_bridge.config import load_config
+    from trainer_bridge.trainer import Trainer
+
+    overrides = [f"rollout.source={source}", f"rollout.prompts_per_step={prompts}",
+                 f"rollout.group_size={group}", f"loss.mini_batches={minis}"]
+    if source == "offline":
+        overrides.append("rollout.offline_path=rollouts.jsonl")
+    trainer = SimpleNamespace(cfg=load_config("tiny", None, overrides),
+                              dist=SimpleNamespace(world_size=world))
+    assert Trainer.may_accumulate(trainer) is expected

@@ -2,8 +2,8 @@
 both on one rank with compute copies in bf16 (a gloo world of one on the CPU, where the graphed
 function runs eagerly every time): the same loss sums, fp32 gradients, gradient norms and
 stepped weights, bit for bit, over three optimizer steps of two micro-batches each, with layouts
-that repeat and a new one, R3 routing replayed, reference logprobs and a KL term, and
-``zero_grad(set_to_none=True)`` between steps; the reference pass's no-grad forwards (logprobs,
+that repeat and a new one (on-policy: no old logprobs), R3 routing replayed, reference
+logprobs and a KL term, and ``zero_grad(set_to_none=True)`` between steps; the reference pass's no-grad forwards (logprobs,
 the routing recorded); a frozen policy forwards only; what a run returns is the caller's; the
 refusals. With the Triton AdamW (interpreted), runs whose last micro-batch leaves its gradients
 pending (compute_copies.py) equal the written ones bit for bit, both paths; one micro-batch a
@@ -51,6 +51,8 @@ def micro_batches(policy, step: int, r3: bool, lengths=LENGTHS) -> list:
         mb = pack(samples, policy.routed_layers, use_routing=r3, top_k=cfg.num_experts_per_tok)
         noise = torch.randn(mb.targets.shape, generator=gen)
         mb.old_logprobs = -2.0 + 0.1 * noise  # ratios around 1, some clipped
+        if seqs == (19, 9):  # on-policy: the forward's own logprobs are the old ones
+            mb.old_logprobs = None
         mb.ref_logprobs = -2.0 - 0.05 * noise
         out.append(mb)
     return out
@@ -235,7 +237,8 @@ def refusals(mesh, sample):
     policy.graphs = MicroBatchGraphs(policy, LossConfig(), 1)
     mb = pack([sample], policy.routed_layers, use_routing=False)
     for name, call in {
-        "no old logprobs": lambda: forward_backward(policy, mb, 36.0, LossConfig(), 1, False),
+        "routing check": lambda: forward_backward(policy, mb, 36.0, LossConfig(), 1, False,
+                                                  routing_check=lambda routed: None),
         "other loss": lambda: forward_backward(policy, mb, 36.0, LossConfig(kl_coef=0.5), 1,
                                                False),
         "world size": lambda: forward_backward(policy, mb, 36.0, LossConfig(), 2, False),
@@ -261,7 +264,7 @@ def test_refusals():
     (out,) = run_spawned(on_world_of_one, [(refusals,)], timeout=150)
     assert isinstance(out, dict), out
     assert "one rank without FSDP" in out["fsdp"]
-    assert "needs mb.old_logprobs" in out["no old logprobs"]
+    assert "record no routing" in out["routing check"]
     assert "another LossConfig" in out["other loss"]
     assert "world size 1, not 2" in out["world size"]
     assert "global_tokens must be positive" in out["no tokens"]

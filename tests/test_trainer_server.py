@@ -127,14 +127,18 @@ def test_multiturn_episodes_stay_on_their_dp_rank(server, tmp_path):
         assert s.routed_experts.shape[0] == len(s.tokens) - 1
 
 
-@pytest.mark.parametrize("one_rank", ["fsdp", "copies"])
-def test_tensor_weight_sync_round_trip(server, tmp_path, one_rank):
+@pytest.mark.parametrize("one_rank,mini_batches", [("fsdp", 2), ("copies", 1)])
+def test_tensor_weight_sync_round_trip(server, tmp_path, one_rank, mini_batches):
     """The HTTP tensor transport (the Quickstart uses the process-group one): after each sync
     the server's logprobs match the trainer's (the dry run's round-trip and mismatch checks),
-    Engram checksum unchanged; on one rank with FSDP2 and without (model.one_rank=copies)."""
+    Engram checksum unchanged; on one rank with FSDP2 and without (model.one_rank=copies). The
+    second on-policy (loss.mini_batches=1: no forward before the update; the mismatch and the
+    server's routing checked on the training forward's own logprobs and routing)."""
     out_dir = str(tmp_path / "tensor")
     rc, out = run(train_cmd("tiny", server.url, out_dir, "--dry-run",
-                            "weight_sync_transport=tensor", f"model.one_rank={one_rank}"), 240)
+                            "weight_sync_transport=tensor", f"model.one_rank={one_rank}",
+                            f"loss.mini_batches={mini_batches}"), 240)
     assert rc == 0 and "dry run: OK" in out, out[-3000:]
-    assert all(r["mismatch_abs_logp"] <= 1e-5 and r["weight_sync_s"] > 0
-               for r in metrics(out_dir))
+    rows = metrics(out_dir)
+    assert all(r["mismatch_abs_logp"] <= 1e-5 and r["weight_sync_s"] > 0 for r in rows)
+    assert all(r["routing_agreement_min_layer"] == 1.0 and r["train_tokens"] > 0 for r in rows)

@@ -104,6 +104,30 @@ def test_ppo_loss_clip_dual_clip_tis_and_normalisation():
     assert torch.equal(again.loss, t.loss.detach())
 
 
+def test_on_policy_ppo_loss_is_the_old_logprobs_own_and_sums_the_mismatch():
+    """old_logp None (one optimizer step a batch, Trainer.on_policy): the forward's own
+    logprobs are the old ones, detached: the loss, its gradient and the sums equal those of
+    the same values passed as old logprobs; the mismatch against the rollout's logprobs is
+    summed over the masked tokens (k3 in float64)."""
+    cfg = LossConfig()
+    logp = torch.log(torch.tensor([0.5, 0.25, 0.125, 0.9])).requires_grad_()
+    rollout = torch.log(torch.tensor([0.5, 0.5, 0.1, 0.9]))
+    adv = torch.tensor([1.0, -1.0, 2.0, 1.0])
+    mask = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    on = ppo_loss(logp, None, rollout, adv, mask, cfg, scale=0.25)
+    on.loss.backward()
+    grad_on, logp.grad = logp.grad.clone(), None
+    given = ppo_loss(logp, logp.detach().clone(), rollout, adv, mask, cfg, scale=0.25)
+    given.loss.backward()
+    assert torch.equal(on.sums(), given.sums()) and torch.equal(grad_on, logp.grad)
+    assert on.clip_frac_sum == 0  # ratio 1 everywhere
+    d = (logp.detach() - rollout)[:3]
+    assert float(on.mismatch_abs_sum) == pytest.approx(float(d.abs().sum()), rel=1e-6)
+    k3 = (torch.expm1(d.double()) - d.double()).sum()  # KL(rollout || old), k3
+    assert float(on.mismatch_k3_sum) == pytest.approx(float(k3), rel=1e-9)
+    assert on.sums().shape == (7,) and on.sums().dtype == torch.float64
+
+
 def test_k3_kl_is_nonnegative_and_zero_at_equality():
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(100, generator=gen)
@@ -227,3 +251,25 @@ def test_rollout_sampling_seeds_are_fixed_per_session_and_turn():
              for s in (0, 1) for p in range(4) for g in range(8) for t in range(2)}
     assert len(seeds) == 2 * 4 * 8 * 2 and all(0 <= x < 2**63 for x in seeds)
     assert sampling_seed(0, "step0-p0-g0", 0) == sampling_seed(0, "step0-p0-g0", 0)
+
+
+@pytest.mark.parametrize("mini_batches,graphs,routing,expected", [
+    (1, False, True, False),   # on-policy: the training forward's logprobs and routing
+    (1, False, False, False),
+    (1, True, False, False),   # graphed, nothing to check: its own logprobs
+    (1, True, True, True),     # graphs record no routing: a no-grad forward checks it
+    (2, False, False, True),   # several optimizer steps a batch: the old logprobs first
+    (2, True, True, True),
+])
+def test_the_policy_forwards_before_the_update_only_where_a_step_needs_it(
+        mini_batches, graphs, routing, expected):
+    from types import SimpleNamespace
+
+    from trainer_bridge.config import load_config
+    from trainer_bridge.trainer import Trainer
+
+    trainer = SimpleNamespace(cfg=load_config("tiny", None, [f"loss.mini_batches={mini_batches}"]),
+                              policy=SimpleNamespace(graphs=object() if graphs else None))
+    trainer.on_policy = lambda: Trainer.on_policy(trainer)
+    mb = SimpleNamespace(routing={0: None} if routing else None)
+    assert Trainer.needs_reference_forward(trainer, mb) is expected

@@ -55,12 +55,15 @@ class LossTerms:
     kl_sum: torch.Tensor
     clip_frac_sum: torch.Tensor
     tis_sum: torch.Tensor
+    # train-inference mismatch: |old - rollout| and k3(rollout || old) of the logprobs
+    mismatch_abs_sum: torch.Tensor
+    mismatch_k3_sum: torch.Tensor
 
     def sums(self) -> torch.Tensor:
-        """float64 [5] on the device: the loss and the token sums of pg, kl, clipped and tis
-        (trainer.STEP_SUMS), read once a step."""
+        """float64 [7] on the device: the loss and the token sums of pg, kl, clipped, tis and
+        the two mismatches (trainer.STEP_SUMS), read once a step."""
         return torch.stack([self.loss.detach(), self.pg_sum, self.kl_sum, self.clip_frac_sum,
-                            self.tis_sum]).double()
+                            self.tis_sum, self.mismatch_abs_sum, self.mismatch_k3_sum]).double()
 
 
 def loss_scale(global_tokens: float, world_size: int) -> float:
@@ -71,11 +74,14 @@ def loss_scale(global_tokens: float, world_size: int) -> float:
     return world_size / global_tokens
 
 
-def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp: torch.Tensor,
+def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor | None, rollout_logp: torch.Tensor,
              advantages: torch.Tensor, mask: torch.Tensor, cfg: LossConfig, *,
              scale: float | torch.Tensor, ref_logp: torch.Tensor | None = None) -> LossTerms:
-    """``scale``: loss_scale(global_tokens, world_size); a 0-d fp32 device tensor holding that
-    value gives the same bits (a captured CUDA graph reads it anew at each replay)."""
+    """``old_logp`` None: on-policy (one optimizer step a batch), the old policy is the one
+    computing ``logp``, whose values stand in for it (ratio 1). ``scale``:
+    loss_scale(global_tokens, world_size); a 0-d fp32 device tensor holding that value gives
+    the same bits (a captured CUDA graph reads it anew at each replay)."""
+    old_logp = logp.detach() if old_logp is None else old_logp
     ratio = torch.exp(logp - old_logp)
     pg_unclipped = -advantages * ratio
     pg_clipped = -advantages * ratio.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps_high)
@@ -91,7 +97,12 @@ def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp: torch.Ten
         token_loss = token_loss + cfg.kl_coef * kl
     loss = (token_loss * mask).sum() * scale
     clipped = (pg_clipped > pg_unclipped).float()
+    old = old_logp.detach()
+    # float64: at fp32 agreement (|d| ~ 1e-7) k3 ~ d^2/2 vanishes in float32
+    mismatch_k3 = k3_kl(rollout_logp.double(), old.double())
     return LossTerms(loss=loss, pg_sum=(pg * mask).sum().detach(),
                      kl_sum=(kl * mask).sum().detach(),
                      clip_frac_sum=(clipped * mask).sum().detach(),
-                     tis_sum=(tis * mask).sum().detach())
+                     tis_sum=(tis * mask).sum().detach(),
+                     mismatch_abs_sum=((old - rollout_logp).abs() * mask).sum(),
+                     mismatch_k3_sum=(mismatch_k3 * mask).sum())

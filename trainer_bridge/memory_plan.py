@@ -3,7 +3,7 @@ fits a micro-batch of a given length (model.activation_checkpointing = auto).
 
 A step's peak is its static state (whatever is allocated when the plan is made: master weights,
 buffers, compute copies, a reference policy; plus the two Adam moments, allocated at the first
-optimizer step, and FSDP's unsharded fp32 gradients when micro-batches accumulate into them),
+optimizer step, and the fp32 gradients a step's earlier micro-batches hold for the later ones),
 what each decoder layer keeps from its forward for the backward, and the rest: what the norm
 and head keep and the backward's rise above all that (gradients, temporaries). A layer's kept
 bytes are a fixed part plus a part linear in the micro-batch's tokens (no [T, T] tensor
@@ -207,12 +207,21 @@ class MemoryPlanError(ValueError):
 def unallocated_static(policy, optimizer_offloaded: bool, accumulates: bool) -> float:
     """Bytes a step holds that are not allocated before its first optimizer step: the two fp32
     Adam moments of this rank's trained parameters (none on the device when the optimizer is
-    offloaded) and, when ``accumulates`` (micro-batches adding into unsharded gradients), the
-    whole model's fp32 gradients."""
+    offloaded) and, when ``accumulates`` (a step of several micro-batches), the fp32 gradients
+    the earlier micro-batches leave for the later ones to add into: the whole model's when they
+    accumulate unsharded (Policy.accumulate_unsharded), this rank's shards otherwise (the
+    compute copies' masters on one rank: 5.45 GiB for the `small` preset, which the trainer's
+    two-micro-batch steps held over the probes' plan, bench/results/train_h200.txt, run AI):
+    the probes run a step's last backward, which finds none held."""
     trained = [p for p in policy.model.parameters() if p.requires_grad]
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in trained)
-    accumulated = 4 * sum(p.numel() for p in trained) if accumulates else 0
-    return (0 if optimizer_offloaded else 2 * local) + accumulated
+    if not accumulates:
+        held = 0
+    elif policy.accumulate_unsharded:
+        held = 4 * sum(p.numel() for p in trained)
+    else:
+        held = local
+    return (0 if optimizer_offloaded else 2 * local) + held
 
 
 def probe_batch(policy) -> Callable[[int], object]:

@@ -19,8 +19,9 @@ reference logprobs, the routing it checks: Policy.forward without autograd) run 
 their own layouts the same way.
 
 A layout is what a graph bakes in: the sequence lengths, the replayed layers, whether
-reference logprobs take part, the kind of run (first or later micro-batch of a step, no-grad
-forward with or without the routing recorded). Everything else of a micro-batch (tokens,
+reference logprobs take part, whether old ones do (on-policy: the forward's own), the kind of
+run (first or later micro-batch of a step, no-grad forward with or without the routing
+recorded). Everything else of a micro-batch (tokens,
 targets, logprobs, advantages, mask, replayed routing, and the loss's normaliser, which changes
 every step) is copied into the layout's static inputs before each run. A layout's first
 micro-batch runs eagerly (the same function, on the same inputs: it also warms Triton and cuBLAS
@@ -111,8 +112,6 @@ class MicroBatchGraphs:
         if loss_cfg != self.loss_cfg:
             raise ValueError("MicroBatchGraphs was built for another LossConfig: a graph "
                              "bakes the loss's constants in")
-        if mb.old_logprobs is None:
-            raise ValueError("forward_backward needs mb.old_logprobs (the reference pass's)")
         if not self.params:
             raise ValueError("forward_backward: the policy has no trained parameters")
         self._settle()
@@ -149,7 +148,8 @@ class MicroBatchGraphs:
         recorded): a graph each where a layout is met several ways."""
         replayed = tuple(self.policy.replayed_layers) if replay and mb.routing is not None else ()
         training = kind.split()[0] in ("fresh", "accumulate")
-        key = (tuple(mb.seq_lens), replayed, training and mb.ref_logprobs is not None, kind)
+        key = (tuple(mb.seq_lens), replayed, training and mb.ref_logprobs is not None,
+               training and mb.old_logprobs is None, kind)
         layout = self.layouts.get(key)
         if layout is not None:
             self.layouts.move_to_end(key)
@@ -161,7 +161,8 @@ class MicroBatchGraphs:
                                  record_routing=kind == "routing")
         names = ["input_ids", "hidden_index", "targets"]
         if training:
-            names += ["old_logprobs", "rollout_logprobs", "advantages", "loss_mask"]
+            names += [] if key[3] else ["old_logprobs"]  # on-policy: the forward's own
+            names += ["rollout_logprobs", "advantages", "loss_mask"]
             names += ["ref_logprobs"] if key[2] else []
         inputs = {n: torch.empty_like(getattr(mb, n), device=dev) for n in names}
         routing = None
@@ -293,7 +294,7 @@ class MicroBatchGraphs:
         """forward, loss, gradients, their copy or add into the buffers."""
         x = layout.inputs
         with self._released(layout):
-            terms = ppo_loss(self._logprobs(layout), x["old_logprobs"], x["rollout_logprobs"],
+            terms = ppo_loss(self._logprobs(layout), x.get("old_logprobs"), x["rollout_logprobs"],
                              x["advantages"], x["loss_mask"], self.loss_cfg, scale=layout.scale,
                              ref_logp=x.get("ref_logprobs"))
             grads = torch.autograd.grad(terms.loss, self.leaves, allow_unused=True)

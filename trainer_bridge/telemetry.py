@@ -21,11 +21,14 @@ def host_rss_bytes() -> int:
 
 
 def memory_metrics(device: torch.device) -> dict[str, float]:
+    """The process's memory now; mem_peak_bytes: the most the device allocator held since its
+    peak was last reset (the trainer resets it as each step begins: the step's peak)."""
     out = {"host_rss_bytes": float(host_rss_bytes()), "mem_allocated_bytes": 0.0,
-           "mem_reserved_bytes": 0.0, "pinned_bytes": 0.0}
+           "mem_reserved_bytes": 0.0, "mem_peak_bytes": 0.0, "pinned_bytes": 0.0}
     if device.type == "cuda":
         out["mem_allocated_bytes"] = float(torch.cuda.memory_allocated(device))
         out["mem_reserved_bytes"] = float(torch.cuda.memory_reserved(device))
+        out["mem_peak_bytes"] = float(torch.cuda.max_memory_allocated(device))
         stats = torch.cuda.host_memory_stats()
         out["pinned_bytes"] = float(stats.get("allocated_bytes.current", 0))
     return out
@@ -103,7 +106,8 @@ class Telemetry:
             return []
         panels = {"reward": ["reward_mean"], "mismatch": ["mismatch_abs_logp", "mismatch_k3"],
                   "routing": ["routing_agreement", "routing_agreement_min_layer"],
-                  "memory": ["mem_allocated_bytes", "mem_reserved_bytes", "host_rss_bytes"]}
+                  "memory": ["mem_allocated_bytes", "mem_peak_bytes", "mem_reserved_bytes",
+                             "host_rss_bytes"]}
         steps = [r["step"] for r in self.rows]
         paths = []
         for name, keys in panels.items():

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
 import random
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -23,7 +24,7 @@ from .dist import (all_reduce_scalar, all_reduce_tensor, close_distributed, init
                    on_primary)
 from .envs import make_env
 from .local_shards import LocalShardAdamW, clip_grad_norm, global_norm
-from .loss import compute_advantages, k3_kl, loss_scale, ppo_loss
+from .loss import compute_advantages, loss_scale, ppo_loss
 from .memory_plan import layer_kinds, plan_checkpointing, unallocated_static
 from .micro_batch_graphs import MicroBatchGraphs
 from .optimizer_offload import offload_optimizer
@@ -35,7 +36,8 @@ from .telemetry import Telemetry, memory_metrics, rollout_metrics
 from .weight_sync import WeightSyncer
 
 log = logging.getLogger("trainer_bridge")
-STEP_SUMS = ("loss", "pg", "kl", "clip", "tis")  # forward_backward's vector
+# forward_backward's vector (LossTerms.sums)
+STEP_SUMS = ("loss", "pg", "kl", "clip", "tis", "mismatch_abs", "mismatch_k3")
 
 
 class Trainer:
@@ -104,13 +106,22 @@ class Trainer:
         policies, plan = plan_checkpointing(
             self.policy, budget, m.memory_fraction,
             unallocated_static(self.policy, self.cfg.optim.optimizer_offload != "none",
-                               self.policy.accumulate_unsharded),
-            lambda: self.optimizer.zero_grad(set_to_none=True))
+                               self.may_accumulate()),
+            lambda: self.optimizer.zero_grad(set_to_none=True),
+            lambda: self.policy.micro_batch(0, 1))  # the probes' backward: a step's last
         if self.dist.is_primary:
             log.info("activation checkpointing (auto): %d of %d layers; %s",
                      sum(p != "none" for p in policies), len(policies),
                      plan.describe(budget, policies, layer_kinds(self.policy)))
         return policies
+
+    def may_accumulate(self) -> bool:
+        """Whether a mini-batch may take several micro-batches on this rank (their gradients
+        add up): unless the engines' rollouts give each rank at most one sample a mini-batch,
+        the lengths decide, and they are not known before the step."""
+        rc = self.cfg.rollout
+        samples = rc.prompts_per_step * rc.group_size
+        return rc.source != "server" or samples > self.dist.world_size * self.cfg.loss.mini_batches
 
     @staticmethod
     def _seed(seed: int) -> None:
@@ -141,55 +152,64 @@ class Trainer:
                         for g in groups])
         return out
 
+    def on_policy(self) -> bool:
+        """One optimizer step a batch (loss.mini_batches 1): the old policy is the one being
+        trained, so the training forward's own logprobs are the old ones (ppo_loss with
+        old_logp None) and no forward before the update recomputes them (a third of a 64k step
+        of the `small` preset on one H200, bench/results/train_h200.txt, run AI)."""
+        return self.cfg.loss.mini_batches == 1
+
+    def needs_reference_forward(self, mb: MicroBatch) -> bool:
+        """Whether the policy runs a no-grad forward of ``mb`` before the update: for the old
+        logprobs of several optimizer steps a batch, or for the server's routing to check when
+        the micro-batch graphs (which return neither logprobs nor routing) train it."""
+        return not self.on_policy() or (mb.routing is not None and self.policy.graphs is not None)
+
     @torch.no_grad()
-    def reference_pass(self, mini_batches: list[list[MicroBatch]]) -> dict[str, float]:
-        """old (pre-update) and reference logprobs; train-inference mismatch against the
-        rollout logprobs and routing agreement with the server, reduced over ranks."""
-        abs_sum = k3_sum = tokens = 0.0
-        layers = self.policy.routed_layers
-        agree = torch.zeros(len(layers), 2, dtype=torch.float64)  # (same rows, rows) per layer
+    def reference_pass(self, mini_batches: list[list[MicroBatch]], agree: torch.Tensor) -> float:
+        """Before the update: the policy's old logprobs where needs_reference_forward (with the
+        server's routing checked into ``agree``) and the reference policy's logprobs; -> the
+        loss tokens over the ranks."""
+        tokens = 0.0
         for mb in (m for mini in mini_batches for m in mini):
-            out = self.policy.forward(mb, replay=self.cfg.model.r3, record_routing=True)
-            mb.old_logprobs = out.logprobs.cpu()
+            if self.needs_reference_forward(mb):
+                out = self.policy.forward(mb, replay=self.cfg.model.r3, record_routing=True)
+                mb.old_logprobs = out.logprobs.cpu()
+                self.check_routing(mb, out.routed, agree)
             if self.ref_policy is not None:
                 mb.ref_logprobs = self.ref_policy.forward(mb, replay=self.cfg.model.r3
                                                           ).logprobs.cpu()
-            if mb.routing is not None:
-                # Hash layers are never replayed: their tid2eid routing is checked every step;
-                # the top-k layers' own router only on request (one more forward).
-                if not self.cfg.model.r3:
-                    own = out.routed
-                elif self.cfg.model.check_routing:
-                    own = self.policy.forward(mb, replay=False, record_routing=True).routed
-                else:  # a replayed layer records what it replayed: compare the hash layers
-                    replayed = set(self.policy.replayed_layers)
-                    own = {k: v for k, v in out.routed.items() if k not in replayed}
-                agree += routing_agreement(own, mb, layers)
-            m = mb.loss_mask
-            diff = mb.old_logprobs - mb.rollout_logprobs
-            abs_sum += float((diff.abs() * m).sum())
-            # float64: at fp32 agreement (|d| ~ 1e-7) k3 ~ d^2/2 vanishes in float32
-            k3 = k3_kl(mb.rollout_logprobs.double(), mb.old_logprobs.double())
-            k3_sum += float((k3 * m).sum())
-            tokens += float(m.sum())
-        tokens = all_reduce_scalar(tokens)
-        out = {"mismatch_abs_logp": all_reduce_scalar(abs_sum) / max(tokens, 1.0),
-               "mismatch_k3": all_reduce_scalar(k3_sum) / max(tokens, 1.0),
-               "train_tokens": tokens}
-        agree = all_reduce_tensor(agree)
-        checked = agree[:, 1] > 0
-        if checked.any():
-            out["routing_agreement"] = float(agree[checked, 0].sum() / agree[checked, 1].sum())
-            out["routing_agreement_min_layer"] = float((agree[checked, 0]
-                                                        / agree[checked, 1]).min())
-        return out
+            tokens += float(mb.loss_mask.sum())
+        return all_reduce_scalar(tokens)
+
+    def check_routing(self, mb: MicroBatch, routed: dict, agree: torch.Tensor) -> None:
+        """The policy's routing of ``mb`` (``routed``: a forward's recording, before the update)
+        against the server's, added into ``agree`` ([layers, 2], on the device: no host sync).
+        Hash layers are never replayed: their tid2eid routing is checked every step; the top-k
+        layers' own router only on request (one more forward)."""
+        if mb.routing is None:
+            return
+        if not self.cfg.model.r3:
+            own = routed
+        elif self.cfg.model.check_routing:
+            with torch.no_grad():
+                own = self.policy.forward(mb, replay=False, record_routing=True).routed
+        else:  # a replayed layer records what it replayed: compare the hash layers
+            replayed = set(self.policy.replayed_layers)
+            own = {k: v for k, v in routed.items() if k not in replayed}
+        agree += routing_agreement(own, mb, self.policy.routed_layers, agree.device)
 
     def train_step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)  # metrics' mem_peak_bytes: this step's
         samples = self.collect_rollouts(step)
         t_rollout = time.perf_counter() - t0
         mini_batches = self.build_mini_batches(samples)
-        metrics = self.reference_pass(mini_batches)
+        # (rows routed as the server did, rows compared) per routed layer, on the device
+        agree = torch.zeros(len(self.policy.routed_layers), 2, dtype=torch.float64,
+                            device=self.device)
+        tokens = max(self.reference_pass(mini_batches, agree), 1.0)
         sums = torch.zeros(len(STEP_SUMS), dtype=torch.float64, device=self.device)
         norms = torch.zeros(2, device=self.device)  # the last mini-batch's grad and sink norms
         lr, sink_lr = self.scheduler.get_last_lr()  # the LRs this step uses
@@ -198,18 +218,25 @@ class Trainer:
             global_tokens = max(all_reduce_scalar(sum(mb.num_loss_tokens for mb in mini)), 1.0)
             for i, mb in enumerate(mini):
                 self.policy.micro_batch(i, len(mini))
+                # on-policy: the training forward's routing is the one before the update
+                check = (None if mb.routing is None or self.needs_reference_forward(mb)
+                         else functools.partial(self.check_routing, mb, agree=agree))
                 sums += forward_backward(self.policy, mb, global_tokens, self.cfg.loss,
-                                         self.dist.world_size, replay=self.cfg.model.r3)
+                                         self.dist.world_size, replay=self.cfg.model.r3,
+                                         routing_check=check)
             sink_norm = self.sink_grad_norm()
             grad_norm = clip_and_step(self.optimizer, self.cfg.optim.max_grad_norm)
             norms = torch.stack([grad_norm.float().to(norms.device), sink_norm.to(norms.device)])
         self.scheduler.step()
         # The step's one read of device metrics: one all-reduce, one copy to the host.
-        loss, pg, kl, clip, tis = all_reduce_tensor(sums).tolist()
+        totals = all_reduce_tensor(torch.cat([sums, agree.flatten()])).cpu()
+        loss, pg, kl, clip, tis, mismatch_abs, mismatch_k3 = totals[:len(STEP_SUMS)].tolist()
         grad_norm, sink_norm = norms.tolist()
-        tokens = max(metrics["train_tokens"], 1.0)
-        metrics.update(loss=loss / self.dist.world_size, pg_mean=pg / tokens, kl_mean=kl / tokens,
-                       clip_frac=clip / tokens, tis_mean=tis / tokens)
+        metrics = {"loss": loss / self.dist.world_size, "pg_mean": pg / tokens,
+                   "kl_mean": kl / tokens, "clip_frac": clip / tokens, "tis_mean": tis / tokens,
+                   "mismatch_abs_logp": mismatch_abs / tokens, "mismatch_k3": mismatch_k3 / tokens,
+                   "train_tokens": tokens}
+        metrics.update(routing_metrics(totals[len(STEP_SUMS):].view_as(agree)))
         metrics.update(rollout_metrics(samples), grad_norm=grad_norm, sink_grad_norm=sink_norm,
                        lr=lr, sink_lr=sink_lr, rollout_s=t_rollout)
         if self.syncer is not None:
@@ -282,45 +309,66 @@ def byte_tokenizer(cfg) -> ByteTokenizer:
 
 
 def routing_agreement(own: dict[int, tuple[torch.Tensor, torch.Tensor]], mb: MicroBatch,
-                      layers: list[int]) -> torch.Tensor:
-    """[len(layers), 2] float64: (rows where the trainer routed to the server's expert set,
-    rows compared) per layer, over every position the server routed; (0, 0) for a layer the
-    trainer did not record (a replayed layer without check_routing)."""
+                      layers: list[int], device: torch.device | None = None) -> torch.Tensor:
+    """[len(layers), 2] float64 on ``device`` (by default ``own``'s; no host sync):
+    (rows where the trainer routed to the server's expert set, rows compared) per layer, over
+    every position the server routed; (0, 0) for a layer the trainer did not record (a
+    replayed layer without check_routing)."""
+    dev = device or (next(iter(own.values()))[0].device if own else torch.device("cpu"))
+    out = torch.zeros(len(layers), 2, dtype=torch.float64, device=dev)
+    if mb.num_samples == 0:  # a dummy micro-batch: its routing is made up
+        return out
     last = torch.cumsum(torch.tensor(mb.seq_lens), 0) - 1  # the server never routed these
     valid = torch.ones(mb.input_ids.shape[0], dtype=torch.bool)
     valid[last] = False
-    out = torch.zeros(len(layers), 2, dtype=torch.float64)
-    if mb.num_samples == 0:  # a dummy micro-batch: its routing is made up
-        return out
+    rows = float(valid.sum())
+    valid = host_to_device(valid, dev)
     for row, layer in enumerate(layers):
         if layer not in own:
             continue
-        mine = own[layer][0].cpu().long().sort(-1).values
-        theirs = mb.routing[layer][0].long().sort(-1).values
-        out[row, 0] = float((mine == theirs).all(-1)[valid].sum())
-        out[row, 1] = float(valid.sum())
+        mine = own[layer][0].long().sort(-1).values
+        theirs = host_to_device(mb.routing[layer][0], dev).long().sort(-1).values
+        out[row, 0] = ((mine == theirs).all(-1) & valid).sum()
+        out[row, 1] = rows
     return out
 
 
+def routing_metrics(agree: torch.Tensor) -> dict[str, float]:
+    """The step's routing agreement (all rows, the worst layer) from check_routing's sums over
+    the ranks; none when no layer was compared."""
+    checked = agree[:, 1] > 0
+    if not checked.any():
+        return {}
+    return {"routing_agreement": float(agree[checked, 0].sum() / agree[checked, 1].sum()),
+            "routing_agreement_min_layer": float((agree[checked, 0] / agree[checked, 1]).min())}
+
+
 def forward_backward(policy: Policy, mb: MicroBatch, global_tokens: float, loss_cfg,
-                     world_size: int, replay: bool) -> torch.Tensor:
-    """Forward, PPO loss and backward of one micro-batch (mb.old_logprobs set) -> float64 [5]
-    on the device: loss, and the token sums of pg, kl, clipped and tis (STEP_SUMS). The
-    trainer's step and bench/train.py both run it; its ranges name the phases in a profile.
-    With the policy's micro-batch graphs (model.cuda_graphs) the same work runs as a CUDA graph
-    of the micro-batch's layout (micro_batch_graphs.py)."""
+                     world_size: int, replay: bool,
+                     routing_check: Callable[[dict], None] | None = None) -> torch.Tensor:
+    """Forward, PPO loss and backward of one micro-batch -> float64 [7] on the device: the loss
+    and the token sums of pg, kl, clipped, tis and the two mismatches (STEP_SUMS). Without
+    mb.old_logprobs the step is on-policy (ppo_loss). ``routing_check``: the forward records
+    the routing and hands it (layer -> (ids, weights)) to it after the backward. The trainer's
+    step and bench/train.py both run it; its ranges name the phases in a profile. With the
+    policy's micro-batch graphs (model.cuda_graphs) the same work runs as a CUDA graph of the
+    micro-batch's layout (micro_batch_graphs.py), which records no routing."""
     if policy.graphs is not None:
         if world_size != policy.graphs.world_size:
             raise ValueError(f"micro-batch graphs were built for world size "
                              f"{policy.graphs.world_size}, not {world_size}")
+        if routing_check is not None:
+            raise ValueError("micro-batch graphs record no routing: check it in a no-grad "
+                             "forward (Trainer.needs_reference_forward)")
         with torch.profiler.record_function("trainer.graphed_micro_batch"):
             return policy.graphs.forward_backward(mb, global_tokens, loss_cfg, replay)
     with torch.profiler.record_function("trainer.forward"):
-        out = policy.forward(mb, replay=replay)
+        out = policy.forward(mb, replay=replay, record_routing=routing_check is not None)
     try:
         dev = out.logprobs.device
         # pinned, queued copies: a pageable one makes the host wait for the GPU's queue
-        terms = ppo_loss(out.logprobs, host_to_device(mb.old_logprobs, dev),
+        terms = ppo_loss(out.logprobs, None if mb.old_logprobs is None
+                         else host_to_device(mb.old_logprobs, dev),
                          host_to_device(mb.rollout_logprobs, dev),
                          host_to_device(mb.advantages, dev), host_to_device(mb.loss_mask, dev),
                          loss_cfg, scale=loss_scale(global_tokens, world_size),
@@ -328,6 +376,8 @@ def forward_backward(policy: Policy, mb: MicroBatch, global_tokens: float, loss_
                          else host_to_device(mb.ref_logprobs, dev))
         with torch.profiler.record_function("trainer.backward"):
             terms.loss.backward()
+        if routing_check is not None:
+            routing_check(out.routed)
     finally:  # a failed step must not keep its graph alive (ForwardOut.release)
         out.release()
     # On the device, read once per step (train_step): no host sync per micro-batch.
