@@ -561,6 +561,12 @@ def compile_report(kernel, types_: dict, consts: dict, aligned: set, arch: int, 
     return dict(regs=int(re.search(r"Used (\d+) registers", info).group(1)),
                 spills=int(re.search(r"(\d+) bytes spill stores", info).group(1)),
                 shared=compiled.metadata.shared, wgmma=ptx.count("wgmma.mma_async"),
+                # each dot's warps over (rows, columns) and its wgmma tiles: a [N, 1] layout on
+                # N/4 warpgroups of one 64-row tile computes that tile N/4 times over
+                mma_warps=sorted(set(re.findall(r"nvidia_mma<\{[^}]*warpsPerCTA = \[(\d+, \d+)\]",
+                                                compiled.asm["ttgir"]))),
+                wgmma_shapes=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+)",
+                                                   ptx))),
                 mma_sync=ptx.count("mma.sync"), cp_async=len(re.findall(r"cp\.async\.c[ag]", ptx)),
                 drains=compiled.asm["ttgir"].count("num = 0 : i32"))
 
@@ -584,7 +590,8 @@ def decode_compile_report(arch=90):
                                aligned | ({"H"} if heads % 16 == 0 else set()), arch,
                                tiles.warps, tiles.stages)
             print(f"decode H={heads} {config}: {r['regs']} registers, {r['spills']} B spill "
-                  f"stores, {r['shared']} B shared, {r['drains']} waits draining all copies",
+                  f"stores, {r['shared']} B shared, {r['drains']} waits draining all copies; "
+                  f"MMA warps {r['mma_warps']}, {r['wgmma']} wgmma {r['wgmma_shapes']}",
                   flush=True)
 
 
