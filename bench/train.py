@@ -59,8 +59,8 @@ from trainer_bridge.dist import close_distributed, init_distributed  # noqa: E40
 from trainer_bridge.micro_batch_graphs import MicroBatchGraphs  # noqa: E402
 from trainer_bridge import memory_plan as memplan  # noqa: E402
 from trainer_bridge.memory_plan import free  # noqa: E402
-from trainer_bridge.parallelize import (  # noqa: E402
-    ACTIVATION_CHECKPOINTING, ONE_RANK_MODES, layer_checkpointing)
+from trainer_bridge.config import CHECKPOINTING_CHOICES  # noqa: E402
+from trainer_bridge.parallelize import ONE_RANK_MODES, layer_checkpointing  # noqa: E402
 from trainer_bridge.policy import ForwardState, policy_from_model, resolve_device  # noqa: E402
 from trainer_bridge import adamw_triton  # noqa: E402
 from trainer_bridge.schedule import build_optimizer  # noqa: E402
@@ -325,8 +325,7 @@ class Ours:
         clipping and AdamW; without ``optimizer`` the gradients stay); with
         ``reference_pass`` each micro-batch's no-grad forward first, as the trainer's
         reference pass runs it for several optimizer steps a batch (Policy.forward: its old
-        logprobs; Trainer.on_policy). The step returns the last
-        micro-batch's loss."""
+        logprobs; Trainer.on_policy). The step returns the last micro-batch's loss."""
         batches = []
         for m in range(micro_batches):
             batches.append(bench_batch(self.cfg, self.policy.routed_layers, shape,
@@ -580,8 +579,7 @@ def main(argv=None) -> int:
     p.add_argument("--reference-pass", action="store_true",
                    help="each micro-batch's no-grad forward first, in ours and transformers "
                    "(the trainer's reference pass: old logprobs, run when loss.mini_batches > 1); "
-                   "MFU still counts 6 x active "
-                   "x tokens, not the pass's forward")
+                   "MFU still counts 6 x active x tokens, not the pass's forward")
     p.add_argument("--attention", default=None, help="triton | reference (default: triton on "
                    "CUDA, the torch reference on CPU)")
     p.add_argument("--checkpointing", default="none",
@@ -612,8 +610,9 @@ def main(argv=None) -> int:
         raise SystemExit(f"--memory-fraction {args.memory_fraction}: in (0, 1]")
     checkpointing = list(dict.fromkeys(args.checkpointing.split(",")))
     for policy in checkpointing:
-        if policy not in ("auto", *ACTIVATION_CHECKPOINTING):
-            raise SystemExit(f"--checkpointing {policy!r}: one of none, layer, selective, auto")
+        if policy not in CHECKPOINTING_CHOICES:
+            raise SystemExit(f"--checkpointing {policy!r}: one of "
+                             f"{', '.join(CHECKPOINTING_CHOICES)}")
     if args.adamw_tiles:
         adamw_triton.DEFAULT_TILES = parse_tiles(args.adamw_tiles, "--adamw-tiles")
     cfg = get_preset(args.preset)

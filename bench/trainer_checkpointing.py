@@ -31,11 +31,11 @@ sys.path.insert(0, ROOT)
 
 from sglang_dsv41.model.dsv4 import get_preset  # noqa: E402
 from trainer_bridge.batch import Sample, random_tokens  # noqa: E402
+from trainer_bridge.config import CHECKPOINTING_CHOICES as POLICIES  # noqa: E402
 from trainer_bridge.memory_plan import MEMORY_FRACTION  # noqa: E402
 from trainer_bridge.rollout import append_record  # noqa: E402
 
 GiB = 2 ** 30
-POLICIES = ("none", "layer", "selective", "auto")
 PLAN_LINE = re.compile(r"activation checkpointing \(auto\): .*")
 
 

@@ -20,6 +20,9 @@ from .memory_plan import MEMORY_FRACTION
 from .optimizer_offload import OFFLOAD_MODES
 from .parallelize import ACTIVATION_CHECKPOINTING, ONE_RANK_MODES
 
+# model.activation_checkpointing: a policy for every layer, or auto (memory_plan.py)
+CHECKPOINTING_CHOICES = (*ACTIVATION_CHECKPOINTING, "auto")
+
 
 @dataclass(kw_only=True)
 class ModelConfig:
@@ -77,7 +80,7 @@ class ModelConfig:
                 ("auto", "always", "never"))
         _choice("model.one_rank", self.one_rank, ONE_RANK_MODES)
         _choice("model.activation_checkpointing", self.activation_checkpointing,
-                ("auto", *ACTIVATION_CHECKPOINTING))
+                CHECKPOINTING_CHOICES)
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"model.memory_fraction must lie in (0, 1], got "
                              f"{self.memory_fraction}")

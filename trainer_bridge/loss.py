@@ -81,15 +81,15 @@ def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor | None, rollout_logp: to
     computing ``logp``, whose values stand in for it (ratio 1). ``scale``:
     loss_scale(global_tokens, world_size); a 0-d fp32 device tensor holding that value gives
     the same bits (a captured CUDA graph reads it anew at each replay)."""
-    old_logp = logp.detach() if old_logp is None else old_logp
-    ratio = torch.exp(logp - old_logp)
+    old = logp.detach() if old_logp is None else old_logp.detach()
+    ratio = torch.exp(logp - old)
     pg_unclipped = -advantages * ratio
     pg_clipped = -advantages * ratio.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps_high)
     pg = torch.maximum(pg_unclipped, pg_clipped)
     # Dual clip: a negative advantage with a huge ratio is bounded by -c * A.
     pg = torch.where(advantages < 0, torch.minimum(pg, -advantages * cfg.dual_clip_c), pg)
-    # Truncated IS: the samples came from the rollout engine's policy, not from old_logp's.
-    tis = torch.exp(old_logp - rollout_logp).clamp(max=cfg.tis_cap).detach()
+    # Truncated IS: the samples came from the rollout engine's policy, not from the old one.
+    tis = torch.exp(old - rollout_logp).clamp(max=cfg.tis_cap)
     token_loss = tis * pg
     kl = torch.zeros_like(logp)
     if ref_logp is not None and cfg.kl_coef > 0:
@@ -97,7 +97,6 @@ def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor | None, rollout_logp: to
         token_loss = token_loss + cfg.kl_coef * kl
     loss = (token_loss * mask).sum() * scale
     clipped = (pg_clipped > pg_unclipped).float()
-    old = old_logp.detach()
     # float64: at fp32 agreement (|d| ~ 1e-7) k3 ~ d^2/2 vanishes in float32
     mismatch_k3 = k3_kl(rollout_logp.double(), old.double())
     return LossTerms(loss=loss, pg_sum=(pg * mask).sum().detach(),

@@ -18,17 +18,16 @@ result is what the plain path (trainer.forward_backward) leaves, to the bit
 reference logprobs, the routing it checks: Policy.forward without autograd) run as graphs of
 their own layouts the same way.
 
-A layout is what a graph bakes in: the sequence lengths, the replayed layers, whether
-reference logprobs take part, whether old ones do (on-policy: the forward's own), the kind of
-run (first or later micro-batch of a step, no-grad forward with or without the routing
-recorded). Everything else of a micro-batch (tokens,
-targets, logprobs, advantages, mask, replayed routing, and the loss's normaliser, which changes
-every step) is copied into the layout's static inputs before each run. A layout's first
-micro-batch runs eagerly (the same function, on the same inputs: it also warms Triton and cuBLAS
-up); its second is captured, then replayed, as is every later one. Training that repeats layouts
-(fixed-length packing, benchmarks, lengths bucketed by the data pipeline) gains; a layout seen
-once costs nothing extra. A capture that fails (an operation a graph cannot hold) is logged
-and that layout runs eagerly from then on.
+A layout is what a graph bakes in: the sequence lengths, the replayed layers, whether reference
+logprobs take part, whether old ones do (on-policy: the forward's own), the kind of run (first
+or later micro-batch of a step, no-grad forward with or without the routing recorded).
+Everything else of a micro-batch (tokens, targets, logprobs, advantages, mask, replayed routing,
+and the loss's normaliser, which changes every step) is copied into the layout's static inputs
+before each run. A layout's first micro-batch runs eagerly (the same function, on the same
+inputs: it also warms Triton and cuBLAS up); its second is captured, then replayed, as is every
+later one. Training that repeats layouts (fixed-length packing, benchmarks, lengths bucketed by
+the data pipeline) gains; a layout seen once costs nothing extra. A capture that fails (an
+operation a graph cannot hold) is logged and that layout runs eagerly from then on.
 
 Limits: one rank without FSDP (model.one_rank copies, or an fp32 model): FSDP's hooks gather
 and reduce from host-side state that a replay would skip. On a CPU the same function runs
