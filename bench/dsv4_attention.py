@@ -6,6 +6,7 @@ our Triton kernels vs transformers' eager DeepseekV4 attention, per layer kind, 
     python bench/dsv4_attention.py --heads 16 --sweep  # the same at 16 heads (the small preset)
     python bench/dsv4_attention.py --heads 16 --ab-rounds 3  # only: old vs default tiles
     python bench/dsv4_attention.py --decode-sweep  # only: decode tile configs
+    python bench/dsv4_attention.py --decode-parts  # only: 64-head wgmma decode, copies vs MMAs
     python bench/dsv4_attention.py --decode-compile  # only, no GPU: decode kernels for sm_90
     python bench/dsv4_attention.py --training-compile  # only, no GPU: training kernels, sm_90
     python bench/dsv4_attention.py --lengths 4096  # fewer lengths
@@ -481,13 +482,15 @@ def probe_atomics(total=4096, rounds=3):
 
 
 # Decode configs tried by --decode-sweep per head count: DecodeTiles(bh, bn, warps, stages,
-# splits); splits 0 = split_count's choice; the default's own config first. Configs that lost
-# before (other key tiles, two splits, 32-head blocks, 8 warps at 8 heads, 4 warps at 8 heads,
-# double-buffered key tiles): bench/results/dsv4_attention_h200.txt. Five stages are the fewest
-# at which Triton 3.6 double-buffers the key tile (--decode-compile: the loop's wait no longer
-# drains every copy in flight); they lost at both head counts.
+# splits[, wgmma]); splits 0 = split_count's choice; the default's own config first. Configs
+# that lost before (other key tiles, two splits, 32-head blocks, 8 warps at 8 heads, 4 warps at
+# 8 heads, double-buffered key tiles): bench/results/dsv4_attention_h200.txt. Five stages are
+# the fewest at which Triton 3.6 double-buffers the key tile (--decode-compile: the loop's wait
+# no longer drains every copy in flight); they lost at both head counts. wgmma: the Gluon kernel
+# at 64 heads (stages = key buffers in its ring); the Triton kernel's best config after them.
 DECODE_TRIALS = {
-    64: [(64, 64, 8, 2, 0), (64, 32, 8, 5, 0), (64, 16, 8, 5, 0)],
+    64: [(64, 64, 8, 2, 0, True), (64, 32, 8, 3, 0, True), (64, 32, 8, 2, 0, True),
+         (64, 64, 8, 2, 0)],
     8: [(16, 16, 2, 2, 0), (16, 32, 4, 3, 0), (16, 16, 2, 4, 0)],
 }
 
@@ -525,6 +528,38 @@ def decode_sweep(batch=512, seq=8192, page=64):
         print(f"best decode H={heads}: {min(totals, key=totals.get)}", flush=True)
         cache = comp = None  # freed before the next head count's inputs
         torch.cuda.empty_cache()
+
+
+def decode_parts(batch=512, seq=8192, page=64, heads=64):
+    """The 64-head wgmma decode of each DECODE_TRIALS[64] wgmma config as built, with only its
+    key copies (no MMAs, no softmax) and with only its MMAs and softmax (no key copies; the
+    query and output still move): where a tile's time goes."""
+    import functools
+
+    from sglang_dsv41.attention import dsv4_gluon_decode
+
+    copy_bw = copy_bandwidth()
+    cache, table_, lens, q, sinks, comp, picks = decode_inputs(batch, seq, page, heads)
+    launch = dsv4_gluon_decode.launch
+    print(f"decode parts: {heads} heads, batch {batch}, {seq} cached tokens each, page {page}; "
+          f"copy {copy_bw:.0f} GB/s; % = the decode's bytes over the time, of the copy's")
+    try:
+        for config in [c for c in DECODE_TRIALS[heads] if len(c) > 5 and c[5]]:
+            tiles = DecodeTiles(*config)
+            for parts, what in ((0, "as built"), (1, "copies only"), (2, "MMAs + softmax only")):
+                dsv4_gluon_decode.launch = functools.partial(launch, parts=parts)
+                row = []
+                for kind, idx in picks.items():
+                    def run():
+                        return dsv4_decode_triton(q, cache, table_, lens, sinks, W, D ** -0.5,
+                                                  comp if idx is not None else None, idx,
+                                                  tiles=tiles)
+                    us = decode_timer(run)
+                    pct = 100 * decode_bytes(q, idx) / us / 1e3 / copy_bw
+                    row.append(f"{kind} {us:6.1f} us {pct:4.1f}%")
+                print(f"{config} {what:>19}: " + "; ".join(row), flush=True)
+    finally:
+        dsv4_gluon_decode.launch = launch
 
 
 def compile_report(kernel, types_: dict, consts: dict, aligned: set, arch: int, warps: int,
@@ -572,11 +607,12 @@ def compile_report(kernel, types_: dict, consts: dict, aligned: set, arch: int, 
 
 
 def decode_compile_report(arch=90):
-    """The decode split kernel of each DECODE_TRIALS config compiled for sm_<arch> without a GPU
-    (compile_report): registers, spills, shared memory, and how many of its waits drain every
-    copy in flight (async_wait num=0: one at the top of each loop iteration and one after each
-    loop)."""
-    from sglang_dsv41.attention.dsv4_triton_decode import _dsv4_decode_split_kernel as kernel
+    """The decode split kernel (Triton's or, wgmma, Gluon's) of each DECODE_TRIALS config
+    compiled for sm_<arch> without a GPU (compile_report): registers, spills, shared memory,
+    and how many of its waits drain every copy in flight (async_wait num=0: one at the top of
+    each loop iteration and one after each loop)."""
+    from sglang_dsv41.attention.dsv4_gluon_decode import _dsv4_decode_wgmma_kernel
+    from sglang_dsv41.attention.dsv4_triton_decode import _dsv4_decode_split_kernel
 
     types_ = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "comp_ptr": "*bf16", "o_ptr": "*bf16",
               "sink_ptr": "*fp32", "part_ptr": "*fp32", "ml_ptr": "*fp32", "qk_scale": "fp32"}
@@ -584,8 +620,12 @@ def decode_compile_report(arch=90):
     for heads, trials in DECODE_TRIALS.items():
         for config in trials:
             tiles = DecodeTiles(*config)
-            consts = dict(HAS_SINK=True, PAGE=64, BH=tiles.bh, BN=tiles.bn, BD=D,
-                          SPLITS=max(tiles.splits, 1), DOT_PREC="tf32")
+            kernel = _dsv4_decode_wgmma_kernel if tiles.wgmma else _dsv4_decode_split_kernel
+            consts = dict(HAS_SINK=True, PAGE=64, BN=tiles.bn, SPLITS=max(tiles.splits, 1))
+            if tiles.wgmma:
+                consts.update(STAGES=tiles.stages, PARTS=0)
+            else:
+                consts.update(BH=tiles.bh, BD=D, DOT_PREC="tf32")
             r = compile_report(kernel, types_, consts,
                                aligned | ({"H"} if heads % 16 == 0 else set()), arch,
                                tiles.warps, tiles.stages)
@@ -648,6 +688,8 @@ if __name__ == "__main__":
                         help="table and --profile: the attention core only, not the module")
     parser.add_argument("--only-decode", action="store_true")
     parser.add_argument("--decode-sweep", action="store_true")
+    parser.add_argument("--decode-parts", action="store_true",
+                        help="only: the 64-head wgmma decode as built, copies only, MMAs only")
     parser.add_argument("--probe-atomics", action="store_true",
                         help="only: the 4k CSA core with the selection dKV's atomic adds, "
                              "plain stores in their place, and without it (at --heads)")
@@ -679,6 +721,8 @@ if __name__ == "__main__":
                 profile_module()
         if args.decode_sweep:
             decode_sweep()
+    elif args.decode_parts:
+        decode_parts()
     elif args.only_decode:
         decode()
         decode(heads=8)

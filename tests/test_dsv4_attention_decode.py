@@ -5,13 +5,17 @@ machine they run on the GPU. The reference sees the same rounded inputs upcast t
 """
 
 import os
+import re
+from dataclasses import replace
 
 import pytest
 import torch
 
 from sglang_dsv41.attention import dsv4_decode
 from sglang_dsv41.attention.dsv4 import dsv4_decode_reference
-from sglang_dsv41.attention.dsv4_triton_decode import DecodeTiles, dsv4_decode_triton, split_count
+from sglang_dsv41.attention.dsv4_triton_decode import (WGMMA_TILES, DecodeTiles,
+                                                       dsv4_decode_triton, split_count,
+                                                       wgmma_decode_applies)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
@@ -40,7 +44,7 @@ def _cache(seq_lens, page_size, dim, dtype, spare_pages=3):
 
 
 def _check(seq_lens, heads, dim, idx, dtype, tiles=None, sinks=True, page_size=8, comp_rows=40,
-           head_major_q=False):
+           head_major_q=False, window=WINDOW):
     lens = torch.tensor(seq_lens, device=DEVICE)
     cache, table = _cache(seq_lens, page_size, dim, dtype)
     q = (torch.randn(len(seq_lens), heads, dim, device=DEVICE) * 0.5).to(dtype)
@@ -52,13 +56,13 @@ def _check(seq_lens, heads, dim, idx, dtype, tiles=None, sinks=True, page_size=8
         idx = torch.tensor(idx, dtype=torch.int32, device=DEVICE).view(len(seq_lens),
                                                                         len(idx[0]))
     if tiles is None:
-        out = dsv4_decode(q, cache, table, lens, sink, WINDOW, dim ** -0.5, comp, idx,
+        out = dsv4_decode(q, cache, table, lens, sink, window, dim ** -0.5, comp, idx,
                           backend="triton")
     else:
-        out = dsv4_decode_triton(q, cache, table, lens, sink, WINDOW, dim ** -0.5, comp, idx,
+        out = dsv4_decode_triton(q, cache, table, lens, sink, window, dim ** -0.5, comp, idx,
                                  tiles=tiles)
     ref = dsv4_decode_reference(q.double(), cache.double(), table, lens,
-                                sink.double() if sinks else None, WINDOW, dim ** -0.5,
+                                sink.double() if sinks else None, window, dim ** -0.5,
                                 comp.double() if comp is not None else None, idx)
     assert out.dtype == dtype and out.shape == q.shape
     err = _rel(out, ref)
@@ -133,3 +137,69 @@ def test_split_count_never_leaves_a_split_without_key_tiles():
             per_split = -(-key_tiles // splits)
             assert 1 <= splits <= min(wanted, key_tiles)
             assert (splits - 1) * per_split < key_tiles, (key_tiles, wanted, splits)
+
+
+# The Gluon wgmma kernel (dsv4_gluon_decode.py): 33-64 heads, D 512, bf16 on an sm_90 GPU.
+HOPPER = (not INTERPRET and torch.cuda.is_available()
+          and wgmma_decode_applies(torch.empty(1, 64, 512, device="cuda", dtype=torch.bfloat16),
+                                   torch.empty(1, 1, 512, device="cuda", dtype=torch.bfloat16)))
+
+
+@pytest.mark.skipif(not HOPPER, reason="the wgmma decode needs an sm_90 GPU and Gluon")
+@pytest.mark.parametrize("heads", [64, 48])
+@pytest.mark.parametrize("splits", [0, 1, 3])
+@pytest.mark.parametrize("sinks", [True, False])
+def test_wgmma_decode_matches_reference(seed, heads, splits, sinks):
+    """A 128-token window in 64-key tiles (lengths short of one tile, at a tile edge, past the
+    window) and 150 picks (-1 in the middle and at the end, a repeat, a row with none) over
+    64-key tiles, split or not; 48 heads leave 16 of a program's rows masked."""
+    lens = [1, 64, 129, 500]
+    picks = [[(7 * j) % 300 if j % 9 else -1 for j in range(150)],
+             [-1] * 150,
+             [5] * 2 + list(range(148)),
+             list(range(40)) + [-1] * 110]
+    tiles = DecodeTiles(bh=64, bn=64, warps=8, stages=2, splits=splits, wgmma=True)
+    for idx in (picks, None):
+        _check(lens, heads, 512, idx, torch.bfloat16, tiles, sinks=sinks, page_size=16,
+               comp_rows=300, window=128)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the wgmma decode needs an sm_90 GPU and Gluon")
+def test_wgmma_decode_is_the_default_at_64_heads(seed):
+    """dsv4_decode at V4-Flash's 64 heads takes the wgmma kernel; three 32-key buffers too."""
+    _check([3, 200, 700], 64, 512, [[1, 2, -1] + list(range(30, 90))] * 3, torch.bfloat16,
+           page_size=64, comp_rows=100, window=128)
+    _check([3, 200, 700], 64, 512, None, torch.bfloat16, replace(WGMMA_TILES, bn=32, stages=3),
+           page_size=64, window=128)
+
+
+def test_wgmma_tiles_refused_where_they_do_not_apply():
+    with pytest.raises(ValueError, match="wgmma"):
+        DecodeTiles(bh=16, bn=16, warps=8, stages=2, wgmma=True)
+    q = torch.zeros(1, 64, 512, dtype=torch.bfloat16)
+    assert not wgmma_decode_applies(q, q.new_zeros(1, 4, 512))
+    with pytest.raises(ValueError, match="sm_90"):
+        dsv4_decode_triton(q, q.new_zeros(1, 4, 512), torch.zeros(1, 1, dtype=torch.int32),
+                           torch.ones(1, dtype=torch.int32), None, 4, 1.0, tiles=WGMMA_TILES)
+
+
+def test_wgmma_decode_compiles_for_the_h200():
+    """Without a GPU: the Gluon kernel builds for sm_90 with this Triton, its score MMA split
+    over the two warpgroups (m64n32 for a 64-key tile: each computes half the scores) and the
+    values' too (m64n256: half the 512 columns each), the keys gathered by cp.async."""
+    from triton_compile import compile_many_sm90
+
+    types = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "comp_ptr": "*bf16", "o_ptr": "*bf16",
+             "sink_ptr": "*fp32", "part_ptr": "*fp32", "ml_ptr": "*fp32", "qk_scale": "fp32",
+             "idx_ptr": "*i32", "end_ptr": "*i32", "len_ptr": "*i32", "page_ptr": "*i32"}
+    types.update({n: "i32" for n in ("H", "window", "stride_kv", "stride_c", "stride_idx",
+                                     "stride_page", "tiles_per_split")})
+    module = "sglang_dsv41.attention.dsv4_gluon_decode"
+    ptx = compile_many_sm90([(module, "_dsv4_decode_wgmma_kernel", types,
+                              dict(HAS_SINK=True, PAGE=64, BN=64, STAGES=2, SPLITS=splits,
+                                   PARTS=0), 8)
+                             for splits in (1, 2)])
+    for p in ptx:
+        shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+)", p))
+        assert shapes == {"m64n32", "m64n256"}, shapes
+        assert "cp.async.cg.shared.global" in p

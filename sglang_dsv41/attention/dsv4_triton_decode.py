@@ -31,13 +31,16 @@ from .triton_common import LOG2E, dot_precision, interpreting
 @dataclass(frozen=True)
 class DecodeTiles:
     """Tile sizes of the decode kernels: heads per program (bh), keys per tile (bn), warps,
-    pipeline stages, and key splits per request (0 = as many as fill the GPU: split_count)."""
+    pipeline stages, and key splits per request (0 = as many as fill the GPU: split_count).
+    wgmma: the split kernel is dsv4_gluon_decode's (Hopper, bf16, D 512, 33-64 heads; all 64
+    heads a program, 8 warps; stages = key buffers in flight) instead of this module's."""
 
     bh: int
     bn: int
     warps: int
     stages: int
     splits: int = 0
+    wgmma: bool = False
 
     def __post_init__(self):
         for name in ("bh", "bn"):
@@ -46,16 +49,21 @@ class DecodeTiles:
                 raise ValueError(f"DecodeTiles.{name}={val}: must be a power of two >= 16")
         if self.splits < 0:
             raise ValueError(f"DecodeTiles.splits={self.splits}: must be >= 0")
+        if self.wgmma and (self.bh != 64 or self.warps != 8 or self.stages < 2):
+            raise ValueError(f"DecodeTiles(wgmma=True): bh 64, warps 8 and stages >= 2, not "
+                             f"{self.bh}, {self.warps}, {self.stages}")
 
 
 INTERPRET_TILES = DecodeTiles(bh=16, bn=16, warps=1, stages=1)
 
 
-def default_tiles(heads: int) -> DecodeTiles:
+def default_tiles(heads: int, wgmma: bool = False) -> DecodeTiles:
     """Best of `bench/dsv4_attention.py --decode-sweep` on one H200 (batch 512, 8k tokens,
-    page 64; bench/results/dsv4_attention_h200.txt)."""
+    page 64; bench/results/dsv4_attention_h200.txt). wgmma: wgmma_decode_applies."""
     if interpreting():
         return INTERPRET_TILES
+    if wgmma:
+        return WGMMA_TILES
     # 64 heads: one block of all heads, 64-key tiles: 82 / 117 / 270 us sliding / HCA / CSA vs
     # 92 / 128 / 319 us for two 32-head blocks sharing keys through L2, 89 / 125 / 324 with
     # 32-key and 114 / 163 / 452 with 16-key tiles. 8 heads: one split (a second one costs
@@ -66,6 +74,35 @@ def default_tiles(heads: int) -> DecodeTiles:
     if heads > 16:
         return DecodeTiles(bh=64, bn=64, warps=8, stages=2)
     return DecodeTiles(bh=16, bn=16, warps=2, stages=2)
+
+
+WGMMA_TILES = DecodeTiles(bh=64, bn=64, warps=8, stages=2, wgmma=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_decode():
+    """dsv4_gluon_decode, or None where this Triton has no Gluon (or not its Hopper parts)."""
+    try:
+        from . import dsv4_gluon_decode
+    except (ImportError, AttributeError):
+        return None
+    return dsv4_gluon_decode
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def wgmma_decode_applies(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether dsv4_gluon_decode serves this call: bf16 on an sm_90 GPU, D 512, 33-64 heads
+    (its programs take 64 heads), and this Triton has Gluon."""
+    _, heads, dim = q.shape
+    if not (q.is_cuda and q.dtype == torch.bfloat16 and kv_cache.dtype == torch.bfloat16
+            and dim == 512 and 32 < heads <= 64 and not interpreting()):
+        return False
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    return _capability(index) == (9, 0) and _gluon_decode() is not None
 
 
 @functools.lru_cache(maxsize=None)
@@ -214,7 +251,11 @@ def dsv4_decode_triton(q, kv_cache, page_table, seq_lens, sinks, window, scale, 
     seq_lens [B] (tokens cached, the query's own included) -> [B, H, D]. Inputs validated by
     dsv4_decode; sinks fp32 or None."""
     batch, heads, dim = q.shape
-    tiles = tiles or default_tiles(heads)
+    wgmma = wgmma_decode_applies(q, kv_cache)
+    tiles = tiles or default_tiles(heads, wgmma)
+    if tiles.wgmma and not wgmma:
+        raise ValueError("DecodeTiles(wgmma=True) needs bf16 on an sm_90 GPU, D 512 and 33-64 "
+                         f"heads; got {q.dtype}, {q.device}, D {dim}, {heads} heads")
     q = q.contiguous()  # before out: empty_like keeps a non-contiguous q's strides
     out = torch.empty_like(q)
     if batch == 0:
@@ -232,12 +273,17 @@ def dsv4_decode_triton(q, kv_cache, page_table, seq_lens, sinks, window, scale, 
         ml = torch.empty(batch, splits, heads, 2, device=q.device, dtype=torch.float32)
     has_sink = sinks is not None
     bd = triton.next_power_of_2(dim)
-    _dsv4_decode_split_kernel[(head_blocks, splits, batch)](
-        q, kv, comp, cidx, sel_end, sinks if has_sink else q, lens, table, out, part, ml,
-        heads, dim, window, scale * LOG2E, kv.stride(0), comp.stride(0), cidx.stride(0),
-        table.stride(0), triton.cdiv(key_tiles, splits), HAS_SINK=has_sink,
-        PAGE=kv_cache.shape[1], BH=tiles.bh, BN=tiles.bn, BD=bd, SPLITS=splits,
-        DOT_PREC=dot_precision(q.dtype), num_warps=tiles.warps, num_stages=tiles.stages)
+    if tiles.wgmma:
+        _gluon_decode().launch(q, kv, comp, cidx, sel_end, sinks, lens, table, out, part, ml,
+                               window, scale * LOG2E, kv_cache.shape[1], tiles, splits,
+                               triton.cdiv(key_tiles, splits))
+    else:
+        _dsv4_decode_split_kernel[(head_blocks, splits, batch)](
+            q, kv, comp, cidx, sel_end, sinks if has_sink else q, lens, table, out, part, ml,
+            heads, dim, window, scale * LOG2E, kv.stride(0), comp.stride(0), cidx.stride(0),
+            table.stride(0), triton.cdiv(key_tiles, splits), HAS_SINK=has_sink,
+            PAGE=kv_cache.shape[1], BH=tiles.bh, BN=tiles.bn, BD=bd, SPLITS=splits,
+            DOT_PREC=dot_precision(q.dtype), num_warps=tiles.warps, num_stages=tiles.stages)
     if splits > 1:
         bh = min(16, tiles.bh)
         _dsv4_decode_combine_kernel[(triton.cdiv(heads, bh), batch)](

@@ -59,11 +59,11 @@ def row_block(width: int, most: int = 1024) -> int:
 
 def compile_for_gpu(kernel, types: dict[str, str], constants: dict, aligned=(), arch: int = 90,
                     **options):
-    """``kernel`` (a @triton.jit function: not under TRITON_INTERPRET=1, which makes interpreted
-    ones) compiled for sm_<arch> with the installed Triton and its ptxas, no GPU needed -> the
-    compiled kernel (.asm["ptx"], .metadata). ``types``: each non-constexpr argument's Triton
-    type ("*bf16", "i32", "fp32"); pointers, and the integer arguments named in ``aligned``,
-    are marked multiples of 16, as a launch marks them."""
+    """``kernel`` (a @triton.jit or @gluon.jit function: not under TRITON_INTERPRET=1, which
+    makes interpreted ones) compiled for sm_<arch> with the installed Triton and its ptxas, no
+    GPU needed -> the compiled kernel (.asm["ptx"], .metadata). ``types``: each non-constexpr
+    argument's Triton type ("*bf16", "i32", "fp32"); pointers, and the integer arguments named
+    in ``aligned``, are marked multiples of 16, as a launch marks them."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -74,5 +74,8 @@ def compile_for_gpu(kernel, types: dict[str, str], constants: dict, aligned=(), 
     signature = {n: "constexpr" if n in constants else types[n] for n in names}
     marks = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if signature[n].startswith("*") or n in aligned}
-    return triton.compile(ASTSource(kernel, signature, constants, marks),
+    source = ASTSource
+    if getattr(kernel, "is_gluon", lambda: False)():  # a @gluon.jit kernel
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    return triton.compile(source(kernel, signature, constants, marks),
                           target=GPUTarget("cuda", arch, 32), options=options)

@@ -1,0 +1,191 @@
+"""Paged decode at 64 heads on Hopper, written in Gluon (Triton's layout-explicit dialect).
+
+Same contract and split/combine scheme as dsv4_triton_decode.py, for the one shape where the
+Triton kernel cannot be laid out well: 33-64 heads, D 512, bf16, sm_90. There a program's query
+tile is [64 heads, 512] and each key tile feeds two MMAs, the scores S = Q K^T [64, BN] and the
+values O += P K [64, 512]. Triton gives a dot whose result feeds another dot all its warps on M,
+so with two warpgroups both compute the same 64-row scores (bench/dsv4_attention.py
+--decode-compile: warpsPerCTA [8, 1]; 35-41% of copy bandwidth). Here both MMAs split their N
+over the warpgroups ([4, 2] warps): each computes half of a tile's scores and half of the output
+columns, exchanging P through shared memory, so no MMA is done twice.
+
+The key tiles (a request's window through its page table, then its selected compressed rows:
+one numbering, window tiles first) are gathered with cp.async into a ring of STAGES buffers,
+STAGES - 1 tiles ahead of the MMAs; each tile's row addresses are computed one iteration before
+its copy is issued, so the page-table / pick loads wait behind a tile's MMAs, not in front of
+its copy. Invalid rows (past the request's length, -1 picks) are zero-filled by the masked copy
+and their scores set to -inf; a validity ring in shared memory carries each tile's mask from its
+copy to its softmax.
+
+GPU only: Gluon kernels do not run under TRITON_INTERPRET. The Triton kernel remains the path
+everywhere else and the CPU-tested one; tests/test_dsv4_attention_decode.py compares the two on
+a GPU.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+
+# cp.async of a pointer tile into shared memory: async_copy_global_to_shared in Triton 3.6 (the
+# GPU machines' image), async_load in 3.9 (CI's, which refuses the old name).
+async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+# A barrier of the CTA's threads: thread_barrier in 3.6, barrier in 3.9.
+cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+BH = gl.constexpr(64)  # heads a program: one wgmma M tile
+DIM = gl.constexpr(512)  # the real model's latent width (448 nope + 64 rope)
+
+
+@gluon.jit
+def _tile_rows(i, n_win, lo, hi, sel_end, t1, b, kv_ptr, comp_ptr, idx_ptr, page_ptr, stride_kv,
+               stride_c, stride_idx, stride_page, offs_n, PAGE: gl.constexpr, BN: gl.constexpr):
+    """-> (row pointers [BN], valid [BN]) of a request's key tile i (window tiles first)."""
+    live = i < t1
+    is_win = i < n_win
+    pos = lo + i * BN + offs_n
+    wvalid = live & is_win & (pos < hi)
+    page = gl.load(page_ptr + b * stride_page + pos // PAGE, mask=wvalid, other=0)
+    wrow = page.to(gl.int64) * PAGE + pos % PAGE
+    sel = (i - n_win) * BN + offs_n
+    svalid = live & (i >= n_win) & (sel < sel_end)
+    srow = gl.load(idx_ptr + b * stride_idx + sel, mask=svalid, other=-1)
+    svalid = svalid & (srow >= 0)
+    base = gl.where(wvalid, kv_ptr + wrow * stride_kv, comp_ptr + srow.to(gl.int64) * stride_c)
+    return base, wvalid | svalid
+
+
+@gluon.jit
+def _row_tile(base, offs_d):
+    """[BN, DIM] pointers of the rows at base: 16-byte runs (the rows are 16-byte aligned, which
+    the pointer select of _tile_rows hides from the compiler's alignment analysis)."""
+    return gl.max_contiguous(gl.multiple_of(base[:, None] + offs_d[None, :], [1, 16]), [1, 8])
+
+
+@gluon.jit
+def _dsv4_decode_wgmma_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_ptr, len_ptr,
+                              page_ptr, o_ptr, part_ptr, ml_ptr, H, window, qk_scale, stride_kv,
+                              stride_c, stride_idx, stride_page, tiles_per_split,
+                              HAS_SINK: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr,
+                              STAGES: gl.constexpr, SPLITS: gl.constexpr,
+                              PARTS: gl.constexpr = 0):
+    NW: gl.constexpr = gl.num_warps()
+    WG: gl.constexpr = NW // 4  # warpgroups, each takes 1/WG of every MMA's columns
+    load_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
+    rows_l: gl.constexpr = gl.SliceLayout(1, load_l)
+    cols_l: gl.constexpr = gl.SliceLayout(0, load_l)
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                  instr_shape=[16, BN // WG, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                  instr_shape=[16, DIM // WG, 16])
+    flag_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+
+    split = gl.program_id(0)
+    b = gl.program_id(1)
+    hi = gl.load(len_ptr + b)
+    lo = gl.maximum(hi - window, 0)
+    n_win = gl.cdiv(hi - lo, BN)
+    sel_end = gl.load(end_ptr + b)
+    t0 = split * tiles_per_split
+    t1 = gl.minimum(t0 + tiles_per_split, n_win + gl.cdiv(sel_end, BN))
+
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, DIM],
+                                       gl.NVMMASharedLayout.get_default_for([BH, DIM], gl.bfloat16))
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, DIM],
+                                       gl.NVMMASharedLayout.get_default_for([BN, DIM], gl.bfloat16))
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, BN],
+                                       gl.NVMMASharedLayout.get_default_for([BH, BN], gl.bfloat16))
+    flags = gl.allocate_shared_memory(gl.int8, [STAGES, BN], flag_l)
+
+    offs_d = gl.arange(0, DIM, layout=cols_l)
+    offs_h = gl.arange(0, BH, layout=rows_l)
+    offs_n = gl.arange(0, BN, layout=rows_l)
+    # The query rides in the first copy group (rows past H zero-filled).
+    async_load(
+        q_smem, q_ptr + b.to(gl.int64) * H * DIM + offs_h[:, None] * DIM + offs_d[None, :],
+        mask=(offs_h < H)[:, None])
+    for st in gl.static_range(STAGES - 1):
+        base, valid = _tile_rows(t0 + st, n_win, lo, hi, sel_end, t1, b, kv_ptr, comp_ptr,
+                                 idx_ptr, page_ptr, stride_kv, stride_c, stride_idx,
+                                 stride_page, offs_n, PAGE, BN)
+        async_load(k_smem.index(st), _row_tile(base, offs_d), mask=valid[:, None])
+        flags.index(st).store(valid.to(gl.int8))
+        cp.commit_group()
+    base, valid = _tile_rows(t0 + STAGES - 1, n_win, lo, hi, sel_end, t1, b, kv_ptr, comp_ptr,
+                             idx_ptr, page_ptr, stride_kv, stride_c, stride_idx, stride_page,
+                             offs_n, PAGE, BN)
+
+    m_i = gl.full([BH], -1.0e30, gl.float32, gl.SliceLayout(1, s_l))
+    l_i = gl.zeros([BH], gl.float32, gl.SliceLayout(1, s_l))
+    acc = gl.zeros([BH, DIM], gl.float32, o_l)
+    for i in range(t0, t1):
+        j = i - t0
+        # Every warp is past the previous tile's value MMA: its buffer and P may be rewritten.
+        cta_barrier()
+        nxt = (j + STAGES - 1) % STAGES
+        if PARTS != 2:
+            async_load(k_smem.index(nxt), _row_tile(base, offs_d), mask=valid[:, None])
+        flags.index(nxt).store(valid.to(gl.int8))
+        cp.commit_group()
+        base, valid = _tile_rows(i + STAGES, n_win, lo, hi, sel_end, t1, b, kv_ptr, comp_ptr,
+                                 idx_ptr, page_ptr, stride_kv, stride_c, stride_idx,
+                                 stride_page, offs_n, PAGE, BN)
+        cp.wait_group(STAGES - 1)
+        fence_async_shared()  # cp.async's writes, read next by wgmma (the async proxy)
+        cta_barrier()
+        if PARTS != 1:
+            k = k_smem.index(j % STAGES)
+            sc = warpgroup_mma(q_smem, k.permute((1, 0)), gl.zeros([BH, BN], gl.float32, s_l),
+                               use_acc=False)
+            ok = flags.index(j % STAGES).load(gl.SliceLayout(0, s_l)) != 0
+            sc = gl.where(ok[None, :], sc * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(sc, 1))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(sc - m_new[:, None])
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+            p_smem.store(p.to(gl.bfloat16))
+            fence_async_shared()
+            cta_barrier()  # each warpgroup wrote half of P's columns; both need all of it
+            acc = warpgroup_mma(p_smem, k, acc)
+    cp.wait_group(0)  # the masked copies issued past the last tile
+
+    hmask_s = gl.arange(0, BH, layout=gl.SliceLayout(1, s_l)) < H
+    oh = gl.arange(0, BH, layout=gl.SliceLayout(1, o_l))
+    od = gl.arange(0, DIM, layout=gl.SliceLayout(0, o_l))
+    o_offs = oh[:, None] * DIM + od[None, :]
+    o_mask = (oh < H)[:, None]
+    if SPLITS == 1:
+        if HAS_SINK:
+            sink = gl.load(sink_ptr + gl.arange(0, BH, layout=gl.SliceLayout(1, s_l)),
+                           mask=hmask_s, other=0.0).to(gl.float32) * 1.4426950408889634
+            m_new = gl.maximum(m_i, sink)
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha + gl.exp2(sink - m_new)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+        inv = gl.convert_layout(1.0 / gl.maximum(l_i, 1.0e-30), gl.SliceLayout(1, o_l))
+        gl.store(o_ptr + b.to(gl.int64) * H * DIM + o_offs,
+                 (acc * inv[:, None]).to(o_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        row = (b.to(gl.int64) * SPLITS + split) * H
+        gl.store(part_ptr + row * DIM + o_offs, acc, mask=o_mask)
+        hs = gl.arange(0, BH, layout=gl.SliceLayout(1, s_l))
+        gl.store(ml_ptr + (row + hs) * 2, m_i, mask=hmask_s)
+        gl.store(ml_ptr + (row + hs) * 2 + 1, l_i, mask=hmask_s)
+
+
+def launch(q, kv, comp, cidx, sel_end, sinks, lens, table, out, part, ml, window, scale_log2,
+           page: int, tiles, splits: int, tiles_per_split: int, parts: int = 0):
+    """One launch over (splits, batch) with dsv4_decode_triton's prepared arguments (tiles: a
+    DecodeTiles with wgmma=True). parts, for bench/dsv4_attention.py --decode-parts only: 1
+    issues the key copies without the MMAs and softmax, 2 the MMAs and softmax without the
+    key copies (the output is then not the attention)."""
+    batch, heads, _ = q.shape
+    _dsv4_decode_wgmma_kernel[(splits, batch)](
+        q, kv, comp, cidx, sel_end, sinks if sinks is not None else q, lens, table, out, part, ml,
+        heads, window, scale_log2, kv.stride(0), comp.stride(0), cidx.stride(0), table.stride(0),
+        tiles_per_split, HAS_SINK=sinks is not None, PAGE=page, BN=tiles.bn,
+        STAGES=tiles.stages, SPLITS=splits, PARTS=parts, num_warps=tiles.warps)
