@@ -24,9 +24,6 @@ a GPU.
 
 from __future__ import annotations
 
-import functools
-
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -180,182 +177,6 @@ def _dsv4_decode_wgmma_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_pt
         gl.store(ml_ptr + (row + hs) * 2 + 1, l_i, mask=hmask_s)
 
 
-@gluon.jit
-def _item(w, hi, sel_end, window, tiles_per_split, SPLITS: gl.constexpr, BN: gl.constexpr):
-    """Work item w = (request w // SPLITS, split w % SPLITS) of a request with hi cached tokens
-    and sel_end picks -> (lo, window tiles, the request's tiles, the item's first tile, its
-    tile count: at least 1; a split past the request's last tile gets one dead tile)."""
-    lo = gl.maximum(hi - window, 0)
-    n_win = gl.cdiv(hi - lo, BN)
-    n_req = n_win + gl.cdiv(sel_end, BN)
-    t0 = (w % SPLITS) * tiles_per_split
-    return lo, n_win, n_req, t0, gl.maximum(gl.minimum(tiles_per_split, n_req - t0), 1)
-
-
-@gluon.jit
-def _next_tile(pk, pt, hi, sel_end, lo, n_win, n_req, t0, count, nxt_hi, nxt_end, n_items,
-               window, tiles_per_split, len_ptr, end_ptr, SPLITS: gl.constexpr,
-               BN: gl.constexpr):
-    """The producer's cursor (item pk, its tile pt) one tile on; entering an item, that item's
-    length and picks come from the previous entry's loads, and the next item's are loaded."""
-    step = gl.num_programs(0)
-    pt = pt + 1
-    if pt >= count:
-        pk = pk + step
-        pt = 0
-        hi = nxt_hi
-        sel_end = nxt_end
-        lo, n_win, n_req, t0, count = _item(pk, hi, sel_end, window, tiles_per_split, SPLITS,
-                                            BN)
-        w = pk + step
-        nxt_hi = gl.load(len_ptr + w // SPLITS, mask=w < n_items, other=1)
-        nxt_end = gl.load(end_ptr + w // SPLITS, mask=w < n_items, other=0)
-    return pk, pt, hi, sel_end, lo, n_win, n_req, t0, count, nxt_hi, nxt_end
-
-
-@gluon.jit
-def _dsv4_decode_persistent_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_ptr, len_ptr,
-                                   page_ptr, o_ptr, part_ptr, ml_ptr, n_items, H, window,
-                                   qk_scale, stride_kv, stride_c, stride_idx, stride_page,
-                                   tiles_per_split, HAS_SINK: gl.constexpr, PAGE: gl.constexpr,
-                                   BN: gl.constexpr, STAGES: gl.constexpr,
-                                   SPLITS: gl.constexpr, PARTS: gl.constexpr = 0):
-    NW: gl.constexpr = gl.num_warps()
-    WG: gl.constexpr = NW // 4  # warpgroups, each takes 1/WG of every MMA's columns
-    load_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
-    rows_l: gl.constexpr = gl.SliceLayout(1, load_l)
-    cols_l: gl.constexpr = gl.SliceLayout(0, load_l)
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
-                                                  instr_shape=[16, BN // WG, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
-                                                  instr_shape=[16, DIM // WG, 16])
-    flag_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, DIM],
-                                       gl.NVMMASharedLayout.get_default_for([BH, DIM], gl.bfloat16))
-    k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, DIM],
-                                       gl.NVMMASharedLayout.get_default_for([BN, DIM], gl.bfloat16))
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, BN],
-                                       gl.NVMMASharedLayout.get_default_for([BH, BN], gl.bfloat16))
-    flags = gl.allocate_shared_memory(gl.int8, [STAGES, BN], flag_l)
-    offs_d = gl.arange(0, DIM, layout=cols_l)
-    offs_h = gl.arange(0, BH, layout=rows_l)
-    offs_n = gl.arange(0, BN, layout=rows_l)
-    q_tile = offs_h[:, None] * DIM + offs_d[None, :]
-    q_mask = (offs_h < H)[:, None]
-    hs = gl.arange(0, BH, layout=gl.SliceLayout(1, s_l))
-    hmask_s = hs < H
-    oh = gl.arange(0, BH, layout=gl.SliceLayout(1, o_l))
-    o_offs = oh[:, None] * DIM + gl.arange(0, DIM, layout=gl.SliceLayout(0, o_l))[None, :]
-    o_mask = (oh < H)[:, None]
-    if HAS_SINK:
-        sink = gl.load(sink_ptr + hs, mask=hmask_s, other=0.0).to(gl.float32) * 1.4426950408889634
-
-    # The producer: the next tile whose rows are to be computed, possibly items ahead of the
-    # consumer's; this program's items are pid, pid + step, ...
-    step = gl.num_programs(0)
-    pk = gl.program_id(0)
-    pt = 0
-    hi = gl.load(len_ptr + pk // SPLITS)
-    sel_end = gl.load(end_ptr + pk // SPLITS)
-    lo, n_win, n_req, t0, count = _item(pk, hi, sel_end, window, tiles_per_split, SPLITS, BN)
-    nxt_hi = gl.load(len_ptr + (pk + step) // SPLITS, mask=pk + step < n_items, other=1)
-    nxt_end = gl.load(end_ptr + (pk + step) // SPLITS, mask=pk + step < n_items, other=0)
-    # The first item's query rides in the first copy group.
-    async_load(q_smem, q_ptr + (pk // SPLITS).to(gl.int64) * H * DIM + q_tile, mask=q_mask)
-    for st in gl.static_range(STAGES):
-        base, valid = _tile_rows(t0 + pt, n_win, lo, hi, sel_end,
-                                 gl.where(pk < n_items, n_req, 0), pk // SPLITS, kv_ptr,
-                                 comp_ptr, idx_ptr, page_ptr, stride_kv, stride_c, stride_idx,
-                                 stride_page, offs_n, PAGE, BN)
-        pk, pt, hi, sel_end, lo, n_win, n_req, t0, count, nxt_hi, nxt_end = _next_tile(
-            pk, pt, hi, sel_end, lo, n_win, n_req, t0, count, nxt_hi, nxt_end, n_items, window,
-            tiles_per_split, len_ptr, end_ptr, SPLITS, BN)
-        if st < STAGES - 1:
-            async_load(k_smem.index(st), _row_tile(base, offs_d), mask=valid[:, None])
-            flags.index(st).store(valid.to(gl.int8))
-            cp.commit_group()
-
-    slot = 0  # the consumer's buffer in the ring
-    for ck in range(gl.program_id(0), n_items, step):
-        c_hi = gl.load(len_ptr + ck // SPLITS)
-        c_end = gl.load(end_ptr + ck // SPLITS)
-        _, _, _, _, c_count = _item(ck, c_hi, c_end, window, tiles_per_split, SPLITS, BN)
-        m_i = gl.full([BH], -1.0e30, gl.float32, gl.SliceLayout(1, s_l))
-        l_i = gl.zeros([BH], gl.float32, gl.SliceLayout(1, s_l))
-        acc = gl.zeros([BH, DIM], gl.float32, o_l)
-        for t in range(c_count):
-            # Every warp is past the previous tile's value MMA: its buffer and P may be rewritten.
-            cta_barrier()
-            nxt = (slot + STAGES - 1) % STAGES
-            if PARTS != 2:
-                async_load(k_smem.index(nxt), _row_tile(base, offs_d), mask=valid[:, None])
-            flags.index(nxt).store(valid.to(gl.int8))
-            cp.commit_group()
-            base, valid = _tile_rows(t0 + pt, n_win, lo, hi, sel_end,
-                                     gl.where(pk < n_items, n_req, 0), pk // SPLITS, kv_ptr,
-                                     comp_ptr, idx_ptr, page_ptr, stride_kv, stride_c,
-                                     stride_idx, stride_page, offs_n, PAGE, BN)
-            pk, pt, hi, sel_end, lo, n_win, n_req, t0, count, nxt_hi, nxt_end = _next_tile(
-                pk, pt, hi, sel_end, lo, n_win, n_req, t0, count, nxt_hi, nxt_end, n_items,
-                window, tiles_per_split, len_ptr, end_ptr, SPLITS, BN)
-            # An item's first tile also waits for its query, committed after the tile before.
-            if t == 0:
-                cp.wait_group(1)
-            else:
-                cp.wait_group(STAGES - 1)
-            fence_async_shared()  # cp.async's writes, read next by wgmma (the async proxy)
-            cta_barrier()
-            if PARTS != 1:
-                k = k_smem.index(slot)
-                sc = warpgroup_mma(q_smem, k.permute((1, 0)),
-                                   gl.zeros([BH, BN], gl.float32, s_l), use_acc=False)
-                ok = flags.index(slot).load(gl.SliceLayout(0, s_l)) != 0
-                sc = gl.where(ok[None, :], sc * qk_scale, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(sc, 1))
-                alpha = gl.exp2(m_i - m_new)
-                p = gl.exp2(sc - m_new[:, None])
-                l_i = l_i * alpha + gl.sum(p, 1)
-                m_i = m_new
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-                p_smem.store(p.to(gl.bfloat16))
-                fence_async_shared()
-            # Each warpgroup wrote half of P's columns (both need all of it), and both are
-            # past the item's last score MMA: the next item's query may come in.
-            cta_barrier()
-            if t == c_count - 1:
-                if ck + step < n_items:
-                    async_load(q_smem, q_ptr + ((ck + step) // SPLITS).to(gl.int64) * H * DIM
-                               + q_tile, mask=q_mask)
-                    cp.commit_group()
-            if PARTS != 1:
-                acc = warpgroup_mma(p_smem, k, acc)
-            slot = (slot + 1) % STAGES
-        b = ck // SPLITS
-        if SPLITS == 1:
-            if HAS_SINK:
-                m_new = gl.maximum(m_i, sink)
-                alpha = gl.exp2(m_i - m_new)
-                l_i = l_i * alpha + gl.exp2(sink - m_new)
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-            inv = gl.convert_layout(1.0 / gl.maximum(l_i, 1.0e-30), gl.SliceLayout(1, o_l))
-            gl.store(o_ptr + b.to(gl.int64) * H * DIM + o_offs,
-                     (acc * inv[:, None]).to(o_ptr.dtype.element_ty), mask=o_mask)
-        else:
-            row = ck.to(gl.int64) * H  # (b * SPLITS + split) * H
-            gl.store(part_ptr + row * DIM + o_offs, acc, mask=o_mask)
-            gl.store(ml_ptr + (row + hs) * 2, m_i, mask=hmask_s)
-            gl.store(ml_ptr + (row + hs) * 2 + 1, l_i, mask=hmask_s)
-    cp.wait_group(0)  # the masked copies issued past the last tile
-
-
-PERSISTENT = True
-
-
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def launch(q, kv, comp, cidx, sel_end, sinks, lens, table, out, part, ml, window, scale_log2,
            page: int, tiles, splits: int, tiles_per_split: int, parts: int = 0):
     """One launch over (splits, batch) with dsv4_decode_triton's prepared arguments (tiles: a
@@ -363,15 +184,6 @@ def launch(q, kv, comp, cidx, sel_end, sinks, lens, table, out, part, ml, window
     issues the key copies without the MMAs and softmax, 2 the MMAs and softmax without the
     key copies (the output is then not the attention)."""
     batch, heads, _ = q.shape
-    if PERSISTENT:
-        items = batch * splits
-        _dsv4_decode_persistent_kernel[(min(items, _multiprocessors(q.device.index)),)](
-            q, kv, comp, cidx, sel_end, sinks if sinks is not None else q, lens, table, out,
-            part, ml, items, heads, window, scale_log2, kv.stride(0), comp.stride(0),
-            cidx.stride(0), table.stride(0), tiles_per_split, HAS_SINK=sinks is not None,
-            PAGE=page, BN=tiles.bn, STAGES=tiles.stages, SPLITS=splits, PARTS=parts,
-            num_warps=tiles.warps)
-        return
     _dsv4_decode_wgmma_kernel[(splits, batch)](
         q, kv, comp, cidx, sel_end, sinks if sinks is not None else q, lens, table, out, part, ml,
         heads, window, scale_log2, kv.stride(0), comp.stride(0), cidx.stride(0), table.stride(0),
