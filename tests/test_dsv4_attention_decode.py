@@ -183,6 +183,28 @@ def test_wgmma_tiles_refused_where_they_do_not_apply():
                            torch.ones(1, dtype=torch.int32), None, 4, 1.0, tiles=WGMMA_TILES)
 
 
+def test_a_wgmma_decode_this_triton_cannot_build_falls_back(seed, monkeypatch, caplog):
+    """Gluon's API moves between Triton releases: where the kernel does not build, the default
+    path warns once and decodes with the Triton kernel; tiles that ask for wgmma get the error."""
+    from types import SimpleNamespace
+
+    from sglang_dsv41.attention import dsv4_triton_decode as decode
+
+    fallback = decode.default_tiles(4)
+    monkeypatch.setattr(decode, "wgmma_decode_applies", lambda q, kv: True)
+    monkeypatch.setattr(decode, "default_tiles",
+                        lambda heads, wgmma=False: WGMMA_TILES if wgmma else fallback)
+    monkeypatch.setattr(decode, "_gluon_decode", lambda: SimpleNamespace(
+        launch=lambda *args, **kwargs: "CompilationError: no such builtin"))
+    with caplog.at_level("WARNING", logger=decode.__name__):
+        _check(LENS, 4, 32, PICKS, torch.float32)
+        _check(LENS, 4, 32, PICKS, torch.float32)
+    warned = [r for r in caplog.records if "does not build" in r.getMessage()]
+    assert len(warned) == 1 and "no such builtin" in warned[0].getMessage()
+    with pytest.raises(RuntimeError, match="does not build"):
+        _check(LENS, 4, 32, PICKS, torch.float32, tiles=WGMMA_TILES)
+
+
 def test_wgmma_decode_compiles_for_the_h200():
     """Without a GPU: the Gluon kernel builds for sm_90 with this Triton, its score MMA split
     over the two warpgroups (m64n32 for a 64-key tile: each computes half the scores) and the

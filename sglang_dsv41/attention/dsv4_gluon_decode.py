@@ -177,15 +177,31 @@ def _dsv4_decode_wgmma_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_pt
         gl.store(ml_ptr + (row + hs) * 2 + 1, l_i, mask=hmask_s)
 
 
+# Per compile-time configuration: None once the kernel built, else why it did not.
+_BUILD_ERRORS: dict[tuple, str | None] = {}
+
+
 def launch(q, kv, comp, cidx, sel_end, sinks, lens, table, out, part, ml, window, scale_log2,
-           page: int, tiles, splits: int, tiles_per_split: int, parts: int = 0):
+           page: int, tiles, splits: int, tiles_per_split: int, parts: int = 0) -> str | None:
     """One launch over (splits, batch) with dsv4_decode_triton's prepared arguments (tiles: a
-    DecodeTiles with wgmma=True). parts, for bench/dsv4_attention.py --decode-parts only: 1
-    issues the key copies without the MMAs and softmax, 2 the MMAs and softmax without the
-    key copies (the output is then not the attention)."""
+    DecodeTiles with wgmma=True) -> None, or, launching nothing, why this Triton does not build
+    the kernel (Gluon is experimental and its API moves between releases; built once per
+    configuration, before the first launch). parts, for bench/dsv4_attention.py --decode-parts
+    only: 1 issues the key copies without the MMAs and softmax, 2 the MMAs and softmax without
+    the key copies (the output is then not the attention)."""
     batch, heads, _ = q.shape
-    _dsv4_decode_wgmma_kernel[(splits, batch)](
-        q, kv, comp, cidx, sel_end, sinks if sinks is not None else q, lens, table, out, part, ml,
-        heads, window, scale_log2, kv.stride(0), comp.stride(0), cidx.stride(0), table.stride(0),
-        tiles_per_split, HAS_SINK=sinks is not None, PAGE=page, BN=tiles.bn,
-        STAGES=tiles.stages, SPLITS=splits, PARTS=parts, num_warps=tiles.warps)
+    args = (q, kv, comp, cidx, sel_end, sinks if sinks is not None else q, lens, table, out, part,
+            ml, heads, window, scale_log2, kv.stride(0), comp.stride(0), cidx.stride(0),
+            table.stride(0), tiles_per_split)
+    consts = dict(HAS_SINK=sinks is not None, PAGE=page, BN=tiles.bn, STAGES=tiles.stages,
+                  SPLITS=splits, PARTS=parts, num_warps=tiles.warps)
+    key = tuple(sorted(consts.items()))
+    if key not in _BUILD_ERRORS:
+        try:
+            _dsv4_decode_wgmma_kernel.warmup(*args, grid=(splits, batch), **consts)
+            _BUILD_ERRORS[key] = None
+        except Exception as err:  # any failure to build: nothing has run on the GPU yet
+            _BUILD_ERRORS[key] = f"{type(err).__name__}: {str(err)[-2000:]}"
+    if _BUILD_ERRORS[key] is None:
+        _dsv4_decode_wgmma_kernel[(splits, batch)](*args, **consts)
+    return _BUILD_ERRORS[key]

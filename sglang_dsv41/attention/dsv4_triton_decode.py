@@ -18,6 +18,7 @@ request run side by side and share its keys through L2.
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +78,8 @@ def default_tiles(heads: int, wgmma: bool = False) -> DecodeTiles:
 
 
 WGMMA_TILES = DecodeTiles(bh=64, bn=64, warps=8, stages=2, wgmma=True)
+logger = logging.getLogger(__name__)
+_warn_once = functools.lru_cache(maxsize=None)(logger.warning)
 
 
 @functools.lru_cache(maxsize=None)
@@ -252,6 +255,7 @@ def dsv4_decode_triton(q, kv_cache, page_table, seq_lens, sinks, window, scale, 
     dsv4_decode; sinks fp32 or None."""
     batch, heads, dim = q.shape
     wgmma = wgmma_decode_applies(q, kv_cache)
+    chosen = tiles is not None
     tiles = tiles or default_tiles(heads, wgmma)
     if tiles.wgmma and not wgmma:
         raise ValueError("DecodeTiles(wgmma=True) needs bf16 on an sm_90 GPU, D 512 and 33-64 "
@@ -274,9 +278,17 @@ def dsv4_decode_triton(q, kv_cache, page_table, seq_lens, sinks, window, scale, 
     has_sink = sinks is not None
     bd = triton.next_power_of_2(dim)
     if tiles.wgmma:
-        _gluon_decode().launch(q, kv, comp, cidx, sel_end, sinks, lens, table, out, part, ml,
-                               window, scale * LOG2E, kv_cache.shape[1], tiles, splits,
-                               triton.cdiv(key_tiles, splits))
+        unbuilt = _gluon_decode().launch(q, kv, comp, cidx, sel_end, sinks, lens, table, out,
+                                         part, ml, window, scale * LOG2E, kv_cache.shape[1],
+                                         tiles, splits, triton.cdiv(key_tiles, splits))
+        if unbuilt is not None:
+            message = (f"the wgmma decode does not build with Triton {triton.__version__}: "
+                       f"{unbuilt}")
+            if chosen:
+                raise RuntimeError(message)
+            _warn_once(message + "; decoding with the Triton kernel")
+            return dsv4_decode_triton(q, kv_cache, page_table, seq_lens, sinks, window, scale,
+                                      comp_kv, comp_idx, default_tiles(heads))
     else:
         _dsv4_decode_split_kernel[(head_blocks, splits, batch)](
             q, kv, comp, cidx, sel_end, sinks if has_sink else q, lens, table, out, part, ml,
