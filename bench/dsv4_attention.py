@@ -530,6 +530,18 @@ def decode_sweep(batch=512, seq=8192, page=64):
         torch.cuda.empty_cache()
 
 
+def decode_once(heads, batch=512, seq=8192, page=64):
+    """Each layer kind's default decode at ``heads`` run twice, the second run to be profiled
+    from outside (ncu --launch-skip 1 --launch-count 1 per kind, kernels filtered by name)."""
+    cache, table_, lens, q, sinks, comp, picks = decode_inputs(batch, seq, page, heads)
+    for kind, idx in picks.items():
+        for _ in range(2):
+            dsv4_decode_triton(q, cache, table_, lens, sinks, W, D ** -0.5,
+                               comp if idx is not None else None, idx)
+        torch.cuda.synchronize()
+        print(f"decode once: {heads} heads, {kind}", flush=True)
+
+
 def decode_parts(batch=512, seq=8192, page=64, heads=64):
     """The 64-head wgmma decode of each DECODE_TRIALS[64] wgmma config as built, with only its
     key copies (no MMAs, no softmax) and with only its MMAs and softmax (no key copies; the
@@ -688,6 +700,8 @@ if __name__ == "__main__":
                         help="table and --profile: the attention core only, not the module")
     parser.add_argument("--only-decode", action="store_true")
     parser.add_argument("--decode-sweep", action="store_true")
+    parser.add_argument("--decode-once", type=int, default=0, metavar="HEADS",
+                        help="only: each kind's decode at HEADS heads twice, for a profiler")
     parser.add_argument("--decode-parts", action="store_true",
                         help="only: the 64-head wgmma decode as built, copies only, MMAs only")
     parser.add_argument("--probe-atomics", action="store_true",
@@ -721,6 +735,8 @@ if __name__ == "__main__":
                 profile_module()
         if args.decode_sweep:
             decode_sweep()
+    elif args.decode_once:
+        decode_once(args.decode_once)
     elif args.decode_parts:
         decode_parts()
     elif args.only_decode:

@@ -41,8 +41,11 @@ DIM = gl.constexpr(512)  # the real model's latent width (448 nope + 64 rope)
 
 @gluon.jit
 def _tile_rows(i, n_win, lo, hi, sel_end, t1, b, kv_ptr, comp_ptr, idx_ptr, page_ptr, stride_kv,
-               stride_c, stride_idx, stride_page, offs_n, PAGE: gl.constexpr, BN: gl.constexpr):
-    """-> (row pointers [BN], valid [BN]) of a request's key tile i (window tiles first)."""
+               stride_c, stride_idx, stride_page, offs_n, rows_l: gl.constexpr,
+               PAGE: gl.constexpr, BN: gl.constexpr):
+    """-> (row pointers [BN], valid [BN]) of a request's key tile i (window tiles first), in
+    rows_l. offs_n: arange(BN) one entry a thread (the page / pick loads: in rows_l each lane of
+    a warp would load its warp's rows again, as many load instructions as the tile's copies)."""
     live = i < t1
     is_win = i < n_win
     pos = lo + i * BN + offs_n
@@ -54,7 +57,7 @@ def _tile_rows(i, n_win, lo, hi, sel_end, t1, b, kv_ptr, comp_ptr, idx_ptr, page
     srow = gl.load(idx_ptr + b * stride_idx + sel, mask=svalid, other=-1)
     svalid = svalid & (srow >= 0)
     base = gl.where(wvalid, kv_ptr + wrow * stride_kv, comp_ptr + srow.to(gl.int64) * stride_c)
-    return base, wvalid | svalid
+    return gl.convert_layout(base, rows_l), gl.convert_layout(wvalid | svalid, rows_l)
 
 
 @gluon.jit
@@ -101,7 +104,7 @@ def _dsv4_decode_wgmma_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_pt
 
     offs_d = gl.arange(0, DIM, layout=cols_l)
     offs_h = gl.arange(0, BH, layout=rows_l)
-    offs_n = gl.arange(0, BN, layout=rows_l)
+    offs_n = gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [NW], [0]))
     # The query rides in the first copy group (rows past H zero-filled).
     async_load(
         q_smem, q_ptr + b.to(gl.int64) * H * DIM + offs_h[:, None] * DIM + offs_d[None, :],
@@ -109,13 +112,13 @@ def _dsv4_decode_wgmma_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_pt
     for st in gl.static_range(STAGES - 1):
         base, valid = _tile_rows(t0 + st, n_win, lo, hi, sel_end, t1, b, kv_ptr, comp_ptr,
                                  idx_ptr, page_ptr, stride_kv, stride_c, stride_idx,
-                                 stride_page, offs_n, PAGE, BN)
+                                 stride_page, offs_n, rows_l, PAGE, BN)
         async_load(k_smem.index(st), _row_tile(base, offs_d), mask=valid[:, None])
         flags.index(st).store(valid.to(gl.int8))
         cp.commit_group()
     base, valid = _tile_rows(t0 + STAGES - 1, n_win, lo, hi, sel_end, t1, b, kv_ptr, comp_ptr,
                              idx_ptr, page_ptr, stride_kv, stride_c, stride_idx, stride_page,
-                             offs_n, PAGE, BN)
+                             offs_n, rows_l, PAGE, BN)
 
     m_i = gl.full([BH], -1.0e30, gl.float32, gl.SliceLayout(1, s_l))
     l_i = gl.zeros([BH], gl.float32, gl.SliceLayout(1, s_l))
@@ -131,7 +134,7 @@ def _dsv4_decode_wgmma_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_pt
         cp.commit_group()
         base, valid = _tile_rows(i + STAGES, n_win, lo, hi, sel_end, t1, b, kv_ptr, comp_ptr,
                                  idx_ptr, page_ptr, stride_kv, stride_c, stride_idx,
-                                 stride_page, offs_n, PAGE, BN)
+                                 stride_page, offs_n, rows_l, PAGE, BN)
         cp.wait_group(STAGES - 1)
         fence_async_shared()  # cp.async's writes, read next by wgmma (the async proxy)
         cta_barrier()
@@ -152,6 +155,10 @@ def _dsv4_decode_wgmma_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_pt
             cta_barrier()  # each warpgroup wrote half of P's columns; both need all of it
             acc = warpgroup_mma(p_smem, k, acc)
     cp.wait_group(0)  # the masked copies issued past the last tile
+    if PARTS == 1:
+        # Without the MMAs nothing reads the query's buffer, and the compiler would lend its
+        # space to layout-conversion scratch while the query's copy still lands there.
+        acc += q_smem.load(o_l).to(gl.float32)
 
     hmask_s = gl.arange(0, BH, layout=gl.SliceLayout(1, s_l)) < H
     oh = gl.arange(0, BH, layout=gl.SliceLayout(1, o_l))
