@@ -104,6 +104,17 @@ def test_decode_public_entry_default_tiles(seed, page_size):
     _check(LENS, 4, 32, PICKS, torch.float32, sinks=False, page_size=page_size)
 
 
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_decode_window_tiles_across_page_ends(seed, page_size):
+    """Pages at least a key tile wide: a window tile spans one or two pages (the page entries
+    loaded as two scalars), the second one partly past the request's length or not."""
+    lens = [70, 47, 33, 64, 65, 17]
+    tiles = DecodeTiles(bh=16, bn=16, warps=1, stages=1)
+    _check(lens, 4, 32, None, torch.float32, tiles, page_size=page_size, window=40)
+    _check(lens, 4, 32, [[1, -1, 3]] * len(lens), torch.float32, tiles, page_size=page_size,
+           window=40)
+
+
 def test_decode_takes_a_non_contiguous_q(seed):
     """The output is written [B, H, D]-contiguous whatever q's strides are."""
     _check(LENS, 4, 32, PICKS, torch.float32, head_major_q=True)

@@ -180,7 +180,17 @@ def _dsv4_decode_split_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_pt
     for i in range(t0, i_end):
         pos = lo + i * BN + offs_n
         valid = pos < hi
-        page = tl.load(page_ptr + b * stride_page + pos // PAGE, mask=valid, other=0)
+        if PAGE >= BN:
+            # A tile spans at most two pages: two scalar loads. A [BN] load of the page entries
+            # takes the key tile's row layout, where every lane of a warp loads its rows again
+            # (as many load instructions as the key copies; ncu, dsv4_attention_h200.txt).
+            first = lo + i * BN
+            page_row = page_ptr + b * stride_page
+            p0 = tl.load(page_row + first // PAGE)
+            p1 = tl.load(page_row + (tl.minimum(first + BN, hi) - 1) // PAGE)  # last valid
+            page = tl.where(pos // PAGE == first // PAGE, p0, p1)
+        else:
+            page = tl.load(page_ptr + b * stride_page + pos // PAGE, mask=valid, other=0)
         row = page.to(tl.int64) * PAGE + pos % PAGE
         k = tl.load(kv_ptr + row[:, None] * stride_kv + offs_d[None, :],
                     mask=valid[:, None] & dmask[None, :], other=0.0)
