@@ -40,30 +40,46 @@ DIM = gl.constexpr(512)  # the real model's latent width (448 nope + 64 rope)
 
 
 @gluon.jit
-def _tile_rows(i, n_win, lo, hi, sel_end, t1, b, kv_ptr, comp_ptr, idx_ptr, page_ptr, stride_kv,
-               stride_c, stride_idx, stride_page, offs_n, rows_l: gl.constexpr,
-               PAGE: gl.constexpr, BN: gl.constexpr):
-    """-> (row pointers [BN], valid [BN]) of a request's key tile i (window tiles first), in
-    rows_l. offs_n: arange(BN) one entry a thread (the page / pick loads: in rows_l each lane of
-    a warp would load its warp's rows again, as many load instructions as the tile's copies)."""
+def _tile_index(i, n_win, lo, hi, sel_end, t1, b, idx_ptr, page_ptr, stride_idx, stride_page,
+                offs_n, PAGE: gl.constexpr, BN: gl.constexpr):
+    """-> (page entries, picks) of a request's key tile i (window tiles first; -1 where none),
+    one entry a thread: in the copies' row layout every lane of a warp would load its warp's
+    rows again, as many load instructions as the tile's copies (ncu)."""
     live = i < t1
+    pos = lo + i * BN + offs_n
+    page = gl.load(page_ptr + b * stride_page + pos // PAGE,
+                   mask=live & (i < n_win) & (pos < hi), other=-1)
+    sel = (i - n_win) * BN + offs_n
+    pick = gl.load(idx_ptr + b * stride_idx + sel, mask=live & (i >= n_win) & (sel < sel_end),
+                   other=-1)
+    return page, pick
+
+
+@gluon.jit
+def _tile_offsets(i, n_win, lo, page, pick, stride_kv, stride_c, offs_n, PAGE: gl.constexpr,
+                  BN: gl.constexpr):
+    """-> (row offsets [BN], in elements from kv (a window tile) or comp (a selection tile),
+    valid [BN]) of tile i from _tile_index's loads."""
     is_win = i < n_win
     pos = lo + i * BN + offs_n
-    wvalid = live & is_win & (pos < hi)
-    page = gl.load(page_ptr + b * stride_page + pos // PAGE, mask=wvalid, other=0)
-    wrow = page.to(gl.int64) * PAGE + pos % PAGE
-    sel = (i - n_win) * BN + offs_n
-    svalid = live & (i >= n_win) & (sel < sel_end)
-    srow = gl.load(idx_ptr + b * stride_idx + sel, mask=svalid, other=-1)
-    svalid = svalid & (srow >= 0)
-    base = gl.where(wvalid, kv_ptr + wrow * stride_kv, comp_ptr + srow.to(gl.int64) * stride_c)
-    return gl.convert_layout(base, rows_l), gl.convert_layout(wvalid | svalid, rows_l)
+    offs = gl.where(is_win, (page.to(gl.int64) * PAGE + pos % PAGE) * stride_kv,
+                    pick.to(gl.int64) * stride_c)
+    return offs, gl.where(is_win, page, pick) >= 0
+
+
+@gluon.jit
+def _issue(k_buf, i, n_win, kv_ptr, comp_ptr, offs_buf, flag_buf, offs_d,
+           rows_l: gl.constexpr):
+    """The copy of tile i's rows (offsets and validity from the index ring) into k_buf."""
+    base = gl.where(i < n_win, kv_ptr, comp_ptr)
+    offs = offs_buf.load(rows_l)
+    async_load(k_buf, _row_tile(base + offs, offs_d), mask=(flag_buf.load(rows_l) != 0)[:, None])
 
 
 @gluon.jit
 def _row_tile(base, offs_d):
     """[BN, DIM] pointers of the rows at base: 16-byte runs (the rows are 16-byte aligned, which
-    the pointer select of _tile_rows hides from the compiler's alignment analysis)."""
+    the offsets loaded from shared memory hide from the compiler's alignment analysis)."""
     return gl.max_contiguous(gl.multiple_of(base[:, None] + offs_d[None, :], [1, 16]), [1, 8])
 
 
@@ -100,25 +116,33 @@ def _dsv4_decode_wgmma_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_pt
                                        gl.NVMMASharedLayout.get_default_for([BN, DIM], gl.bfloat16))
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, BN],
                                        gl.NVMMASharedLayout.get_default_for([BH, BN], gl.bfloat16))
-    flags = gl.allocate_shared_memory(gl.int8, [STAGES, BN], flag_l)
+    # The index ring: each tile's row offsets and validity, computed STAGES tiles ahead of its
+    # MMAs (one entry a thread) and read one iteration later, in the copies' layout, to issue
+    # its copy; a tile's validity is read again for its scores' mask.
+    RING: gl.constexpr = STAGES + 1
+    offs_ring = gl.allocate_shared_memory(gl.int64, [RING, BN], flag_l)
+    flags = gl.allocate_shared_memory(gl.int8, [RING, BN], flag_l)
 
     offs_d = gl.arange(0, DIM, layout=cols_l)
     offs_h = gl.arange(0, BH, layout=rows_l)
     offs_n = gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [NW], [0]))
+    for st in gl.static_range(STAGES):
+        page, pick = _tile_index(t0 + st, n_win, lo, hi, sel_end, t1, b, idx_ptr, page_ptr,
+                                 stride_idx, stride_page, offs_n, PAGE, BN)
+        offs, valid = _tile_offsets(t0 + st, n_win, lo, page, pick, stride_kv, stride_c, offs_n,
+                                    PAGE, BN)
+        offs_ring.index(st).store(offs)
+        flags.index(st).store(valid.to(gl.int8))
+    cta_barrier()
     # The query rides in the first copy group (rows past H zero-filled).
     async_load(
         q_smem, q_ptr + b.to(gl.int64) * H * DIM + offs_h[:, None] * DIM + offs_d[None, :],
         mask=(offs_h < H)[:, None])
     for st in gl.static_range(STAGES - 1):
-        base, valid = _tile_rows(t0 + st, n_win, lo, hi, sel_end, t1, b, kv_ptr, comp_ptr,
-                                 idx_ptr, page_ptr, stride_kv, stride_c, stride_idx,
-                                 stride_page, offs_n, rows_l, PAGE, BN)
-        async_load(k_smem.index(st), _row_tile(base, offs_d), mask=valid[:, None])
-        flags.index(st).store(valid.to(gl.int8))
+        if PARTS != 2:
+            _issue(k_smem.index(st), t0 + st, n_win, kv_ptr, comp_ptr, offs_ring.index(st),
+                   flags.index(st), offs_d, rows_l)
         cp.commit_group()
-    base, valid = _tile_rows(t0 + STAGES - 1, n_win, lo, hi, sel_end, t1, b, kv_ptr, comp_ptr,
-                             idx_ptr, page_ptr, stride_kv, stride_c, stride_idx, stride_page,
-                             offs_n, rows_l, PAGE, BN)
 
     m_i = gl.full([BH], -1.0e30, gl.float32, gl.SliceLayout(1, s_l))
     l_i = gl.zeros([BH], gl.float32, gl.SliceLayout(1, s_l))
@@ -127,14 +151,14 @@ def _dsv4_decode_wgmma_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_pt
         j = i - t0
         # Every warp is past the previous tile's value MMA: its buffer and P may be rewritten.
         cta_barrier()
-        nxt = (j + STAGES - 1) % STAGES
+        x = j + STAGES - 1
         if PARTS != 2:
-            async_load(k_smem.index(nxt), _row_tile(base, offs_d), mask=valid[:, None])
-        flags.index(nxt).store(valid.to(gl.int8))
+            _issue(k_smem.index(x % STAGES), i + STAGES - 1, n_win, kv_ptr, comp_ptr,
+                   offs_ring.index(x % RING), flags.index(x % RING), offs_d, rows_l)
         cp.commit_group()
-        base, valid = _tile_rows(i + STAGES, n_win, lo, hi, sel_end, t1, b, kv_ptr, comp_ptr,
-                                 idx_ptr, page_ptr, stride_kv, stride_c, stride_idx,
-                                 stride_page, offs_n, rows_l, PAGE, BN)
+        # Tile i + STAGES's page entries / picks: loaded now, used after this tile's MMAs.
+        page, pick = _tile_index(i + STAGES, n_win, lo, hi, sel_end, t1, b, idx_ptr, page_ptr,
+                                 stride_idx, stride_page, offs_n, PAGE, BN)
         cp.wait_group(STAGES - 1)
         fence_async_shared()  # cp.async's writes, read next by wgmma (the async proxy)
         cta_barrier()
@@ -142,7 +166,7 @@ def _dsv4_decode_wgmma_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_pt
             k = k_smem.index(j % STAGES)
             sc = warpgroup_mma(q_smem, k.permute((1, 0)), gl.zeros([BH, BN], gl.float32, s_l),
                                use_acc=False)
-            ok = flags.index(j % STAGES).load(gl.SliceLayout(0, s_l)) != 0
+            ok = flags.index(j % RING).load(gl.SliceLayout(0, s_l)) != 0
             sc = gl.where(ok[None, :], sc * qk_scale, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(sc, 1))
             alpha = gl.exp2(m_i - m_new)
@@ -154,10 +178,14 @@ def _dsv4_decode_wgmma_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_pt
             fence_async_shared()
             cta_barrier()  # each warpgroup wrote half of P's columns; both need all of it
             acc = warpgroup_mma(p_smem, k, acc)
+        offs, valid = _tile_offsets(i + STAGES, n_win, lo, page, pick, stride_kv, stride_c,
+                                    offs_n, PAGE, BN)
+        offs_ring.index((j + STAGES) % RING).store(offs)
+        flags.index((j + STAGES) % RING).store(valid.to(gl.int8))
     cp.wait_group(0)  # the masked copies issued past the last tile
     if PARTS == 1:
         # Without the MMAs nothing reads the query's buffer, and the compiler would lend its
-        # space to layout-conversion scratch while the query's copy still lands there.
+        # space to scratch (reductions, layout conversions) while the query's copy lands.
         acc += q_smem.load(o_l).to(gl.float32)
 
     hmask_s = gl.arange(0, BH, layout=gl.SliceLayout(1, s_l)) < H
