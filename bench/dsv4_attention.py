@@ -542,6 +542,17 @@ def decode_once(heads, batch=512, seq=8192, page=64):
         print(f"decode once: {heads} heads, {kind}", flush=True)
 
 
+def core_once(kind, total=4096):
+    """Our core's forward + backward of one layer kind at ``total`` tokens run twice, the
+    second to be profiled from outside (ncu --kernel-name regex:_dsv4_ --launch-skip 4
+    --launch-count 4: forward, P/dS, dQ, window dKV)."""
+    run = ours_core(*core_inputs(kind, total))
+    for _ in range(2):
+        run()
+    torch.cuda.synchronize()
+    print(f"core once: {kind}, {total} tokens, {H} heads", flush=True)
+
+
 def decode_parts(batch=512, seq=8192, page=64, heads=64):
     """The 64-head wgmma decode of each DECODE_TRIALS[64] wgmma config as built, with only its
     key copies (no MMAs, no softmax) and with only its MMAs and softmax (no key copies; the
@@ -702,6 +713,9 @@ if __name__ == "__main__":
     parser.add_argument("--decode-sweep", action="store_true")
     parser.add_argument("--decode-once", type=int, default=0, metavar="HEADS",
                         help="only: each kind's decode at HEADS heads twice, for a profiler")
+    parser.add_argument("--core-once", choices=("sliding", "CSA", "HCA"), default=None,
+                        help="only: that kind's core fwd+bwd twice at --lengths[0], for a "
+                             "profiler")
     parser.add_argument("--decode-parts", action="store_true",
                         help="only: the 64-head wgmma decode as built, copies only, MMAs only")
     parser.add_argument("--probe-atomics", action="store_true",
@@ -735,6 +749,8 @@ if __name__ == "__main__":
                 profile_module()
         if args.decode_sweep:
             decode_sweep()
+    elif args.core_once:
+        core_once(args.core_once, args.lengths[0])
     elif args.decode_once:
         decode_once(args.decode_once)
     elif args.decode_parts:

@@ -12,7 +12,7 @@ Three kernels; the scores are recomputed once, not once per output:
     it fit one stage and waited on every gather (H200, 4k CSA: 1.84 ms for the pass then, fwd+bwd
     6.30 vs 5.86 ms chunked). It stores scale * dS in the operand dtype to a [T, H, window + K]
     buffer (slot s < window: key t - window + 1 + s; slot window + j: the token's j-th selected
-    entry; slots past the token's last valid pick are neither written nor read) and P of the window
+    entry; the buffer is zeroed, invalid slots are not written) and P of the window
     slots to a [T, H, window] one. A selection tile's dKV, scale * dS^T @ q + P^T @ dO, is added
     right there, chunk by chunk, into an fp32 buffer with relaxed atomics (a compressed entry is
     picked by arbitrary tokens; the order of those adds is not fixed): as a kernel of its own the
@@ -20,7 +20,8 @@ Three kernels; the scores are recomputed once, not once per output:
     columns) with the tensor cores idle; inside this pass they overlap its MMAs (fwd+bwd 5.30 vs
     5.86 ms), and P of the selection slots is never stored.
   * dQ pass: one program per (token, head block, D columns) sums scale*dS @ K over the token's
-    keys from that buffer.
+    keys from that buffer, transposed (K^T @ dS^T: dS the MMA's B operand, whole tiles of
+    slots from multiples of the tile, so that its loads go as asynchronous copies).
   * window dKV, key-major: one program per (block of keys, D columns) loops over the queries
     that see those keys (k .. k + window - 1), a few at a time (DSV4Blocks.dkv_rows rows of
     (query, head)), and sums scale*dS^T @ Q + P^T @ dO over their heads with tensor-core tiles
@@ -123,15 +124,14 @@ def _dsv4_ds_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, first_ptr, do_ptr
 
 
 @triton.jit
-def _dq_tile(acc, ds_ptr, kv_ptr, comp_ptr, idx_ptr, prow, slot_base, t, n, hi, num_sel,
-             stride_kv, stride_c, stride_idx, offs_n, offs_d, dmask, hmask,
-             IS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
-    """-> acc + (scale * dS)[heads, slots n - slot_base + [0, BN)] @ keys[tile n, D columns]."""
-    k, valid, _ = _load_keys(kv_ptr, comp_ptr, idx_ptr, t, n, hi, num_sel, stride_kv, stride_c,
-                             stride_idx, offs_n, offs_d, dmask, IS_WINDOW)
-    ds = tl.load(ds_ptr + prow[:, None] + (n + offs_n - slot_base)[None, :],
-                 mask=hmask[:, None] & valid[None, :], other=0.0)
-    return acc + mma(ds, k, DOT_PREC)
+def _dq_tile(acc, k, ds_ptr, prow, slots, hmask, DOT_PREC: tl.constexpr):
+    """-> acc + k^T @ ((scale * dS)[heads, slots])^T, dQ^T [D columns, heads]: dS is the MMA's
+    B operand, loaded [slots, heads] (contiguous slots, which start at multiples of the tile in
+    both loops), so Triton stages it through shared memory with asynchronous copies. As the A
+    operand [heads, slots], from the window's unaligned first slot, it was a plain load in each
+    iteration, its latency exposed (ncu: long_scoreboard, the pass's top stall)."""
+    ds_t = tl.load(ds_ptr + slots[:, None] + prow[None, :], mask=hmask[None, :], other=0.0)
+    return acc + mma(tl.trans(k), ds_t, DOT_PREC)
 
 
 @triton.jit
@@ -139,7 +139,8 @@ def _dsv4_dq_kernel(ds_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, first_ptr, dq_pt
                     num_sel, stride_qt, stride_qh, stride_kv, stride_c, stride_idx,
                     BH: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
                     DOT_PREC: tl.constexpr):
-    """dQ[t, heads, D columns] = (scale * dS)[t, heads, slots] @ keys[slots, D columns]."""
+    """dQ[t, heads, D columns] = (scale * dS)[t, heads, slots] @ keys[slots, D columns],
+    accumulated transposed ([D columns, heads]: _dq_tile)."""
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_d = tl.program_id(2) * BD + tl.arange(0, BD)
@@ -147,19 +148,23 @@ def _dsv4_dq_kernel(ds_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, first_ptr, dq_pt
     hmask = offs_h < H
     dmask = offs_d < D
     prow = (t.to(tl.int64) * H + offs_h) * (window + num_sel)
-    acc = tl.zeros([BH, BD], tl.float32)
+    acc = tl.zeros([BD, BH], tl.float32)
     hi = t + 1
-    lo = tl.maximum(tl.load(first_ptr + t), t + 1 - window)
-    for n in range(lo, hi, BN):
-        acc = _dq_tile(acc, ds_ptr, kv_ptr, comp_ptr, idx_ptr, prow, t + 1 - window, t, n,
-                       hi, num_sel, stride_kv, stride_c, stride_idx, offs_n, offs_d, dmask,
-                       hmask, True, DOT_PREC)
+    base = t + 1 - window  # the key position of window slot 0
+    lo = tl.maximum(tl.load(first_ptr + t), base)
+    # Window slots from the tile holding the first valid one, in whole tiles.
+    for s in range(((lo - base) // BN) * BN, window, BN):
+        pos = base + s + offs_n
+        valid = (pos >= lo) & (pos < hi)
+        k = tl.load(kv_ptr + pos[:, None].to(tl.int64) * stride_kv + offs_d[None, :],
+                    mask=valid[:, None] & dmask[None, :], other=0.0)
+        acc = _dq_tile(acc, k, ds_ptr, prow, s + offs_n, hmask, DOT_PREC)
     for n in range(0, tl.load(end_ptr + t), BN):
-        acc = _dq_tile(acc, ds_ptr, kv_ptr, comp_ptr, idx_ptr, prow, -window, t, n, hi,
-                       num_sel, stride_kv, stride_c, stride_idx, offs_n, offs_d, dmask, hmask,
-                       False, DOT_PREC)
-    tl.store(dq_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
-             acc.to(dq_ptr.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
+        k, _, _ = _load_keys(kv_ptr, comp_ptr, idx_ptr, t, n, hi, num_sel, stride_kv,
+                             stride_c, stride_idx, offs_n, offs_d, dmask, False)
+        acc = _dq_tile(acc, k, ds_ptr, prow, window + n + offs_n, hmask, DOT_PREC)
+    tl.store(dq_ptr + t.to(tl.int64) * stride_qt + offs_h[None, :] * stride_qh + offs_d[:, None],
+             acc.to(dq_ptr.dtype.element_ty), mask=hmask[None, :] & dmask[:, None])
 
 
 @triton.jit
@@ -215,8 +220,13 @@ def dsv4_backward(q, kv, sinks, first_rows, window, scale, comp_kv, comp_idx, se
     if total == 0:
         return dq, torch.zeros_like(kv), _dsinks(sinks, lse, delta), dcomp32.to(comp_kv.dtype)
     bd, prec, num_sel = triton.next_power_of_2(dim), dot_precision(q.dtype), comp_idx.shape[1]
-    # scale*dS and the window's P in the MMA operand dtype (what the MMAs read).
-    ds_buf = torch.empty(total, heads, window + num_sel, device=q.device, dtype=q.dtype)
+    # scale*dS and the window's P in the MMA operand dtype (what the MMAs read). dS zeroed, and
+    # a tile of slack past its end: the dQ pass reads whole tiles of slots (unmasked, so that
+    # they go as asynchronous copies) where the P/dS pass wrote only the valid ones; the slots
+    # it did not write meet zeroed keys there, and must not be NaN.
+    row = window + num_sel
+    ds_buf = torch.zeros(total * heads * row + blocks.dq_bn, device=q.device,
+                         dtype=q.dtype)[:total * heads * row].view(total, heads, row)
     p_buf = torch.empty(total, heads, window, device=q.device, dtype=q.dtype)
     _dsv4_ds_kernel[(total, triton.cdiv(heads, blocks.ds_bh))](
         q, kv, comp_kv, comp_idx, sel_end, first_rows, dout, out, lse, delta, p_buf, ds_buf,
