@@ -133,6 +133,18 @@ def test_decode_empty_pool_and_no_keys_without_sink(seed):
     assert _rel(out, ref) <= 1e-3
 
 
+def test_decode_refuses_mixed_dtypes():
+    q = torch.zeros(1, 4, 32, device=DEVICE)
+    cache = torch.zeros(2, 8, 32, device=DEVICE)
+    table = torch.zeros(1, 2, dtype=torch.int32, device=DEVICE)
+    lens = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="one dtype"):
+        dsv4_decode(q, cache.bfloat16(), table, lens, None, 4, 1.0, backend="triton")
+    with pytest.raises(ValueError, match="one dtype"):
+        dsv4_decode(q, cache, table, lens, None, 4, 1.0, cache.new_zeros(3, 32).bfloat16(),
+                    torch.zeros(1, 2, dtype=torch.int32, device=DEVICE), backend="triton")
+
+
 def test_decode_tiles_refuse_bad_sizes():
     with pytest.raises(ValueError, match="power of two"):
         DecodeTiles(bh=24, bn=16, warps=4, stages=2)

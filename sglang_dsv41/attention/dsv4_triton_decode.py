@@ -101,8 +101,8 @@ def wgmma_decode_applies(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether dsv4_gluon_decode serves this call: bf16 on an sm_90 GPU, D 512, 33-64 heads
     (its programs take 64 heads), and this Triton has Gluon."""
     _, heads, dim = q.shape
-    if not (q.is_cuda and q.dtype == torch.bfloat16 and kv_cache.dtype == torch.bfloat16
-            and dim == 512 and 32 < heads <= 64 and not interpreting()):
+    if not (q.is_cuda and q.dtype == kv_cache.dtype == torch.bfloat16 and dim == 512
+            and 32 < heads <= 64 and not interpreting()):
         return False
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     return _capability(index) == (9, 0) and _gluon_decode() is not None
@@ -264,6 +264,10 @@ def dsv4_decode_triton(q, kv_cache, page_table, seq_lens, sinks, window, scale, 
     seq_lens [B] (tokens cached, the query's own included) -> [B, H, D]. Inputs validated by
     dsv4_decode; sinks fp32 or None."""
     batch, heads, dim = q.shape
+    if kv_cache.dtype != q.dtype or (comp_kv is not None and comp_kv.dtype != q.dtype):
+        raise ValueError(f"the Triton decode takes q, kv_cache and comp_kv in one dtype; got "
+                         f"{q.dtype}, {kv_cache.dtype}, "
+                         f"{None if comp_kv is None else comp_kv.dtype}")
     wgmma = wgmma_decode_applies(q, kv_cache)
     chosen = tiles is not None
     tiles = tiles or default_tiles(heads, wgmma)
