@@ -1,5 +1,6 @@
 """DSV4 sparse sink attention on one GPU at V4-Flash head shapes (64 heads, D 512, window 128):
-our Triton kernels vs transformers' eager DeepseekV4 attention, per layer kind, plus decode.
+our Triton kernels vs transformers' eager DeepseekV4 attention, per layer kind, plus decode (at
+64 heads on Hopper the Gluon kernel, dsv4_gluon_decode.py, as the engine runs it).
 
     python bench/dsv4_attention.py                 # the table (4k, 16k, 64k) and decode
     python bench/dsv4_attention.py --sweep [dkv..] # only: tile configs at 4k CSA and HCA
