@@ -214,6 +214,7 @@ def test_a_wgmma_decode_this_triton_cannot_build_falls_back(seed, monkeypatch, c
     from sglang_dsv41.attention import dsv4_triton_decode as decode
 
     fallback = decode.default_tiles(4)
+    monkeypatch.setattr(decode, "_UNBUILT", [])
     monkeypatch.setattr(decode, "wgmma_decode_applies", lambda q, kv: True)
     monkeypatch.setattr(decode, "default_tiles",
                         lambda heads, wgmma=False: WGMMA_TILES if wgmma else fallback)

@@ -189,15 +189,16 @@ def _dsv4_decode_wgmma_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_pt
         # space to scratch (reductions, layout conversions) while the query's copy lands.
         acc += q_smem.load(o_l).to(gl.float32)
 
-    hmask_s = gl.arange(0, BH, layout=gl.SliceLayout(1, s_l)) < H
+    hs = gl.arange(0, BH, layout=gl.SliceLayout(1, s_l))
+    hmask_s = hs < H
     oh = gl.arange(0, BH, layout=gl.SliceLayout(1, o_l))
     od = gl.arange(0, DIM, layout=gl.SliceLayout(0, o_l))
     o_offs = oh[:, None] * DIM + od[None, :]
     o_mask = (oh < H)[:, None]
     if SPLITS == 1:
         if HAS_SINK:
-            sink = gl.load(sink_ptr + gl.arange(0, BH, layout=gl.SliceLayout(1, s_l)),
-                           mask=hmask_s, other=0.0).to(gl.float32) * 1.4426950408889634
+            sink = gl.load(sink_ptr + hs, mask=hmask_s, other=0.0).to(gl.float32) \
+                * 1.4426950408889634
             m_new = gl.maximum(m_i, sink)
             alpha = gl.exp2(m_i - m_new)
             l_i = l_i * alpha + gl.exp2(sink - m_new)
@@ -208,7 +209,6 @@ def _dsv4_decode_wgmma_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_pt
     else:
         row = (b.to(gl.int64) * SPLITS + split) * H
         gl.store(part_ptr + row * DIM + o_offs, acc, mask=o_mask)
-        hs = gl.arange(0, BH, layout=gl.SliceLayout(1, s_l))
         gl.store(ml_ptr + (row + hs) * 2, m_i, mask=hmask_s)
         gl.store(ml_ptr + (row + hs) * 2 + 1, l_i, mask=hmask_s)
 

@@ -79,7 +79,9 @@ def default_tiles(heads: int, wgmma: bool = False) -> DecodeTiles:
 
 WGMMA_TILES = DecodeTiles(bh=64, bn=64, warps=8, stages=2, wgmma=True)
 logger = logging.getLogger(__name__)
-_warn_once = functools.lru_cache(maxsize=None)(logger.warning)
+# Why the wgmma decode did not build, once it failed on the default path: from then on that path
+# takes the Triton kernel without preparing (and failing) the wgmma launch on every call.
+_UNBUILT: list[str] = []
 
 
 @functools.lru_cache(maxsize=None)
@@ -270,7 +272,7 @@ def dsv4_decode_triton(q, kv_cache, page_table, seq_lens, sinks, window, scale, 
                          f"{None if comp_kv is None else comp_kv.dtype}")
     wgmma = wgmma_decode_applies(q, kv_cache)
     chosen = tiles is not None
-    tiles = tiles or default_tiles(heads, wgmma)
+    tiles = tiles or default_tiles(heads, wgmma and not _UNBUILT)
     if tiles.wgmma and not wgmma:
         raise ValueError("DecodeTiles(wgmma=True) needs bf16 on an sm_90 GPU, D 512 and 33-64 "
                          f"heads; got {q.dtype}, {q.device}, D {dim}, {heads} heads")
@@ -300,7 +302,8 @@ def dsv4_decode_triton(q, kv_cache, page_table, seq_lens, sinks, window, scale, 
                        f"{unbuilt}")
             if chosen:
                 raise RuntimeError(message)
-            _warn_once(message + "; decoding with the Triton kernel")
+            _UNBUILT.append(message)
+            logger.warning(message + "; decoding with the Triton kernel from now on")
             return dsv4_decode_triton(q, kv_cache, page_table, seq_lens, sinks, window, scale,
                                       comp_kv, comp_idx, default_tiles(heads))
     else:
