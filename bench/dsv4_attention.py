@@ -627,6 +627,10 @@ def compile_report(kernel, types_: dict, consts: dict, aligned: set, arch: int, 
                 wgmma_shapes=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+)",
                                                    ptx))),
                 mma_sync=ptx.count("mma.sync"), cp_async=len(re.findall(r"cp\.async\.c[ag]", ptx)),
+                # plain global loads, and of them those of one 16-bit element (a gather Triton
+                # could neither vectorize nor turn into an asynchronous copy)
+                ld_global=len(re.findall(r"\bld\.global\.", ptx)),
+                ld_global_16=len(re.findall(r"\bld\.global(?:\.[a-z]+)*\.[bu]16\b", ptx)),
                 drains=compiled.asm["ttgir"].count("num = 0 : i32"))
 
 
@@ -670,8 +674,8 @@ def training_compile_report(arch=90):
                                     "ds_ptr", "dq_ptr", "dkv_ptr")}
     types_.update({n: "*fp32" for n in ("lse_ptr", "delta_ptr", "dcomp_ptr", "sink_ptr")})
     types_.update(qk_scale="fp32", scale="fp32")
-    aligned = {"H", "D", "window", "num_sel", "T", "stride_qt", "stride_qh", "stride_kv",
-               "stride_c", "stride_idx", "stride_ot", "stride_oh"}
+    aligned = {"H", "D", "window", "num_sel", "wslots", "ds_row", "T", "stride_qt", "stride_qh",
+               "stride_kv", "stride_c", "stride_idx", "stride_ot", "stride_oh"}
     for heads in (16, 64):
         b = default_blocks(heads)
         bhh, tb = bwd.dkv_window_rows(heads, b)
@@ -690,6 +694,7 @@ def training_compile_report(arch=90):
             r = compile_report(kernel, types_, consts, aligned, arch, warps, stages)
             print(f"H={heads} {name:10s} {warps} warps {stages} stages: wgmma {r['wgmma']:4d}, "
                   f"mma.sync {r['mma_sync']:4d}, cp.async {r['cp_async']:3d}, "
+                  f"ld.global {r['ld_global']:3d} ({r['ld_global_16']:3d} of 16 bits), "
                   f"{r['shared']:6d} B shared, {r['regs']} registers, {r['spills']} B spill "
                   "stores", flush=True)
 

@@ -8,6 +8,7 @@ the same rounded inputs upcast to float64.
 import dataclasses
 import functools
 import os
+import re
 
 import pytest
 import torch
@@ -136,6 +137,17 @@ def test_selection_tiles_narrower_than_the_window_tiles(seed):
     _compare(lens, 4, 32, 20, torch.float32, rows, idx, blocks=blocks)
 
 
+def test_window_slots_in_whole_tiles_and_aligned_tails(seed):
+    # A 40-key window in 32-slot tiles: a token's window slots (from its first key rounded down
+    # to 16) are 40-55, so the dQ pass takes one whole tile and one or two 16-slot ones, and the
+    # window dKV pass's 32-key blocks meet tokens whose slots start at any multiple of 16;
+    # packed sequences start at unaligned rows.
+    lens, gen = [70, 45, 3], torch.Generator().manual_seed(seed)
+    idx, rows = csa_selection(lens, 4, 3, gen)
+    blocks = dataclasses.replace(default_blocks(4), dq_bn=32, dkv_bn=32, ds_bn=32)
+    _compare(lens, 4, 32, 40, torch.float32, rows, idx, blocks=blocks)
+
+
 @pytest.mark.skipif(INTERPRET, reason="the GPU's own tiles at real head shapes: too slow for "
                                         "the interpreter (its tiles are 16 wide)")
 @pytest.mark.parametrize("heads", [16, 64])
@@ -159,6 +171,38 @@ def test_dsink_and_window_dkv_are_bitwise_deterministic(seed):
         runs.append((grads[2], grads[1]))
     assert torch.equal(runs[0][0], runs[1][0]), f"dsink differs between identical runs: {runs}"
     assert torch.equal(runs[0][1], runs[1][1]), "window dkv differs between identical runs"
+
+
+def test_backward_passes_read_ds_and_p_as_asynchronous_copies():
+    """Without a GPU: the dQ and window dKV passes at the 64-head GPU tiles, built for sm_90 with
+    this Triton, load their dS and P tiles (and every other operand of their loops) with cp.async
+    and no plain 16-bit global load: each token's slots read as whole aligned vectors. Slots
+    started at a token's own window start were gathered element by element, 64 scalar loads a
+    thread in the window dKV pass."""
+    from triton_compile import compile_many_sm90
+
+    from sglang_dsv41.attention.dsv4_triton_backward import dkv_window_rows
+
+    b = DSV4Blocks()
+    bhh, tb = dkv_window_rows(64, b)
+    ptrs = ("q_ptr", "kv_ptr", "comp_ptr", "do_ptr", "p_ptr", "ds_ptr", "dq_ptr", "dkv_ptr")
+    types = {n: "*bf16" for n in ptrs} | {n: "*i32" for n in ("idx_ptr", "end_ptr", "first_ptr")}
+    ints = ("T", "H", "D", "window", "wslots", "ds_row", "num_sel", "stride_qt", "stride_qh",
+            "stride_kv", "stride_c", "stride_idx")
+    types |= {n: "i32" for n in ints}
+    module = "sglang_dsv41.attention.dsv4_triton_backward"
+    ptx = compile_many_sm90([
+        (module, "_dsv4_dq_kernel", types,
+         dict(BH=b.dq_bh, BN=b.dq_bn, BD=b.dq_bd, DOT_PREC="tf32"), b.dq_warps, ints,
+         b.dq_stages),
+        (module, "_dsv4_dkv_window_kernel", types,
+         dict(BN=b.dkv_bn, BHH=bhh, TB=tb, BD=b.dkv_bd, DOT_PREC="tf32"), b.dkv_warps, ints,
+         b.dkv_stages)])
+    for name, p in zip(("dQ", "window dKV"), ptx):
+        copies = p.count("cp.async.cg.shared.global")
+        scalar = len(re.findall(r"\bld\.global(?:\.[a-z]+)*\.[bu]16\b", p))
+        assert copies and not scalar, f"{name}: {copies} cp.async, {scalar} 16-bit loads"
+    assert not re.search(r"\bld\.global\.", ptx[1]), "window dKV: a plain global load"
 
 
 def test_hostile_inputs_get_clear_errors():

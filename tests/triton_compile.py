@@ -19,6 +19,8 @@ def compile_sm90(module: str, kernel: str, types: dict[str, str], constants: dic
 
 
 def compile_many_sm90(specs: list[tuple]) -> list[str]:
+    """specs: (module, kernel, types, constants, num_warps[, aligned, num_stages]); aligned:
+    the integer arguments a launch at real shapes marks multiples of 16."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(specs)], env=env,
                          capture_output=True, text=True, timeout=300)
@@ -31,8 +33,9 @@ _CHILD = """
 import importlib, json, sys
 from sglang_dsv41.attention.triton_common import compile_for_gpu
 
-print(json.dumps([
-    compile_for_gpu(getattr(importlib.import_module(module), name), types, constants,
-                    num_warps=num_warps).asm["ptx"]
-    for module, name, types, constants, num_warps in json.loads(sys.argv[1])]))
+def ptx(module, name, types, constants, num_warps, aligned=(), num_stages=3):
+    return compile_for_gpu(getattr(importlib.import_module(module), name), types, constants,
+                           aligned, num_warps=num_warps, num_stages=num_stages).asm["ptx"]
+
+print(json.dumps([ptx(*spec) for spec in json.loads(sys.argv[1])]))
 """

@@ -10,23 +10,31 @@ Three kernels; the scores are recomputed once, not once per output:
     rows streamed chunk by chunk (q and dO from L2), so the loop pipelines in 3 stages in 80 KB of
     shared memory at 64 heads (Triton 3.6 for sm_90); held whole (q, dO and a 64-key tile: 192 KB)
     it fit one stage and waited on every gather (H200, 4k CSA: 1.84 ms for the pass then, fwd+bwd
-    6.30 vs 5.86 ms chunked). It stores scale * dS in the operand dtype to a [T, H, window + K]
-    buffer (slot s < window: key t - window + 1 + s; slot window + j: the token's j-th selected
-    entry; the buffer is zeroed, invalid slots are not written) and P of the window
-    slots to a [T, H, window] one. A selection tile's dKV, scale * dS^T @ q + P^T @ dO, is added
+    6.30 vs 5.86 ms chunked). It stores scale * dS in the operand dtype to a [T, H, W + K] buffer
+    and P of the window slots to a [T, H, W] one, both zeroed, invalid slots not written. Window
+    slot s of token t holds key window_base(t) + s: the window's first key rounded down to a
+    multiple of SLOT_ALIGN, so that W = window_slots(window) = window + SLOT_ALIGN - 1 rounded up
+    to SLOT_ALIGN, and every key block that starts at a multiple of SLOT_ALIGN starts at one in
+    every token's slots too: the window dKV pass then reads a block's P and dS of any token as
+    whole aligned vectors (from the window's own first key, each token's slots started at a
+    different offset, read element by element: Triton 3.6 for sm_90 compiled them to 64 scalar
+    16-bit loads a thread, the gather of the pass). Slot W + j: the token's j-th selected entry.
+    A selection tile's dKV, scale * dS^T @ q + P^T @ dO, is added
     right there, chunk by chunk, into an fp32 buffer with relaxed atomics (a compressed entry is
     picked by arbitrary tokens; the order of those adds is not fixed): as a kernel of its own the
     adds were bound by the atomics in L2 (1.42 ms at 4k CSA, 1.57M (token, pick) pairs x 512
     columns) with the tensor cores idle; inside this pass they overlap its MMAs (fwd+bwd 5.30 vs
     5.86 ms), and P of the selection slots is never stored.
   * dQ pass: one program per (token, head block, D columns) sums scale*dS @ K over the token's
-    keys from that buffer, transposed (K^T @ dS^T: dS the MMA's B operand, whole tiles of
-    slots from multiples of the tile, so that its loads go as asynchronous copies).
+    keys from that buffer, transposed (K^T @ dS^T: dS the MMA's B operand, tiles of slots from
+    multiples of SLOT_ALIGN, so that its loads go as asynchronous copies; the window's slots in
+    whole tiles, then SLOT_ALIGN-wide ones).
   * window dKV, key-major: one program per (block of keys, D columns) loops over the queries
     that see those keys (k .. k + window - 1), a few at a time (DSV4Blocks.dkv_rows rows of
     (query, head)), and sums scale*dS^T @ Q + P^T @ dO over their heads with tensor-core tiles
     [keys x rows] x [rows x D]. Each key is owned by one program: no atomics, fixed summation
-    order.
+    order. Its P and dS loads are masked only by whole aligned groups of slots (the row, and the
+    block inside the token's W slots); the zeroed slots of keys a token does not see give 0.
 dsink is reduced in torch from per-(token, head) terms: deterministic, no atomics.
 """
 
@@ -41,6 +49,22 @@ from .dsv4_triton_forward import (DSV4Blocks, _key_rows, _load_keys, default_blo
                                   dsv4_forward, selection_or_empty)
 from .triton_common import LOG2E, dot_precision, mma, to_dtype
 
+# Window slots start at a multiple of this many keys (module docstring): 16 bf16 are two 16-byte
+# vectors; every key tile size (DSV4Blocks: powers of two >= 16) is a multiple of it.
+SLOT_ALIGN = tl.constexpr(16)
+
+
+def window_slots(window: int) -> int:
+    """W: slots a token keeps for its window, whose first key is rounded down to SLOT_ALIGN."""
+    align = SLOT_ALIGN.value
+    return triton.cdiv(window + align - 1, align) * align
+
+
+@triton.jit
+def _window_base(t, window):
+    """The key of token t's window slot 0: its window's first key rounded down to SLOT_ALIGN."""
+    return (tl.maximum(t + 1 - window, 0) // SLOT_ALIGN) * SLOT_ALIGN
+
 
 @triton.jit
 def _head_cols(ptr, qrow, cols, hmask, cmask):
@@ -51,9 +75,10 @@ def _head_cols(ptr, qrow, cols, hmask, cmask):
 
 @triton.jit
 def _ds_tile(q_ptr, do_ptr, qrow, lse, delta, kv_ptr, comp_ptr, idx_ptr, p_ptr, ds_ptr,
-             dcomp_ptr, t, n, hi, D, window, num_sel, stride_kv, stride_c, stride_idx, offs_n,
-             hmask, offs_h, H, qk_scale, scale, BH: tl.constexpr, BN: tl.constexpr,
-             BC: tl.constexpr, IS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+             dcomp_ptr, t, n, hi, D, window, wslots, ds_row, num_sel, stride_kv, stride_c,
+             stride_idx, offs_n, hmask, offs_h, H, qk_scale, scale, BH: tl.constexpr,
+             BN: tl.constexpr, BC: tl.constexpr, IS_WINDOW: tl.constexpr,
+             DOT_PREC: tl.constexpr):
     """Key tile n of token t: scale * dS to its slots; a window tile's P to its slots, a
     selection tile's dKV added into dcomp (module docstring)."""
     base, valid, row = _key_rows(kv_ptr, comp_ptr, idx_ptr, t, n, hi, num_sel, stride_kv,
@@ -74,12 +99,12 @@ def _ds_tile(q_ptr, do_ptr, qrow, lse, delta, kv_ptr, comp_ptr, idx_ptr, p_ptr, 
     smask = hmask[:, None] & valid[None, :]
     row_th = t.to(tl.int64) * H + offs_h
     if IS_WINDOW:
-        slot = n + offs_n - (t + 1 - window)
+        slot = n + offs_n - _window_base(t, window)
     else:
-        slot = window + n + offs_n
-    tl.store(ds_ptr + (row_th * (window + num_sel))[:, None] + slot[None, :], ds, mask=smask)
+        slot = wslots + n + offs_n
+    tl.store(ds_ptr + (row_th * ds_row)[:, None] + slot[None, :], ds, mask=smask)
     if IS_WINDOW:
-        tl.store(p_ptr + (row_th * window)[:, None] + slot[None, :], p, mask=smask)
+        tl.store(p_ptr + (row_th * wslots)[:, None] + slot[None, :], p, mask=smask)
     else:
         for c in range(0, D, BC):
             cols = c + offs_c
@@ -92,9 +117,10 @@ def _ds_tile(q_ptr, do_ptr, qrow, lse, delta, kv_ptr, comp_ptr, idx_ptr, p_ptr, 
 
 @triton.jit
 def _dsv4_ds_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, first_ptr, do_ptr, o_ptr, lse_ptr,
-                    delta_ptr, p_ptr, ds_ptr, dcomp_ptr, H, D, window, num_sel, qk_scale, scale,
-                    stride_qt, stride_qh, stride_kv, stride_c, stride_idx, BH: tl.constexpr,
-                    BN: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr):
+                    delta_ptr, p_ptr, ds_ptr, dcomp_ptr, H, D, window, wslots, ds_row, num_sel,
+                    qk_scale, scale, stride_qt, stride_qh, stride_kv, stride_c, stride_idx,
+                    BH: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
+                    DOT_PREC: tl.constexpr):
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_c = tl.arange(0, BC)
@@ -115,19 +141,21 @@ def _dsv4_ds_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, first_ptr, do_ptr
     lo = tl.maximum(tl.load(first_ptr + t), t + 1 - window)
     for n in range(lo, hi, BN):
         _ds_tile(q_ptr, do_ptr, qrow, lse, delta, kv_ptr, comp_ptr, idx_ptr, p_ptr, ds_ptr,
-                 dcomp_ptr, t, n, hi, D, window, num_sel, stride_kv, stride_c, stride_idx, offs_n,
-                 hmask, offs_h, H, qk_scale, scale, BH, BN, BC, True, DOT_PREC)
+                 dcomp_ptr, t, n, hi, D, window, wslots, ds_row, num_sel, stride_kv, stride_c,
+                 stride_idx, offs_n, hmask, offs_h, H, qk_scale, scale, BH, BN, BC, True,
+                 DOT_PREC)
     for n in range(0, tl.load(end_ptr + t), BN):
         _ds_tile(q_ptr, do_ptr, qrow, lse, delta, kv_ptr, comp_ptr, idx_ptr, p_ptr, ds_ptr,
-                 dcomp_ptr, t, n, hi, D, window, num_sel, stride_kv, stride_c, stride_idx, offs_n,
-                 hmask, offs_h, H, qk_scale, scale, BH, BN, BC, False, DOT_PREC)
+                 dcomp_ptr, t, n, hi, D, window, wslots, ds_row, num_sel, stride_kv, stride_c,
+                 stride_idx, offs_n, hmask, offs_h, H, qk_scale, scale, BH, BN, BC, False,
+                 DOT_PREC)
 
 
 @triton.jit
 def _dq_tile(acc, k, ds_ptr, prow, slots, hmask, DOT_PREC: tl.constexpr):
     """-> acc + k^T @ ((scale * dS)[heads, slots])^T, dQ^T [D columns, heads]: dS is the MMA's
-    B operand, loaded [slots, heads] (contiguous slots, which start at multiples of the tile in
-    both loops), so Triton stages it through shared memory with asynchronous copies. As the A
+    B operand, loaded [slots, heads] (contiguous slots, which start at multiples of SLOT_ALIGN
+    in every loop), so Triton stages it through shared memory with asynchronous copies. As the A
     operand [heads, slots], from the window's unaligned first slot, it was a plain load in each
     iteration, its latency exposed (ncu: long_scoreboard, the pass's top stall)."""
     ds_t = tl.load(ds_ptr + slots[:, None] + prow[None, :], mask=hmask[None, :], other=0.0)
@@ -135,8 +163,19 @@ def _dq_tile(acc, k, ds_ptr, prow, slots, hmask, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
+def _dq_window_tile(acc, kv_ptr, ds_ptr, prow, base, s, lo, hi, stride_kv, offs_d, dmask, hmask,
+                    BW: tl.constexpr, DOT_PREC: tl.constexpr):
+    """_dq_tile of window slots s .. s + BW - 1 (keys base + s ..; those outside [lo, hi) zero)."""
+    pos = base + s + tl.arange(0, BW)
+    valid = (pos >= lo) & (pos < hi)
+    k = tl.load(kv_ptr + pos[:, None].to(tl.int64) * stride_kv + offs_d[None, :],
+                mask=valid[:, None] & dmask[None, :], other=0.0)
+    return _dq_tile(acc, k, ds_ptr, prow, s + tl.arange(0, BW), hmask, DOT_PREC)
+
+
+@triton.jit
 def _dsv4_dq_kernel(ds_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, first_ptr, dq_ptr, H, D, window,
-                    num_sel, stride_qt, stride_qh, stride_kv, stride_c, stride_idx,
+                    wslots, ds_row, num_sel, stride_qt, stride_qh, stride_kv, stride_c, stride_idx,
                     BH: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
                     DOT_PREC: tl.constexpr):
     """dQ[t, heads, D columns] = (scale * dS)[t, heads, slots] @ keys[slots, D columns],
@@ -147,29 +186,33 @@ def _dsv4_dq_kernel(ds_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, first_ptr, dq_pt
     offs_n = tl.arange(0, BN)
     hmask = offs_h < H
     dmask = offs_d < D
-    prow = (t.to(tl.int64) * H + offs_h) * (window + num_sel)
+    prow = (t.to(tl.int64) * H + offs_h) * ds_row
     acc = tl.zeros([BD, BH], tl.float32)
     hi = t + 1
-    base = t + 1 - window  # the key position of window slot 0
-    lo = tl.maximum(tl.load(first_ptr + t), base)
-    # Window slots from the tile holding the first valid one, in whole tiles.
-    for s in range(((lo - base) // BN) * BN, window, BN):
-        pos = base + s + offs_n
-        valid = (pos >= lo) & (pos < hi)
-        k = tl.load(kv_ptr + pos[:, None].to(tl.int64) * stride_kv + offs_d[None, :],
-                    mask=valid[:, None] & dmask[None, :], other=0.0)
-        acc = _dq_tile(acc, k, ds_ptr, prow, s + offs_n, hmask, DOT_PREC)
+    base = _window_base(t, window)  # the key of window slot 0
+    lo = tl.maximum(tl.load(first_ptr + t), t + 1 - window)
+    # Window slots from the aligned group holding the first valid one to the token's own: up to
+    # window + SLOT_ALIGN - 1 of them (128-key window: 128-143), in whole tiles, then the rest
+    # in SLOT_ALIGN-wide ones (three 64-key tiles would read 192 slots).
+    s_lo = ((lo - base) // SLOT_ALIGN) * SLOT_ALIGN
+    s_full = s_lo + ((hi - base - s_lo) // BN) * BN
+    for s in range(s_lo, s_full, BN):
+        acc = _dq_window_tile(acc, kv_ptr, ds_ptr, prow, base, s, lo, hi, stride_kv, offs_d,
+                              dmask, hmask, BN, DOT_PREC)
+    for s in range(s_full, hi - base, SLOT_ALIGN):
+        acc = _dq_window_tile(acc, kv_ptr, ds_ptr, prow, base, s, lo, hi, stride_kv, offs_d,
+                              dmask, hmask, SLOT_ALIGN, DOT_PREC)
     for n in range(0, tl.load(end_ptr + t), BN):
         k, _, _ = _load_keys(kv_ptr, comp_ptr, idx_ptr, t, n, hi, num_sel, stride_kv,
                              stride_c, stride_idx, offs_n, offs_d, dmask, False)
-        acc = _dq_tile(acc, k, ds_ptr, prow, window + n + offs_n, hmask, DOT_PREC)
+        acc = _dq_tile(acc, k, ds_ptr, prow, wslots + n + offs_n, hmask, DOT_PREC)
     tl.store(dq_ptr + t.to(tl.int64) * stride_qt + offs_h[None, :] * stride_qh + offs_d[:, None],
              acc.to(dq_ptr.dtype.element_ty), mask=hmask[None, :] & dmask[:, None])
 
 
 @triton.jit
-def _dsv4_dkv_window_kernel(q_ptr, do_ptr, p_ptr, ds_ptr, first_ptr, dkv_ptr, T, H, D, window,
-                            num_sel, stride_qt, stride_qh, BN: tl.constexpr, BHH: tl.constexpr,
+def _dsv4_dkv_window_kernel(q_ptr, do_ptr, p_ptr, ds_ptr, dkv_ptr, T, H, D, window, wslots,
+                            ds_row, stride_qt, stride_qh, BN: tl.constexpr, BHH: tl.constexpr,
                             TB: tl.constexpr, BD: tl.constexpr, DOT_PREC: tl.constexpr):
     offs_k = tl.program_id(0) * BN + tl.arange(0, BN)
     offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -183,18 +226,17 @@ def _dsv4_dkv_window_kernel(q_ptr, do_ptr, p_ptr, ds_ptr, first_ptr, dkv_ptr, T,
     acc = tl.zeros([BN, BD], tl.float32)
     k_first = tl.program_id(0) * BN
     t_end = tl.minimum(k_first + BN - 1 + window, T)
-    # Query t sees key k when first[t] <= k <= t < k + window.
+    # Query t sees key k when first[t] <= k <= t < k + window; P and dS are 0 in the slots of
+    # the keys it does not see, so the loads mask only the block's slots outside t's window
+    # slots, in whole groups of SLOT_ALIGN (k_first and window_base both multiples of it).
     for t0 in range(k_first, t_end, TB):
         t = t0 + r_t
         rmask = (t < t_end) & (r_h < H)
-        first = tl.load(first_ptr + t, mask=rmask, other=0)
-        slot = offs_k[None, :] - (t + 1 - window)[:, None]
-        valid = (rmask[:, None] & kmask[None, :] & (offs_k[None, :] <= t[:, None]) & (slot >= 0)
-                 & (offs_k[None, :] >= first[:, None]))
+        slot = offs_k[None, :] - _window_base(t, window)[:, None]
+        in_slots = rmask[:, None] & (slot >= 0) & (slot < wslots)
         row_th = t.to(tl.int64) * H + r_h
-        p = tl.load(p_ptr + (row_th * window)[:, None] + slot, mask=valid, other=0.0)
-        ds = tl.load(ds_ptr + (row_th * (window + num_sel))[:, None] + slot, mask=valid,
-                     other=0.0)
+        p = tl.load(p_ptr + (row_th * wslots)[:, None] + slot, mask=in_slots, other=0.0)
+        ds = tl.load(ds_ptr + (row_th * ds_row)[:, None] + slot, mask=in_slots, other=0.0)
         qrow = t.to(tl.int64) * stride_qt + r_h * stride_qh
         acc += mma(tl.trans(ds), _head_cols(q_ptr, qrow, offs_d, rmask, dmask), DOT_PREC)
         acc += mma(tl.trans(p), _head_cols(do_ptr, qrow, offs_d, rmask, dmask), DOT_PREC)
@@ -220,24 +262,28 @@ def dsv4_backward(q, kv, sinks, first_rows, window, scale, comp_kv, comp_idx, se
     if total == 0:
         return dq, torch.zeros_like(kv), _dsinks(sinks, lse, delta), dcomp32.to(comp_kv.dtype)
     bd, prec, num_sel = triton.next_power_of_2(dim), dot_precision(q.dtype), comp_idx.shape[1]
-    # scale*dS and the window's P in the MMA operand dtype (what the MMAs read). dS zeroed, and
-    # a tile of slack past its end: the dQ pass reads whole tiles of slots (unmasked, so that
-    # they go as asynchronous copies) where the P/dS pass wrote only the valid ones; the slots
-    # it did not write meet zeroed keys there, and must not be NaN.
-    row = window + num_sel
+    # scale*dS and the window's P in the MMA operand dtype (what the MMAs read), in aligned
+    # slots (module docstring). Both zeroed: the P/dS pass writes only the valid slots, and
+    # the dQ and window dKV passes read whole aligned groups of slots (so that they go as
+    # vectors and asynchronous copies), where the slots of keys a token does not see must be
+    # 0 (window dKV) or at least not NaN (dQ: they meet zeroed keys). dS has a tile of slack
+    # past its end for the dQ pass's last tile, and rows a multiple of SLOT_ALIGN long.
+    wslots = window_slots(window)
+    row = triton.cdiv(wslots + num_sel, SLOT_ALIGN.value) * SLOT_ALIGN.value
     ds_buf = torch.zeros(total * heads * row + blocks.dq_bn, device=q.device,
                          dtype=q.dtype)[:total * heads * row].view(total, heads, row)
-    p_buf = torch.empty(total, heads, window, device=q.device, dtype=q.dtype)
+    p_buf = torch.zeros(total, heads, wslots, device=q.device, dtype=q.dtype)
     _dsv4_ds_kernel[(total, triton.cdiv(heads, blocks.ds_bh))](
         q, kv, comp_kv, comp_idx, sel_end, first_rows, dout, out, lse, delta, p_buf, ds_buf,
-        dcomp32, heads, dim, window, num_sel, scale * LOG2E, scale, q.stride(0), q.stride(1),
+        dcomp32, heads, dim, window, wslots, row, num_sel, scale * LOG2E, scale, q.stride(0),
+        q.stride(1),
         kv.stride(0), comp_kv.stride(0), comp_idx.stride(0), BH=blocks.ds_bh, BN=blocks.ds_bn,
         BC=min(blocks.ds_bd, bd), DOT_PREC=prec, num_warps=blocks.ds_warps,
         num_stages=blocks.ds_stages)
     dq_cols = min(blocks.dq_bd, bd)
     _dsv4_dq_kernel[(total, triton.cdiv(heads, blocks.dq_bh), triton.cdiv(dim, dq_cols))](
-        ds_buf, kv, comp_kv, comp_idx, sel_end, first_rows, dq, heads, dim, window, num_sel,
-        dq.stride(0), dq.stride(1), kv.stride(0), comp_kv.stride(0), comp_idx.stride(0),
+        ds_buf, kv, comp_kv, comp_idx, sel_end, first_rows, dq, heads, dim, window, wslots, row,
+        num_sel, dq.stride(0), dq.stride(1), kv.stride(0), comp_kv.stride(0), comp_idx.stride(0),
         BH=blocks.dq_bh, BN=blocks.dq_bn, BD=dq_cols, DOT_PREC=prec,
         num_warps=blocks.dq_warps, num_stages=blocks.dq_stages)
     dkv = torch.empty_like(kv)
@@ -246,7 +292,7 @@ def dsv4_backward(q, kv, sinks, first_rows, window, scale, comp_kv, comp_idx, se
     launch = dict(BN=blocks.dkv_bn, BHH=bhh, TB=tb, BD=cols, DOT_PREC=prec,
                   num_warps=blocks.dkv_warps, num_stages=blocks.dkv_stages)
     _dsv4_dkv_window_kernel[(triton.cdiv(total, blocks.dkv_bn), triton.cdiv(dim, cols))](
-        q, dout, p_buf, ds_buf, first_rows, dkv, total, heads, dim, window, num_sel, q.stride(0),
+        q, dout, p_buf, ds_buf, dkv, total, heads, dim, window, wslots, row, q.stride(0),
         q.stride(1), **launch)
     return dq, dkv, _dsinks(sinks, lse, delta), dcomp32.to(comp_kv.dtype)
 
