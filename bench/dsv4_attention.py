@@ -659,8 +659,9 @@ def decode_compile_report(arch=90):
                                tiles.warps, tiles.stages)
             print(f"decode H={heads} {config}: {r['regs']} registers, {r['spills']} B spill "
                   f"stores, {r['shared']} B shared, {r['drains']} waits draining all copies; "
-                  f"MMA warps {r['mma_warps']}, {r['wgmma']} wgmma {r['wgmma_shapes']}",
-                  flush=True)
+                  f"MMA warps {r['mma_warps']}, {r['wgmma']} wgmma {r['wgmma_shapes']}, "
+                  f"{r['cp_async']} cp.async, {r['ld_global']} plain global loads "
+                  f"({r['ld_global_16']} of 16 bits)", flush=True)
 
 
 def training_compile_report(arch=90):
