@@ -598,7 +598,7 @@ def compile_report(kernel, types_: dict, consts: dict, aligned: set, arch: int, 
     import tempfile
     from pathlib import Path
 
-    from sglang_dsv41.attention.triton_common import compile_for_gpu
+    from sglang_dsv41.attention.triton_common import compile_for_gpu, ptx_global_loads
 
     try:  # the ptxas Triton compiles with (Triton 3.9: a newer one than bin/ptxas)
         from triton.backends.nvidia.compiler import get_ptxas
@@ -612,6 +612,7 @@ def compile_report(kernel, types_: dict, consts: dict, aligned: set, arch: int, 
     compiled = compile_for_gpu(kernel, types_, consts, aligned, arch, num_warps=warps,
                                num_stages=stages)
     ptx = compiled.asm["ptx"]
+    ld_global, ld_global_16 = ptx_global_loads(ptx)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
         f.flush()
@@ -627,10 +628,7 @@ def compile_report(kernel, types_: dict, consts: dict, aligned: set, arch: int, 
                 wgmma_shapes=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+)",
                                                    ptx))),
                 mma_sync=ptx.count("mma.sync"), cp_async=len(re.findall(r"cp\.async\.c[ag]", ptx)),
-                # plain global loads, and of them those of one 16-bit element (a gather Triton
-                # could neither vectorize nor turn into an asynchronous copy)
-                ld_global=len(re.findall(r"\bld\.global\.", ptx)),
-                ld_global_16=len(re.findall(r"\bld\.global(?:\.[a-z]+)*\.[bu]16\b", ptx)),
+                ld_global=ld_global, ld_global_16=ld_global_16,
                 drains=compiled.asm["ttgir"].count("num = 0 : i32"))
 
 

@@ -1,11 +1,12 @@
 """Pieces shared by the DSV4 Triton kernels: matmul precision and rounding that behave the same
 on a GPU and in the CPU interpreter (TRITON_INTERPRET=1, the tests); the column block of a
 kernel that gives one program a row; a kernel compiled for a GPU target on a machine without
-one."""
+one, and what its PTX loads."""
 
 from __future__ import annotations
 
 import os
+import re
 
 import triton
 import triton.language as tl
@@ -79,3 +80,10 @@ def compile_for_gpu(kernel, types: dict[str, str], constants: dict, aligned=(), 
         from triton.experimental.gluon._runtime import GluonASTSource as source
     return triton.compile(source(kernel, signature, constants, marks),
                           target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def ptx_global_loads(ptx: str) -> tuple[int, int]:
+    """-> (plain global loads, those of them of one 16-bit element) in a kernel's PTX: the
+    second are gathers Triton could neither vectorize nor turn into asynchronous copies."""
+    return (len(re.findall(r"\bld\.global\.", ptx)),
+            len(re.findall(r"\bld\.global(?:\.[a-z]+)*\.[bu]16\b", ptx)))
