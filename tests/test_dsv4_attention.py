@@ -148,6 +148,16 @@ def test_window_slots_in_whole_tiles_and_aligned_tails(seed):
     _compare(lens, 4, 32, 40, torch.float32, rows, idx, blocks=blocks)
 
 
+def test_selection_over_several_tiles(seed):
+    # Up to 40 picks in 16-key tiles: the P/dS pass adds a selection tile's dKV in the loop that
+    # scores the next tile; tokens whose picks end inside a tile, on a tile's edge (16, 32), or
+    # fill three tiles.
+    lens, gen = [60, 33], torch.Generator().manual_seed(seed)
+    idx, rows = csa_selection(lens, 1, 40, gen)
+    blocks = dataclasses.replace(default_blocks(4), fwd_bn=16, ds_bn=16, dq_bn=16)
+    _compare(lens, 4, 32, 8, torch.float32, rows, idx, blocks=blocks)
+
+
 @pytest.mark.skipif(INTERPRET, reason="the GPU's own tiles at real head shapes: too slow for "
                                         "the interpreter (its tiles are 16 wide)")
 @pytest.mark.parametrize("heads", [16, 64])

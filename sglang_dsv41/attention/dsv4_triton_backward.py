@@ -7,10 +7,11 @@ With P the sink-inclusive probabilities (recomputed from the saved LSE), Delta =
 Three kernels; the scores are recomputed once, not once per output:
   * P/dS pass: one program per (token, head block) walks the token's keys as the forward does. Each
     key tile's scores and dO @ K^T are summed over D in chunks of ds_bd columns, q, dO and the key
-    rows streamed chunk by chunk (q and dO from L2), so the loop pipelines in 3 stages in 80 KB of
-    shared memory at 64 heads (Triton 3.6 for sm_90); held whole (q, dO and a 64-key tile: 192 KB)
-    it fit one stage and waited on every gather (H200, 4k CSA: 1.84 ms for the pass then, fwd+bwd
-    6.30 vs 5.86 ms chunked). It stores scale * dS in the operand dtype to a [T, H, W + K] buffer
+    rows streamed chunk by chunk (q and dO from L2), so the loop pipelines in 3 stages (Triton
+    3.6 for sm_90: 80 KB of shared memory at 64 heads, 104 KB since the selection tiles' loops
+    were fused, below); held whole (q, dO and a 64-key tile: 192 KB) it fit one stage and
+    waited on every gather (H200, 4k CSA: 1.84 ms for the pass then, fwd+bwd 6.30 vs 5.86 ms
+    chunked). It stores scale * dS in the operand dtype to a [T, H, W + K] buffer
     and P of the window slots to a [T, H, W] one, both zeroed, invalid slots not written. Window
     slot s of token t holds key window_base(t) + s: the window's first key rounded down to a
     multiple of SLOT_ALIGN, so that W = window_slots(window) = window + SLOT_ALIGN - 1 rounded up
@@ -24,7 +25,11 @@ Three kernels; the scores are recomputed once, not once per output:
     picked by arbitrary tokens; the order of those adds is not fixed): as a kernel of its own the
     adds were bound by the atomics in L2 (1.42 ms at 4k CSA, 1.57M (token, pick) pairs x 512
     columns) with the tensor cores idle; inside this pass they overlap its MMAs (fwd+bwd 5.30 vs
-    5.86 ms), and P of the selection slots is never stored.
+    5.86 ms), and P of the selection slots is never stored. The same loop over D computes the
+    next selection tile's scores, so each q and dO chunk streams from L2 once a tile, not once
+    for the scores and again for the dKV (H200, 4k CSA, 64 heads: the pass 2.32 -> 2.15 ms,
+    fwd+bwd 4.87 -> 4.70 ms; it takes 104 KB of shared memory and spills 128 B a thread at 255
+    registers, which it did not before).
   * dQ pass: one program per (token, head block, D columns) sums scale*dS @ K over the token's
     keys from that buffer, transposed (K^T @ dS^T: dS the MMA's B operand, tiles of slots from
     multiples of SLOT_ALIGN, so that its loads go as asynchronous copies; the window's slots in
@@ -74,15 +79,10 @@ def _head_cols(ptr, qrow, cols, hmask, cmask):
 
 
 @triton.jit
-def _ds_tile(q_ptr, do_ptr, qrow, lse, delta, kv_ptr, comp_ptr, idx_ptr, p_ptr, ds_ptr,
-             dcomp_ptr, t, n, hi, D, window, wslots, ds_row, num_sel, stride_kv, stride_c,
-             stride_idx, offs_n, hmask, offs_h, H, qk_scale, scale, BH: tl.constexpr,
-             BN: tl.constexpr, BC: tl.constexpr, IS_WINDOW: tl.constexpr,
-             DOT_PREC: tl.constexpr):
-    """Key tile n of token t: scale * dS to its slots; a window tile's P to its slots, a
-    selection tile's dKV added into dcomp (module docstring)."""
-    base, valid, row = _key_rows(kv_ptr, comp_ptr, idx_ptr, t, n, hi, num_sel, stride_kv,
-                                 stride_c, stride_idx, offs_n, IS_WINDOW)
+def _tile_scores(q_ptr, do_ptr, qrow, base, valid, hmask, D, BH: tl.constexpr, BN: tl.constexpr,
+                 BC: tl.constexpr, DOT_PREC: tl.constexpr):
+    """-> (q @ K^T, dO @ K^T) [heads, keys] of one key tile (row pointers base), summed over D
+    in chunks of BC columns."""
     offs_c = tl.arange(0, BC)
     s = tl.zeros([BH, BN], tl.float32)
     dp = tl.zeros([BH, BN], tl.float32)
@@ -92,27 +92,45 @@ def _ds_tile(q_ptr, do_ptr, qrow, lse, delta, kv_ptr, comp_ptr, idx_ptr, p_ptr, 
         k = tl.load(base + cols[None, :], mask=valid[:, None] & cmask[None, :], other=0.0)
         s += mma(_head_cols(q_ptr, qrow, cols, hmask, cmask), tl.trans(k), DOT_PREC)
         dp += mma(_head_cols(do_ptr, qrow, cols, hmask, cmask), tl.trans(k), DOT_PREC)
+    return s, dp
+
+
+@triton.jit
+def _tile_ds(s, dp, valid, lse, delta, qk_scale, scale, ds_ptr, row_th, ds_row, slot, hmask,
+             DOT_PREC: tl.constexpr):
+    """-> (P, scale * dS) of a key tile in the operand dtype, dS stored to its slots."""
     p = tl.where(valid[None, :], tl.exp2(s * qk_scale - lse[:, None]), 0.0)
     dtype = ds_ptr.dtype.element_ty
     ds = to_dtype(p * (dp - delta[:, None]) * scale, dtype, DOT_PREC)
-    p = to_dtype(p, dtype, DOT_PREC)
-    smask = hmask[:, None] & valid[None, :]
-    row_th = t.to(tl.int64) * H + offs_h
-    if IS_WINDOW:
-        slot = n + offs_n - _window_base(t, window)
-    else:
-        slot = wslots + n + offs_n
-    tl.store(ds_ptr + (row_th * ds_row)[:, None] + slot[None, :], ds, mask=smask)
-    if IS_WINDOW:
-        tl.store(p_ptr + (row_th * wslots)[:, None] + slot[None, :], p, mask=smask)
-    else:
-        for c in range(0, D, BC):
-            cols = c + offs_c
-            cmask = cols < D
-            dc = mma(tl.trans(ds), _head_cols(q_ptr, qrow, cols, hmask, cmask), DOT_PREC) \
-                + mma(tl.trans(p), _head_cols(do_ptr, qrow, cols, hmask, cmask), DOT_PREC)
-            tl.atomic_add(dcomp_ptr + row[:, None].to(tl.int64) * D + cols[None, :], dc,
-                          mask=valid[:, None] & cmask[None, :], sem="relaxed")
+    tl.store(ds_ptr + (row_th * ds_row)[:, None] + slot[None, :], ds,
+             mask=hmask[:, None] & valid[None, :])
+    return to_dtype(p, dtype, DOT_PREC), ds
+
+
+@triton.jit
+def _selection_dkv(q_ptr, do_ptr, qrow, ds, p, row, valid, dcomp_ptr, next_base, next_valid,
+                   hmask, D, BH: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
+                   NEXT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Adds a selection tile's dKV, scale * dS^T @ q + P^T @ dO, into dcomp chunk by chunk; with
+    NEXT, the next selection tile's scores (rows next_base) in the same loop, so that each q and
+    dO chunk is read once for both tiles. -> that next tile's (q @ K^T, dO @ K^T)."""
+    offs_c = tl.arange(0, BC)
+    s = tl.zeros([BH, BN], tl.float32)
+    dp = tl.zeros([BH, BN], tl.float32)
+    for c in range(0, D, BC):
+        cols = c + offs_c
+        cmask = cols < D
+        qc = _head_cols(q_ptr, qrow, cols, hmask, cmask)
+        doc = _head_cols(do_ptr, qrow, cols, hmask, cmask)
+        dc = mma(tl.trans(ds), qc, DOT_PREC) + mma(tl.trans(p), doc, DOT_PREC)
+        tl.atomic_add(dcomp_ptr + row[:, None].to(tl.int64) * D + cols[None, :], dc,
+                      mask=valid[:, None] & cmask[None, :], sem="relaxed")
+        if NEXT:
+            k = tl.load(next_base + cols[None, :], mask=next_valid[:, None] & cmask[None, :],
+                        other=0.0)
+            s += mma(qc, tl.trans(k), DOT_PREC)
+            dp += mma(doc, tl.trans(k), DOT_PREC)
+    return s, dp
 
 
 @triton.jit
@@ -137,18 +155,39 @@ def _dsv4_ds_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, first_ptr, do_ptr
         delta += tl.sum(do.to(tl.float32) * _head_cols(o_ptr, qrow, cols, hmask, cmask)
                         .to(tl.float32), 1)
     tl.store(delta_ptr + t * H + offs_h, delta, mask=hmask)
+    row_th = t.to(tl.int64) * H + offs_h
     hi = t + 1
     lo = tl.maximum(tl.load(first_ptr + t), t + 1 - window)
     for n in range(lo, hi, BN):
-        _ds_tile(q_ptr, do_ptr, qrow, lse, delta, kv_ptr, comp_ptr, idx_ptr, p_ptr, ds_ptr,
-                 dcomp_ptr, t, n, hi, D, window, wslots, ds_row, num_sel, stride_kv, stride_c,
-                 stride_idx, offs_n, hmask, offs_h, H, qk_scale, scale, BH, BN, BC, True,
-                 DOT_PREC)
-    for n in range(0, tl.load(end_ptr + t), BN):
-        _ds_tile(q_ptr, do_ptr, qrow, lse, delta, kv_ptr, comp_ptr, idx_ptr, p_ptr, ds_ptr,
-                 dcomp_ptr, t, n, hi, D, window, wslots, ds_row, num_sel, stride_kv, stride_c,
-                 stride_idx, offs_n, hmask, offs_h, H, qk_scale, scale, BH, BN, BC, False,
-                 DOT_PREC)
+        base, valid, _ = _key_rows(kv_ptr, comp_ptr, idx_ptr, t, n, hi, num_sel, stride_kv,
+                                   stride_c, stride_idx, offs_n, True)
+        s, dp = _tile_scores(q_ptr, do_ptr, qrow, base, valid, hmask, D, BH, BN, BC, DOT_PREC)
+        slot = n + offs_n - _window_base(t, window)
+        p, _ = _tile_ds(s, dp, valid, lse, delta, qk_scale, scale, ds_ptr, row_th, ds_row, slot,
+                        hmask, DOT_PREC)
+        tl.store(p_ptr + (row_th * wslots)[:, None] + slot[None, :], p,
+                 mask=hmask[:, None] & valid[None, :])
+    # Selection tiles, software-pipelined: tile n's dKV chunks and tile n + BN's scores share
+    # one loop over D (_selection_dkv), so q and dO stream through once a tile, not twice.
+    sel_end = tl.load(end_ptr + t)
+    if sel_end > 0:
+        last = ((sel_end - 1) // BN) * BN
+        base, valid, row = _key_rows(kv_ptr, comp_ptr, idx_ptr, t, 0, hi, num_sel, stride_kv,
+                                     stride_c, stride_idx, offs_n, False)
+        s, dp = _tile_scores(q_ptr, do_ptr, qrow, base, valid, hmask, D, BH, BN, BC, DOT_PREC)
+        for n in range(0, last, BN):
+            p, ds = _tile_ds(s, dp, valid, lse, delta, qk_scale, scale, ds_ptr, row_th, ds_row,
+                             wslots + n + offs_n, hmask, DOT_PREC)
+            next_base, next_valid, next_row = _key_rows(
+                kv_ptr, comp_ptr, idx_ptr, t, n + BN, hi, num_sel, stride_kv, stride_c,
+                stride_idx, offs_n, False)
+            s, dp = _selection_dkv(q_ptr, do_ptr, qrow, ds, p, row, valid, dcomp_ptr, next_base,
+                                   next_valid, hmask, D, BH, BN, BC, True, DOT_PREC)
+            valid, row = next_valid, next_row
+        p, ds = _tile_ds(s, dp, valid, lse, delta, qk_scale, scale, ds_ptr, row_th, ds_row,
+                         wslots + last + offs_n, hmask, DOT_PREC)
+        _selection_dkv(q_ptr, do_ptr, qrow, ds, p, row, valid, dcomp_ptr, base, valid, hmask, D,
+                       BH, BN, BC, False, DOT_PREC)
 
 
 @triton.jit
