@@ -164,9 +164,10 @@ def test_selection_over_several_tiles(seed):
 @pytest.mark.parametrize("kind", ["hca", "csa"])
 def test_gpu_tiles_at_real_head_shapes(seed, kind, heads):
     # default_blocks(heads) on the GPU: 64-head blocks with 4-warp P/dS steps, or the 16-head
-    # tiles; D 512 and window 128 as in V4-Flash, two packed sequences longer than the window.
+    # tiles; D 512 and window 128 as in V4-Flash, two packed sequences longer than the window;
+    # CSA with up to 150 picks: three 64-key selection tiles (the P/dS pass's fused loop).
     lens, gen = [300, 211], torch.Generator().manual_seed(seed)
-    idx, rows = {"hca": hca_selection(lens, 16), "csa": csa_selection(lens, 4, 64, gen)}[kind]
+    idx, rows = {"hca": hca_selection(lens, 16), "csa": csa_selection(lens, 2, 150, gen)}[kind]
     _compare(lens, heads, 512, 128, torch.bfloat16, rows, idx)
 
 
