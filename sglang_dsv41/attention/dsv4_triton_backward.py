@@ -28,7 +28,7 @@ Three kernels; the scores are recomputed once, not once per output:
     5.86 ms), and P of the selection slots is never stored. The same loop over D computes the
     next selection tile's scores, so each q and dO chunk streams from L2 once a tile, not once
     for the scores and again for the dKV (H200, 4k CSA, 64 heads: the pass 2.32 -> 2.15 ms,
-    fwd+bwd 4.87 -> 4.70 ms; it takes 104 KB of shared memory and spills 128 B a thread at 255
+    fwd+bwd 4.87 -> 4.70 ms; it takes 104 KB of shared memory and spills ~130 B a thread at 255
     registers, which it did not before).
   * dQ pass: one program per (token, head block, D columns) sums scale*dS @ K over the token's
     keys from that buffer, transposed (K^T @ dS^T: dS the MMA's B operand, tiles of slots from
@@ -79,19 +79,30 @@ def _head_cols(ptr, qrow, cols, hmask, cmask):
 
 
 @triton.jit
-def _tile_scores(q_ptr, do_ptr, qrow, base, valid, hmask, D, BH: tl.constexpr, BN: tl.constexpr,
-                 BC: tl.constexpr, DOT_PREC: tl.constexpr):
-    """-> (q @ K^T, dO @ K^T) [heads, keys] of one key tile (row pointers base), summed over D
-    in chunks of BC columns."""
+def _over_d(q_ptr, do_ptr, qrow, hmask, D, ds, p, row, valid, dcomp_ptr, keys, key_valid,
+            BH: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, DKV: tl.constexpr,
+            SCORES: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One loop over D in chunks of BC columns, each q and dO chunk read once for: with DKV, a
+    selection tile's dKV, scale * dS^T @ q + P^T @ dO, added into dcomp (rows row); with SCORES,
+    the scores (q @ K^T, dO @ K^T) [heads, keys] of the key tile at row pointers keys. Both: a
+    selection tile's dKV and the next tile's scores. -> those scores (zeros without SCORES)."""
     offs_c = tl.arange(0, BC)
     s = tl.zeros([BH, BN], tl.float32)
     dp = tl.zeros([BH, BN], tl.float32)
     for c in range(0, D, BC):
         cols = c + offs_c
         cmask = cols < D
-        k = tl.load(base + cols[None, :], mask=valid[:, None] & cmask[None, :], other=0.0)
-        s += mma(_head_cols(q_ptr, qrow, cols, hmask, cmask), tl.trans(k), DOT_PREC)
-        dp += mma(_head_cols(do_ptr, qrow, cols, hmask, cmask), tl.trans(k), DOT_PREC)
+        qc = _head_cols(q_ptr, qrow, cols, hmask, cmask)
+        doc = _head_cols(do_ptr, qrow, cols, hmask, cmask)
+        if DKV:
+            dc = mma(tl.trans(ds), qc, DOT_PREC) + mma(tl.trans(p), doc, DOT_PREC)
+            tl.atomic_add(dcomp_ptr + row[:, None].to(tl.int64) * D + cols[None, :], dc,
+                          mask=valid[:, None] & cmask[None, :], sem="relaxed")
+        if SCORES:
+            k = tl.load(keys + cols[None, :], mask=key_valid[:, None] & cmask[None, :],
+                        other=0.0)
+            s += mma(qc, tl.trans(k), DOT_PREC)
+            dp += mma(doc, tl.trans(k), DOT_PREC)
     return s, dp
 
 
@@ -105,32 +116,6 @@ def _tile_ds(s, dp, valid, lse, delta, qk_scale, scale, ds_ptr, row_th, ds_row, 
     tl.store(ds_ptr + (row_th * ds_row)[:, None] + slot[None, :], ds,
              mask=hmask[:, None] & valid[None, :])
     return to_dtype(p, dtype, DOT_PREC), ds
-
-
-@triton.jit
-def _selection_dkv(q_ptr, do_ptr, qrow, ds, p, row, valid, dcomp_ptr, next_base, next_valid,
-                   hmask, D, BH: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
-                   NEXT: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Adds a selection tile's dKV, scale * dS^T @ q + P^T @ dO, into dcomp chunk by chunk; with
-    NEXT, the next selection tile's scores (rows next_base) in the same loop, so that each q and
-    dO chunk is read once for both tiles. -> that next tile's (q @ K^T, dO @ K^T)."""
-    offs_c = tl.arange(0, BC)
-    s = tl.zeros([BH, BN], tl.float32)
-    dp = tl.zeros([BH, BN], tl.float32)
-    for c in range(0, D, BC):
-        cols = c + offs_c
-        cmask = cols < D
-        qc = _head_cols(q_ptr, qrow, cols, hmask, cmask)
-        doc = _head_cols(do_ptr, qrow, cols, hmask, cmask)
-        dc = mma(tl.trans(ds), qc, DOT_PREC) + mma(tl.trans(p), doc, DOT_PREC)
-        tl.atomic_add(dcomp_ptr + row[:, None].to(tl.int64) * D + cols[None, :], dc,
-                      mask=valid[:, None] & cmask[None, :], sem="relaxed")
-        if NEXT:
-            k = tl.load(next_base + cols[None, :], mask=next_valid[:, None] & cmask[None, :],
-                        other=0.0)
-            s += mma(qc, tl.trans(k), DOT_PREC)
-            dp += mma(doc, tl.trans(k), DOT_PREC)
-    return s, dp
 
 
 @triton.jit
@@ -161,33 +146,36 @@ def _dsv4_ds_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, first_ptr, do_ptr
     for n in range(lo, hi, BN):
         base, valid, _ = _key_rows(kv_ptr, comp_ptr, idx_ptr, t, n, hi, num_sel, stride_kv,
                                    stride_c, stride_idx, offs_n, True)
-        s, dp = _tile_scores(q_ptr, do_ptr, qrow, base, valid, hmask, D, BH, BN, BC, DOT_PREC)
+        # Scores only (DKV False: its ds, p, row and valid arguments unused).
+        s, dp = _over_d(q_ptr, do_ptr, qrow, hmask, D, lse, lse, offs_n, valid, dcomp_ptr, base,
+                        valid, BH, BN, BC, False, True, DOT_PREC)
         slot = n + offs_n - _window_base(t, window)
         p, _ = _tile_ds(s, dp, valid, lse, delta, qk_scale, scale, ds_ptr, row_th, ds_row, slot,
                         hmask, DOT_PREC)
         tl.store(p_ptr + (row_th * wslots)[:, None] + slot[None, :], p,
                  mask=hmask[:, None] & valid[None, :])
     # Selection tiles, software-pipelined: tile n's dKV chunks and tile n + BN's scores share
-    # one loop over D (_selection_dkv), so q and dO stream through once a tile, not twice.
+    # one loop over D (_over_d), so q and dO stream through once a tile, not twice.
     sel_end = tl.load(end_ptr + t)
     if sel_end > 0:
         last = ((sel_end - 1) // BN) * BN
         base, valid, row = _key_rows(kv_ptr, comp_ptr, idx_ptr, t, 0, hi, num_sel, stride_kv,
                                      stride_c, stride_idx, offs_n, False)
-        s, dp = _tile_scores(q_ptr, do_ptr, qrow, base, valid, hmask, D, BH, BN, BC, DOT_PREC)
+        s, dp = _over_d(q_ptr, do_ptr, qrow, hmask, D, lse, lse, row, valid, dcomp_ptr, base,
+                        valid, BH, BN, BC, False, True, DOT_PREC)
         for n in range(0, last, BN):
             p, ds = _tile_ds(s, dp, valid, lse, delta, qk_scale, scale, ds_ptr, row_th, ds_row,
                              wslots + n + offs_n, hmask, DOT_PREC)
             next_base, next_valid, next_row = _key_rows(
                 kv_ptr, comp_ptr, idx_ptr, t, n + BN, hi, num_sel, stride_kv, stride_c,
                 stride_idx, offs_n, False)
-            s, dp = _selection_dkv(q_ptr, do_ptr, qrow, ds, p, row, valid, dcomp_ptr, next_base,
-                                   next_valid, hmask, D, BH, BN, BC, True, DOT_PREC)
+            s, dp = _over_d(q_ptr, do_ptr, qrow, hmask, D, ds, p, row, valid, dcomp_ptr,
+                            next_base, next_valid, BH, BN, BC, True, True, DOT_PREC)
             valid, row = next_valid, next_row
         p, ds = _tile_ds(s, dp, valid, lse, delta, qk_scale, scale, ds_ptr, row_th, ds_row,
                          wslots + last + offs_n, hmask, DOT_PREC)
-        _selection_dkv(q_ptr, do_ptr, qrow, ds, p, row, valid, dcomp_ptr, base, valid, hmask, D,
-                       BH, BN, BC, False, DOT_PREC)
+        _over_d(q_ptr, do_ptr, qrow, hmask, D, ds, p, row, valid, dcomp_ptr, base, valid, BH, BN,
+                BC, True, False, DOT_PREC)
 
 
 @triton.jit
