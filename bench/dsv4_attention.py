@@ -615,7 +615,7 @@ def compile_report(kernel, types_: dict, consts: dict, aligned: set, arch: int, 
     compiled = compile_for_gpu(kernel, types_, consts, aligned, arch, num_warps=warps,
                                num_stages=stages)
     ptx = compiled.asm["ptx"]
-    ld_global, ld_global_16 = ptx_global_loads(ptx)
+    cp_async, ld_global, ld_global_16 = ptx_global_loads(ptx)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
         f.flush()
@@ -630,7 +630,7 @@ def compile_report(kernel, types_: dict, consts: dict, aligned: set, arch: int, 
                                                 compiled.asm["ttgir"]))),
                 wgmma_shapes=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+)",
                                                    ptx))),
-                mma_sync=ptx.count("mma.sync"), cp_async=len(re.findall(r"cp\.async\.c[ag]", ptx)),
+                mma_sync=ptx.count("mma.sync"), cp_async=cp_async,
                 ld_global=ld_global, ld_global_16=ld_global_16,
                 drains=compiled.asm["ttgir"].count("num = 0 : i32"))
 

@@ -303,9 +303,8 @@ def dsv4_backward(q, kv, sinks, first_rows, window, scale, comp_kv, comp_idx, se
     _dsv4_ds_kernel[(total, triton.cdiv(heads, blocks.ds_bh))](
         q, kv, comp_kv, comp_idx, sel_end, first_rows, dout, out, lse, delta, p_buf, ds_buf,
         dcomp32, heads, dim, window, wslots, row, num_sel, scale * LOG2E, scale, q.stride(0),
-        q.stride(1),
-        kv.stride(0), comp_kv.stride(0), comp_idx.stride(0), BH=blocks.ds_bh, BN=blocks.ds_bn,
-        BC=min(blocks.ds_bd, bd), DOT_PREC=prec, num_warps=blocks.ds_warps,
+        q.stride(1), kv.stride(0), comp_kv.stride(0), comp_idx.stride(0), BH=blocks.ds_bh,
+        BN=blocks.ds_bn, BC=min(blocks.ds_bd, bd), DOT_PREC=prec, num_warps=blocks.ds_warps,
         num_stages=blocks.ds_stages)
     dq_cols = min(blocks.dq_bd, bd)
     _dsv4_dq_kernel[(total, triton.cdiv(heads, blocks.dq_bh), triton.cdiv(dim, dq_cols))](

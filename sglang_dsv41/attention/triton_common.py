@@ -82,8 +82,10 @@ def compile_for_gpu(kernel, types: dict[str, str], constants: dict, aligned=(), 
                           target=GPUTarget("cuda", arch, 32), options=options)
 
 
-def ptx_global_loads(ptx: str) -> tuple[int, int]:
-    """-> (plain global loads, those of them of one 16-bit element) in a kernel's PTX: the
-    second are gathers Triton could neither vectorize nor turn into asynchronous copies."""
-    return (len(re.findall(r"\bld\.global\.", ptx)),
+def ptx_global_loads(ptx: str) -> tuple[int, int, int]:
+    """-> (asynchronous copies (cp.async), plain global loads, those of them of one 16-bit
+    element) in a kernel's PTX: the third are gathers Triton could neither vectorize nor turn
+    into asynchronous copies."""
+    return (len(re.findall(r"\bcp\.async\.c[ag]\b", ptx)),
+            len(re.findall(r"\bld\.global\.", ptx)),
             len(re.findall(r"\bld\.global(?:\.[a-z]+)*\.[bu]16\b", ptx)))
