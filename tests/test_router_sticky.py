@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 import threading
 import time
 
@@ -150,6 +152,65 @@ def test_failover_when_an_engine_dies(engines):
     b.stop()
     with pytest.raises(NoEngineAvailable):
         turn(router, "s3")
+
+
+class ResettingProxy:
+    """A TCP proxy on loopback in front of an engine that, once armed, resets (RST, SO_LINGER 0)
+    the client connection whose next request is a POST /generate: what a client sees when it
+    sends on a keep-alive connection the server is closing at that moment."""
+
+    def __init__(self, port: int):
+        self.arm = threading.Event()
+        self.resets = 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.target = port
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            threading.Thread(target=self._pipe, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, False),
+                             daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, from_client: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if from_client and self.arm.is_set() and data.startswith(b"POST /generate"):
+                    self.arm.clear()
+                    self.resets += 1
+                    src.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        for sock in (src, dst):
+            sock.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_reset_connection_is_tried_again_not_a_dead_engine(engines):
+    # The engine answers its /health probe: the reset was the connection's, so the turn goes
+    # again to the same slot and no rank is marked dead (marking the engine dead left a trainer
+    # with no engine at all).
+    engine = engines(dp_size=2)
+    proxy = ResettingProxy(engine.port)
+    try:
+        router = StickyRouter([proxy.url])
+        route = turn(router, "s1")["meta_info"]["route"]
+        proxy.arm.set()
+        assert turn(router, "s1")["meta_info"]["route"] == route
+        assert proxy.resets == 1 and not router.dead_slots()
+        assert len(engine.calls) == 2
+    finally:
+        proxy.close()
 
 
 def test_pause_blocks_new_turns_and_drain_waits(engines):

@@ -8,11 +8,12 @@ sessions. Free KV and each rank's health come from each engine's /get_server_inf
 at most every ``refresh_interval`` seconds.
 
 Health is per slot: a rank the engine reports unhealthy, or whose ``/health?dp_rank=N`` fails
-after a 5xx, is dead and only its sessions move; a transport error kills every slot of that
-engine. A moved session is re-pinned on its next turn (a turn boundary), with its whole history
-in that turn's prompt (the prefix is recomputed there). With ``max_in_flight``, a session whose
-slot already has that many turns in flight is moved, at its turn boundary, to the best live slot
-when that one has fewer.
+after a 5xx, is dead and only its sessions move; a transport error whose ``/health`` probe fails
+too kills every slot of that engine (one that answers its probe was a broken connection, not a
+dead engine: the turn is tried again). A moved session is re-pinned on its next turn (a turn
+boundary), with its whole history in that turn's prompt (the prefix is recomputed there). With
+``max_in_flight``, a session whose slot already has that many turns in flight is moved, at its
+turn boundary, to the best live slot when that one has fewer.
 
 The placement, retry and health policy of a turn is one generator of HTTP calls (``_turn``);
 ``generate`` drives it with a blocking httpx client (the trainer), ``agenerate``/``astream``
@@ -36,6 +37,11 @@ import orjson
 from .base import NoEngineAvailable, Route, RouterError, SessionRouter
 
 JSON_HEADERS = {"content-type": "application/json"}
+# How long the router keeps an idle connection to an engine: under the engines' own keep-alive
+# (SGLang 0.5.23 and uvicorn: 5 s), so that it never sends on a connection the server is
+# closing at that moment, which the server answers with a reset (at equal timeouts, httpx's
+# default, a trainer whose step took about 5 s saw its engine's both ranks reset at once).
+ENGINE_KEEPALIVE_S = 2.0
 
 
 @dataclass
@@ -104,7 +110,8 @@ class StickyRouter(SessionRouter):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = client or httpx.Client(
             timeout=timeout, headers=headers,
-            limits=httpx.Limits(max_connections=512, max_keepalive_connections=256))
+            limits=httpx.Limits(max_connections=512, max_keepalive_connections=256,
+                                keepalive_expiry=ENGINE_KEEPALIVE_S))
         self._refresh_interval, self._max_attempts = refresh_interval, max_attempts
         self._max_in_flight = max_in_flight
         self._timeout = timeout
@@ -271,19 +278,18 @@ class StickyRouter(SessionRouter):
                 return route, resp
             self._release(route)
             last_error = f"{route.url} dp_rank {route.dp_rank}: {_describe(resp)}"
-            if isinstance(resp, TransportFailure):
-                self._mark_dead(route.url, None, _describe(resp))
-                continue
-            if resp.status_code < 500:
+            broken = isinstance(resp, TransportFailure)
+            if not broken and resp.status_code < 500:
                 raise RouterError(f"{route.url}/generate answered {resp.status_code}: "
                                   f"{resp.text}")
-            # A 5xx: retry elsewhere only if the rank is down (else it is this request's fault).
+            # A transport error or a 5xx: retry elsewhere only if the rank is down. Up, a 5xx
+            # is this request's fault; a transport error was its connection's (tried again).
             health = yield Call("GET", f"{route.url}/health?dp_rank={route.dp_rank}")
             if isinstance(health, TransportFailure):
-                self._mark_dead(route.url, None, _describe(health))
+                self._mark_dead(route.url, None, _describe(resp if broken else health))
             elif health.status_code != 200:
                 self._mark_dead(route.url, route.dp_rank, f"/health: {_describe(health)}")
-            else:
+            elif not broken:
                 raise RouterError(f"{route.url}/generate answered {resp.status_code}: "
                                   f"{resp.text}")
         raise NoEngineAvailable(f"session {session_id}: no engine answered after "
@@ -295,7 +301,7 @@ class StickyRouter(SessionRouter):
             self._session_loop = loop
             self._session = aiohttp.ClientSession(
                 headers={**self._headers, **JSON_HEADERS},
-                connector=aiohttp.TCPConnector(limit=512, keepalive_timeout=60),
+                connector=aiohttp.TCPConnector(limit=512, keepalive_timeout=ENGINE_KEEPALIVE_S),
                 # No total limit: a streamed turn lasts as long as it generates.
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=30,
                                               sock_read=self._timeout))
