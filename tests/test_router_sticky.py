@@ -213,6 +213,17 @@ def test_a_reset_connection_is_tried_again_not_a_dead_engine(engines):
         proxy.close()
 
 
+def test_a_timed_out_turn_marks_its_engine_dead_without_a_probe(engines):
+    # No answer in time is a wedged or lost engine: dead at once, not probed and tried again.
+    engine = engines(dp_size=1)
+    router = StickyRouter([engine.url], timeout=0.5)
+    engine.release.clear()
+    with pytest.raises(NoEngineAvailable, match="ReadTimeout"):
+        turn(router, "s1")
+    assert "ReadTimeout" in router.dead_slots()[Route(engine.url, 0)]
+    assert len(engine.calls) == 1
+
+
 def test_pause_blocks_new_turns_and_drain_waits(engines):
     e = engines(dp_size=1)
     router = StickyRouter([e.url])

@@ -8,9 +8,10 @@ sessions. Free KV and each rank's health come from each engine's /get_server_inf
 at most every ``refresh_interval`` seconds.
 
 Health is per slot: a rank the engine reports unhealthy, or whose ``/health?dp_rank=N`` fails
-after a 5xx, is dead and only its sessions move; a transport error whose ``/health`` probe fails
-too kills every slot of that engine (one that answers its probe was a broken connection, not a
-dead engine: the turn is tried again). A moved session is re-pinned on its next turn (a turn
+after a 5xx, is dead and only its sessions move; a timeout, or a refused or dropped connection
+whose ``/health`` probe fails too, kills every slot of that engine (a dropped connection whose
+engine answers its probe was the connection's fault, not a dead engine: the turn is tried
+again). A moved session is re-pinned on its next turn (a turn
 boundary), with its whole history in that turn's prompt (the prefix is recomputed there). With
 ``max_in_flight``, a session whose slot already has that many turns in flight is moved, at its
 turn boundary, to the best live slot when that one has fewer.
@@ -74,7 +75,12 @@ class Reply:
 
 
 class TransportFailure(Exception):
-    """The engine could not be reached or dropped the connection (it is taken for dead)."""
+    """The engine could not be reached, dropped the connection or timed out. A timeout takes
+    the engine for dead; the others only when its /health probe fails too (``_turn``)."""
+
+    def __init__(self, message: str, timed_out: bool = False):
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 def kv_free_by_dp_rank(server_info: dict[str, Any]) -> dict[int, int]:
@@ -148,7 +154,8 @@ class StickyRouter(SessionRouter):
                         content=None if call.body is None else orjson.dumps(call.body))
                     reply: Reply | TransportFailure = Reply(resp.status_code, resp.content)
                 except httpx.TransportError as e:
-                    reply = TransportFailure(f"{type(e).__name__}: {e}")
+                    reply = TransportFailure(f"{type(e).__name__}: {e}",
+                                             isinstance(e, httpx.TimeoutException))
                 call = turn.send(reply)
         except StopIteration as done:
             route, reply = done.value
@@ -279,11 +286,14 @@ class StickyRouter(SessionRouter):
             self._release(route)
             last_error = f"{route.url} dp_rank {route.dp_rank}: {_describe(resp)}"
             broken = isinstance(resp, TransportFailure)
+            if broken and resp.timed_out:  # no answer in time: a wedged or lost engine
+                self._mark_dead(route.url, None, _describe(resp))
+                continue
             if not broken and resp.status_code < 500:
                 raise RouterError(f"{route.url}/generate answered {resp.status_code}: "
                                   f"{resp.text}")
-            # A transport error or a 5xx: retry elsewhere only if the rank is down. Up, a 5xx
-            # is this request's fault; a transport error was its connection's (tried again).
+            # A dropped connection or a 5xx: retry elsewhere only if the rank is down. Up, a 5xx
+            # is this request's fault; a dropped connection was the connection's (tried again).
             health = yield Call("GET", f"{route.url}/health?dp_rank={route.dp_rank}")
             if isinstance(health, TransportFailure):
                 self._mark_dead(route.url, None, _describe(resp if broken else health))
@@ -323,7 +333,8 @@ class StickyRouter(SessionRouter):
                         async with resp:
                             reply = Reply(resp.status, await resp.read())
                 except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                    reply = TransportFailure(f"{type(e).__name__}: {e}")
+                    reply = TransportFailure(f"{type(e).__name__}: {e}",
+                                             isinstance(e, asyncio.TimeoutError))
                 call = turn.send(reply)
         except StopIteration as done:
             return done.value
