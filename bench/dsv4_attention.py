@@ -1,6 +1,7 @@
 """DSV4 sparse sink attention on one GPU at V4-Flash head shapes (64 heads, D 512, window 128):
 our Triton kernels vs transformers' eager DeepseekV4 attention, per layer kind, plus decode (at
-64 heads on Hopper the Gluon kernel, dsv4_gluon_decode.py, as the engine runs it).
+64 heads on Hopper the forward and the decode are the Gluon kernel, dsv4_gluon.py, as the
+trainer and the engine run them).
 
     python bench/dsv4_attention.py                 # the table (4k, 16k, 64k) and decode
     python bench/dsv4_attention.py --sweep [dkv..] # only: tile configs at 4k CSA and HCA
@@ -350,14 +351,15 @@ def profile(total=4096):
 
 # Configs tried by --sweep, per head count (--heads) and kernel: (tile, keys, warps, stages[, D
 # step]); tile = heads for fwd/ds, D columns for dq/dkv; D step (ds): D columns a step of its
-# scores' loop; "narrow_selection": that DSV4Blocks switch. The default's own config is always
-# tried first.
+# scores' loop; "narrow_selection", "fwd_wgmma": those DSV4Blocks switches ("fwd" sweeps the
+# Triton forward's tiles: with fwd_wgmma off). The default's own config is always tried first.
 # Lost before (bench/results/dsv4_attention_h200.txt): the forward with its scores summed over
 # D in steps as the P/dS pass does; a separate selection dKV kernel after the P/dS pass; window
 # dKV programs of 256-512 columns or 128 keys (fewer re-reads of q and dO, 11-190% slower).
 SWEEP_TRIALS = {
     64: {
         "narrow_selection": [(False,), (True,)],
+        "fwd_wgmma": [(False,), (True,)],
         "fwd": [(64, 32, 8, 3), (32, 64, 4, 2)],
         "ds": [(64, 64, 4, 4, 64), (64, 64, 4, 3, 32), (64, 32, 4, 3, 64), (64, 128, 4, 3, 64),
                (64, 64, 4, 2, 128), (64, 128, 8, 3, 64), (64, 128, 8, 2, 64), (64, 64, 8, 3, 64),
@@ -393,14 +395,15 @@ def sweep(kernels, total=4096):
     flops = {kind: 4 * H * D * pairs(total, ins[kind][3]) for kind in ins}
     base = default_blocks(H)
     for kernel in kernels:
-        names = (kernel,) if kernel in ("narrow_selection", "dkv_rows") else tuple(
+        names = (kernel,) if kernel in ("narrow_selection", "dkv_rows", "fwd_wgmma") else tuple(
             f"{kernel}_{f}" for f in ("bh" if kernel in ("fwd", "ds") else "bd", "bn", "warps",
                                       "stages") + (("bd",) if kernel == "ds" else ()))
-        own = tuple(getattr(base, n) for n in names)
-        bwd = kernel != "fwd"
+        base_k = dataclasses.replace(base, fwd_wgmma=False) if kernel == "fwd" else base
+        own = tuple(getattr(base_k, n) for n in names)
+        bwd = kernel not in ("fwd", "fwd_wgmma")
         times = {}
         for config in [own] + [c for c in SWEEP_TRIALS[H][kernel] if c != own]:
-            blocks = dataclasses.replace(base, **dict(zip(names, config)))
+            blocks = dataclasses.replace(base_k, **dict(zip(names, config)))
             row, both = [], 0.0
             for kind in ins:
                 try:
@@ -563,18 +566,18 @@ def decode_parts(batch=512, seq=8192, page=64, heads=64):
     query and output still move): where a tile's time goes."""
     import functools
 
-    from sglang_dsv41.attention import dsv4_gluon_decode
+    from sglang_dsv41.attention import dsv4_gluon
 
     copy_bw = copy_bandwidth()
     cache, table_, lens, q, sinks, comp, picks = decode_inputs(batch, seq, page, heads)
-    launch = dsv4_gluon_decode.launch
+    launch = dsv4_gluon.launch
     print(f"decode parts: {heads} heads, batch {batch}, {seq} cached tokens each, page {page}; "
           f"copy {copy_bw:.0f} GB/s; % = the decode's bytes over the time, of the copy's")
     try:
         for config in [c for c in DECODE_TRIALS[heads] if len(c) > 5 and c[5]]:
             tiles = DecodeTiles(*config)
             for parts, what in ((0, "as built"), (1, "copies only"), (2, "MMAs + softmax only")):
-                dsv4_gluon_decode.launch = functools.partial(launch, parts=parts)
+                dsv4_gluon.launch = functools.partial(launch, parts=parts)
                 row = []
                 for kind, idx in picks.items():
                     def run():
@@ -586,7 +589,7 @@ def decode_parts(batch=512, seq=8192, page=64, heads=64):
                     row.append(f"{kind} {us:6.1f} us {pct:4.1f}%")
                 print(f"{config} {what:>19}: " + "; ".join(row), flush=True)
     finally:
-        dsv4_gluon_decode.launch = launch
+        dsv4_gluon.launch = launch
 
 
 def compile_report(kernel, types_: dict, consts: dict, aligned: set, arch: int, warps: int,
@@ -640,7 +643,7 @@ def decode_compile_report(arch=90):
     compiled for sm_<arch> without a GPU (compile_report): registers, spills, shared memory,
     and how many of its waits drain every copy in flight (async_wait num=0: one at the top of
     each loop iteration and one after each loop)."""
-    from sglang_dsv41.attention.dsv4_gluon_decode import _dsv4_decode_wgmma_kernel
+    from sglang_dsv41.attention.dsv4_gluon import _dsv4_wgmma_kernel
     from sglang_dsv41.attention.dsv4_triton_decode import _dsv4_decode_split_kernel
 
     types_ = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "comp_ptr": "*bf16", "o_ptr": "*bf16",
@@ -649,10 +652,10 @@ def decode_compile_report(arch=90):
     for heads, trials in DECODE_TRIALS.items():
         for config in trials:
             tiles = DecodeTiles(*config)
-            kernel = _dsv4_decode_wgmma_kernel if tiles.wgmma else _dsv4_decode_split_kernel
+            kernel = _dsv4_wgmma_kernel if tiles.wgmma else _dsv4_decode_split_kernel
             consts = dict(HAS_SINK=True, PAGE=64, BN=tiles.bn, SPLITS=max(tiles.splits, 1))
             if tiles.wgmma:
-                consts.update(STAGES=tiles.stages, PARTS=0)
+                consts.update(STAGES=tiles.stages, PARTS=0, PAGED=True)
             else:
                 consts.update(BH=tiles.bh, BD=D, DOT_PREC="tf32")
             r = compile_report(kernel, types_, consts,
@@ -692,9 +695,14 @@ def training_compile_report(arch=90):
             "window dKV": (bwd._dsv4_dkv_window_kernel,
                            dict(BN=b.dkv_bn, BHH=bhh, TB=tb, BD=b.dkv_bd, DOT_PREC="tf32"),
                            b.dkv_warps, b.dkv_stages)}
+        if heads == 64:  # what runs there on sm_90 (DSV4Blocks.fwd_wgmma)
+            from sglang_dsv41.attention.dsv4_gluon import _dsv4_wgmma_kernel
+
+            kernels["forward (Gluon)"] = (_dsv4_wgmma_kernel, dict(
+                HAS_SINK=True, PAGE=64, BN=64, STAGES=2, SPLITS=1, PARTS=0, PAGED=False), 8, 2)
         for name, (kernel, consts, warps, stages) in kernels.items():
             r = compile_report(kernel, types_, consts, aligned, arch, warps, stages)
-            print(f"H={heads} {name:10s} {warps} warps {stages} stages: wgmma {r['wgmma']:4d}, "
+            print(f"H={heads} {name:15s} {warps} warps {stages} stages: wgmma {r['wgmma']:4d}, "
                   f"mma.sync {r['mma_sync']:4d}, cp.async {r['cp_async']:3d}, "
                   f"ld.global {r['ld_global']:3d} ({r['ld_global_16']:3d} of 16 bits), "
                   f"{r['shared']:6d} B shared, {r['regs']} registers, {r['spills']} B spill "

@@ -16,7 +16,7 @@ from sglang_dsv41.attention import dsv4_attention
 from sglang_dsv41.attention.dsv4_reference import dsv4_attention_reference
 from sglang_dsv41.attention.dsv4_triton_backward import dsv4_attention_triton
 from sglang_dsv41.attention.dsv4_triton_forward import DSV4Blocks, default_blocks, selection_tile
-from sglang_dsv41.attention.triton_common import ptx_global_loads
+from sglang_dsv41.attention.triton_common import ptx_global_loads, wgmma_applies
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
@@ -160,15 +160,68 @@ def test_selection_over_several_tiles(seed):
 
 @pytest.mark.skipif(INTERPRET, reason="the GPU's own tiles at real head shapes: too slow for "
                                         "the interpreter (its tiles are 16 wide)")
-@pytest.mark.parametrize("heads", [16, 64])
-@pytest.mark.parametrize("kind", ["hca", "csa"])
+@pytest.mark.parametrize("heads", [16, 48, 64])
+@pytest.mark.parametrize("kind", ["sliding", "hca", "csa"])
 def test_gpu_tiles_at_real_head_shapes(seed, kind, heads):
-    # default_blocks(heads) on the GPU: 64-head blocks with 4-warp P/dS steps, or the 16-head
-    # tiles; D 512 and window 128 as in V4-Flash, two packed sequences longer than the window;
-    # CSA with up to 150 picks: three 64-key selection tiles (the P/dS pass's fused loop).
+    # default_blocks(heads) on the GPU: 64-head blocks with 4-warp P/dS steps (48 heads: a
+    # quarter of each block's rows masked), or the 16-head tiles; on sm_90 at 48 and 64 heads
+    # the forward is dsv4_gluon's kernel. D 512 and window 128 as in V4-Flash, two packed
+    # sequences longer than the window; CSA with up to 150 picks: three 64-key selection tiles
+    # (the P/dS pass's fused loop); sliding without sinks.
     lens, gen = [300, 211], torch.Generator().manual_seed(seed)
-    idx, rows = {"hca": hca_selection(lens, 16), "csa": csa_selection(lens, 2, 150, gen)}[kind]
-    _compare(lens, heads, 512, 128, torch.bfloat16, rows, idx)
+    idx, rows = {"sliding": (None, 0), "hca": hca_selection(lens, 16),
+                 "csa": csa_selection(lens, 2, 150, gen)}[kind]
+    _compare(lens, heads, 512, 128, torch.bfloat16, rows, idx, with_sinks=kind != "sliding")
+
+
+@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available() or not wgmma_applies(
+    torch.empty(1, 64, 512, device="cuda", dtype=torch.bfloat16)),
+    reason="the Gluon forward needs an sm_90 GPU and Gluon")
+def test_gpu_forward_at_64_heads_is_the_gluon_kernel(seed, monkeypatch):
+    """At 64 heads, bf16, D 512 on sm_90 the forward never launches the Triton kernel, and its
+    output and LSE (which the backward reads) agree with the Triton forward's (fwd_wgmma off)."""
+    from sglang_dsv41.attention import dsv4_triton_forward as fwd
+    from sglang_dsv41.attention.dsv4_reference import sequence_first_rows
+
+    lens, gen = [300, 211], torch.Generator().manual_seed(seed)
+    idx, rows = csa_selection(lens, 2, 150, gen)
+    total = sum(lens)
+    q = torch.randn(total, 64, 512, device=DEVICE, dtype=torch.bfloat16)
+    kv = torch.randn(total, 512, device=DEVICE, dtype=torch.bfloat16)
+    comp = torch.randn(rows, 512, device=DEVICE, dtype=torch.bfloat16)
+    sinks = torch.randn(64, device=DEVICE)
+    ckv, cidx, sel_end = fwd.selection_or_empty(comp, idx, total, 512, kv)
+    args = (q, kv, sinks, sequence_first_rows(_cu(lens), total), 128, 512 ** -0.5, ckv, cidx,
+            sel_end)
+    triton_kernel = fwd._dsv4_fwd_kernel
+    with monkeypatch.context() as m:
+        m.setattr(fwd, "_dsv4_fwd_kernel", None)  # launching it would raise TypeError
+        out, lse = fwd.dsv4_forward(*args, default_blocks(64))
+    assert fwd._dsv4_fwd_kernel is triton_kernel
+    out_t, lse_t = fwd.dsv4_forward(*args, dataclasses.replace(default_blocks(64),
+                                                               fwd_wgmma=False))
+    assert _rel(out, out_t) < 1e-2
+    assert (lse - lse_t).abs().max().item() < 1e-2
+
+
+def test_a_gluon_forward_this_triton_cannot_build_falls_back(seed, monkeypatch, caplog):
+    """Where the Gluon forward does not build, the forward warns once and runs the Triton
+    kernel, with the same results."""
+    from types import SimpleNamespace
+
+    from sglang_dsv41.attention import dsv4_triton_forward as fwd, triton_common
+
+    monkeypatch.setattr(triton_common, "_warned", set())
+    monkeypatch.setattr(fwd, "wgmma_applies", lambda *tensors: True)
+    monkeypatch.setattr(fwd, "gluon_kernels", lambda: SimpleNamespace(
+        launch_forward=lambda *args, **kwargs: "CompilationError: no such builtin"))
+    lens, gen = [21, 14], torch.Generator().manual_seed(seed)
+    idx, rows = csa_selection(lens, 2, 3, gen)
+    with caplog.at_level("WARNING", logger=triton_common.__name__):
+        for _ in range(2):
+            _compare(lens, 4, 32, 8, torch.float32, rows, idx)
+    warned = [r.getMessage() for r in caplog.records if "does not build" in r.getMessage()]
+    assert len(warned) == 1 and "forward" in warned[0] and "no such builtin" in warned[0]
 
 
 def test_dsink_and_window_dkv_are_bitwise_deterministic(seed):

@@ -14,8 +14,8 @@ import torch
 from sglang_dsv41.attention import dsv4_decode
 from sglang_dsv41.attention.dsv4 import dsv4_decode_reference
 from sglang_dsv41.attention.dsv4_triton_decode import (WGMMA_TILES, DecodeTiles,
-                                                       dsv4_decode_triton, split_count,
-                                                       wgmma_decode_applies)
+                                                       dsv4_decode_triton, split_count)
+from sglang_dsv41.attention.triton_common import wgmma_applies
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
@@ -162,10 +162,10 @@ def test_split_count_never_leaves_a_split_without_key_tiles():
             assert (splits - 1) * per_split < key_tiles, (key_tiles, wanted, splits)
 
 
-# The Gluon wgmma kernel (dsv4_gluon_decode.py): 33-64 heads, D 512, bf16 on an sm_90 GPU.
+# The Gluon wgmma kernel (dsv4_gluon.py): 33-64 heads, D 512, bf16 on an sm_90 GPU.
 HOPPER = (not INTERPRET and torch.cuda.is_available()
-          and wgmma_decode_applies(torch.empty(1, 64, 512, device="cuda", dtype=torch.bfloat16),
-                                   torch.empty(1, 1, 512, device="cuda", dtype=torch.bfloat16)))
+          and wgmma_applies(torch.empty(1, 64, 512, device="cuda", dtype=torch.bfloat16),
+                            torch.empty(1, 1, 512, device="cuda", dtype=torch.bfloat16)))
 
 
 @pytest.mark.skipif(not HOPPER, reason="the wgmma decode needs an sm_90 GPU and Gluon")
@@ -200,7 +200,7 @@ def test_wgmma_tiles_refused_where_they_do_not_apply():
     with pytest.raises(ValueError, match="wgmma"):
         DecodeTiles(bh=16, bn=16, warps=8, stages=2, wgmma=True)
     q = torch.zeros(1, 64, 512, dtype=torch.bfloat16)
-    assert not wgmma_decode_applies(q, q.new_zeros(1, 4, 512))
+    assert not wgmma_applies(q, q.new_zeros(1, 4, 512))
     with pytest.raises(ValueError, match="sm_90"):
         dsv4_decode_triton(q, q.new_zeros(1, 4, 512), torch.zeros(1, 1, dtype=torch.int32),
                            torch.ones(1, dtype=torch.int32), None, 4, 1.0, tiles=WGMMA_TILES)
@@ -211,16 +211,17 @@ def test_a_wgmma_decode_this_triton_cannot_build_falls_back(seed, monkeypatch, c
     path warns once and decodes with the Triton kernel; tiles that ask for wgmma get the error."""
     from types import SimpleNamespace
 
-    from sglang_dsv41.attention import dsv4_triton_decode as decode
+    from sglang_dsv41.attention import dsv4_triton_decode as decode, triton_common
 
     fallback = decode.default_tiles(4)
     monkeypatch.setattr(decode, "_UNBUILT", [])
-    monkeypatch.setattr(decode, "wgmma_decode_applies", lambda q, kv: True)
+    monkeypatch.setattr(triton_common, "_warned", set())
+    monkeypatch.setattr(decode, "wgmma_applies", lambda q, kv: True)
     monkeypatch.setattr(decode, "default_tiles",
                         lambda heads, wgmma=False: WGMMA_TILES if wgmma else fallback)
-    monkeypatch.setattr(decode, "_gluon_decode", lambda: SimpleNamespace(
+    monkeypatch.setattr(decode, "gluon_kernels", lambda: SimpleNamespace(
         launch=lambda *args, **kwargs: "CompilationError: no such builtin"))
-    with caplog.at_level("WARNING", logger=decode.__name__):
+    with caplog.at_level("WARNING", logger=triton_common.__name__):
         _check(LENS, 4, 32, PICKS, torch.float32)
         _check(LENS, 4, 32, PICKS, torch.float32)
     warned = [r for r in caplog.records if "does not build" in r.getMessage()]
@@ -229,10 +230,11 @@ def test_a_wgmma_decode_this_triton_cannot_build_falls_back(seed, monkeypatch, c
         _check(LENS, 4, 32, PICKS, torch.float32, tiles=WGMMA_TILES)
 
 
-def test_wgmma_decode_compiles_for_the_h200():
-    """Without a GPU: the Gluon kernel builds for sm_90 with this Triton, its score MMA split
-    over the two warpgroups (m64n32 for a 64-key tile: each computes half the scores) and the
-    values' too (m64n256: half the 512 columns each), the keys gathered by cp.async."""
+def test_wgmma_kernel_compiles_for_the_h200():
+    """Without a GPU: the Gluon kernel builds for sm_90 with this Triton, as decode (one split
+    or two) and as the training forward, its score MMA split over the two warpgroups (m64n32
+    for a 64-key tile: each computes half the scores) and the values' too (m64n256: half the
+    512 columns each), the keys gathered by cp.async."""
     from triton_compile import compile_many_sm90
 
     types = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "comp_ptr": "*bf16", "o_ptr": "*bf16",
@@ -240,11 +242,11 @@ def test_wgmma_decode_compiles_for_the_h200():
              "idx_ptr": "*i32", "end_ptr": "*i32", "len_ptr": "*i32", "page_ptr": "*i32"}
     types.update({n: "i32" for n in ("H", "window", "stride_kv", "stride_c", "stride_idx",
                                      "stride_page", "tiles_per_split")})
-    module = "sglang_dsv41.attention.dsv4_gluon_decode"
-    ptx = compile_many_sm90([(module, "_dsv4_decode_wgmma_kernel", types,
+    module = "sglang_dsv41.attention.dsv4_gluon"
+    ptx = compile_many_sm90([(module, "_dsv4_wgmma_kernel", types,
                               dict(HAS_SINK=True, PAGE=64, BN=64, STAGES=2, SPLITS=splits,
-                                   PARTS=0), 8)
-                             for splits in (1, 2)])
+                                   PARTS=0, PAGED=paged), 8)
+                             for splits, paged in ((1, True), (2, True), (1, False))])
     for p in ptx:
         shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+)", p))
         assert shapes == {"m64n32", "m64n256"}, shapes

@@ -18,7 +18,6 @@ request run side by side and share its keys through L2.
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -26,14 +25,15 @@ import triton
 import triton.language as tl
 
 from .dsv4_triton_forward import _online_softmax_step, selection_or_empty
-from .triton_common import LOG2E, dot_precision, interpreting
+from .triton_common import (LOG2E, dot_precision, gluon_kernels, interpreting, warn_unbuilt,
+                            wgmma_applies)
 
 
 @dataclass(frozen=True)
 class DecodeTiles:
     """Tile sizes of the decode kernels: heads per program (bh), keys per tile (bn), warps,
     pipeline stages, and key splits per request (0 = as many as fill the GPU: split_count).
-    wgmma: the split kernel is dsv4_gluon_decode's (Hopper, bf16, D 512, 33-64 heads; all 64
+    wgmma: the split kernel is dsv4_gluon's (Hopper, bf16, D 512, 33-64 heads; all 64
     heads a program, 8 warps; stages = key buffers in flight) instead of this module's."""
 
     bh: int
@@ -60,7 +60,7 @@ INTERPRET_TILES = DecodeTiles(bh=16, bn=16, warps=1, stages=1)
 
 def default_tiles(heads: int, wgmma: bool = False) -> DecodeTiles:
     """Best of `bench/dsv4_attention.py --decode-sweep` on one H200 (batch 512, 8k tokens,
-    page 64; bench/results/dsv4_attention_h200.txt). wgmma: wgmma_decode_applies."""
+    page 64; bench/results/dsv4_attention_h200.txt). wgmma: wgmma_applies."""
     if interpreting():
         return INTERPRET_TILES
     if wgmma:
@@ -78,36 +78,9 @@ def default_tiles(heads: int, wgmma: bool = False) -> DecodeTiles:
 
 
 WGMMA_TILES = DecodeTiles(bh=64, bn=64, warps=8, stages=2, wgmma=True)
-logger = logging.getLogger(__name__)
 # Why the wgmma decode did not build, once it failed on the default path: from then on that path
 # takes the Triton kernel without preparing (and failing) the wgmma launch on every call.
 _UNBUILT: list[str] = []
-
-
-@functools.lru_cache(maxsize=None)
-def _gluon_decode():
-    """dsv4_gluon_decode, or None where this Triton has no Gluon (or not its Hopper parts)."""
-    try:
-        from . import dsv4_gluon_decode
-    except (ImportError, AttributeError):
-        return None
-    return dsv4_gluon_decode
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
-
-
-def wgmma_decode_applies(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether dsv4_gluon_decode serves this call: bf16 on an sm_90 GPU, D 512, 33-64 heads
-    (its programs take 64 heads), and this Triton has Gluon."""
-    _, heads, dim = q.shape
-    if not (q.is_cuda and q.dtype == kv_cache.dtype == torch.bfloat16 and dim == 512
-            and 32 < heads <= 64 and not interpreting()):
-        return False
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    return _capability(index) == (9, 0) and _gluon_decode() is not None
 
 
 @functools.lru_cache(maxsize=None)
@@ -270,7 +243,7 @@ def dsv4_decode_triton(q, kv_cache, page_table, seq_lens, sinks, window, scale, 
         raise ValueError(f"the Triton decode takes q, kv_cache and comp_kv in one dtype; got "
                          f"{q.dtype}, {kv_cache.dtype}, "
                          f"{None if comp_kv is None else comp_kv.dtype}")
-    wgmma = wgmma_decode_applies(q, kv_cache)
+    wgmma = wgmma_applies(q, kv_cache)
     chosen = tiles is not None
     tiles = tiles or default_tiles(heads, wgmma and not _UNBUILT)
     if tiles.wgmma and not wgmma:
@@ -294,16 +267,14 @@ def dsv4_decode_triton(q, kv_cache, page_table, seq_lens, sinks, window, scale, 
     has_sink = sinks is not None
     bd = triton.next_power_of_2(dim)
     if tiles.wgmma:
-        unbuilt = _gluon_decode().launch(q, kv, comp, cidx, sel_end, sinks, lens, table, out,
+        unbuilt = gluon_kernels().launch(q, kv, comp, cidx, sel_end, sinks, lens, table, out,
                                          part, ml, window, scale * LOG2E, kv_cache.shape[1],
                                          tiles, splits, triton.cdiv(key_tiles, splits))
         if unbuilt is not None:
-            message = (f"the wgmma decode does not build with Triton {triton.__version__}: "
-                       f"{unbuilt}")
             if chosen:
-                raise RuntimeError(message)
-            _UNBUILT.append(message)
-            logger.warning(message + "; decoding with the Triton kernel from now on")
+                raise RuntimeError(f"the wgmma decode does not build with Triton "
+                                   f"{triton.__version__}: {unbuilt}")
+            _UNBUILT.append(warn_unbuilt("decode", unbuilt))
             return dsv4_decode_triton(q, kv_cache, page_table, seq_lens, sinks, window, scale,
                                       comp_kv, comp_idx, default_tiles(heads))
     else:

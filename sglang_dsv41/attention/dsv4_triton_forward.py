@@ -11,6 +11,10 @@ the launch; the indexer puts its invalid picks last, so padding costs nothing) a
 in its body, so Triton can software-pipeline its index and key loads (a branch in a loop body
 keeps Triton's pipeliner off, and each gathered tile then pays its full load latency).
 
+At 33-64 heads, D 512, bf16 on sm_90 dsv4_forward launches dsv4_gluon's kernel instead (the
+decode's, one program a token): with 64 heads a program Triton lays the score MMA on all eight
+warps along M, so both warpgroups compute every score (4k CSA on an H200: 1.40 vs 0.99 ms).
+
 Scores use exp2 with log2(e) folded into the scale; the saved LSE is in the same log2 units and
 sink-inclusive; a row that sees nothing (and has no sink) stores +inf so the backward's
 probabilities are 0 there.
@@ -24,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import LOG2E, dot_precision, interpreting, mma, to_dtype
+from .triton_common import (LOG2E, dot_precision, gluon_kernels, interpreting, mma, to_dtype,
+                            warn_unbuilt, wgmma_applies)
 
 
 @dataclass(frozen=True)
@@ -34,7 +39,9 @@ class DSV4Blocks:
     forward; ds: the backward's P/dS pass (which also adds the selection dKV); dq: dQ = dS @ K;
     dkv: window dKV (all heads at once, split over D; dkv_rows: (query, head) rows a step of its
     loop, dkv_rows / heads queries, at least one). narrow_selection: the forward's selection
-    tiles narrow when K is small (selection_tile)."""
+    tiles narrow when K is small (selection_tile). fwd_wgmma: where it applies (wgmma_applies:
+    33-64 heads, D 512, bf16 on an sm_90 GPU) the forward is dsv4_gluon's kernel, not this
+    module's (its fwd_ tiles then unused)."""
 
     fwd_bh: int = 64
     fwd_bn: int = 64
@@ -56,6 +63,7 @@ class DSV4Blocks:
     dkv_warps: int = 4
     dkv_stages: int = 2
     narrow_selection: bool = True
+    fwd_wgmma: bool = True
 
     def __post_init__(self):
         for f in fields(self):
@@ -202,6 +210,12 @@ def dsv4_forward(q, kv, sinks, first_rows, window, scale, comp_kv, comp_idx, sel
     lse = torch.empty(total, heads, device=q.device, dtype=torch.float32)
     if total == 0:
         return out, lse
+    if blocks.fwd_wgmma and wgmma_applies(q, kv, comp_kv):
+        unbuilt = gluon_kernels().launch_forward(q, kv, comp_kv, comp_idx, sel_end, sinks,
+                                                 first_rows, out, lse, window, scale * LOG2E)
+        if unbuilt is None:
+            return out, lse
+        warn_unbuilt("forward", unbuilt)
     grid = (total, triton.cdiv(heads, blocks.fwd_bh))
     _dsv4_fwd_kernel[grid](
         q, kv, comp_kv, comp_idx, sel_end, sinks if sinks is not None else q, first_rows, out,

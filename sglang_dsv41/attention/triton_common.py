@@ -1,10 +1,12 @@
 """Pieces shared by the DSV4 Triton kernels: matmul precision and rounding that behave the same
 on a GPU and in the CPU interpreter (TRITON_INTERPRET=1, the tests); the column block of a
-kernel that gives one program a row; a kernel compiled for a GPU target on a machine without
-one, and what its PTX loads."""
+kernel that gives one program a row; where the Gluon wgmma kernels (dsv4_gluon.py) serve a call;
+a kernel compiled for a GPU target on a machine without one, and what its PTX loads."""
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import re
 
@@ -50,6 +52,51 @@ def to_dtype(x, dtype: tl.constexpr, DOT_PREC: tl.constexpr):
         return bits.to(tl.float32, bitcast=True).to(dtype)
     else:
         return x.to(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_kernels():
+    """The dsv4_gluon module, or None where this Triton has no Gluon (or not its Hopper parts)."""
+    try:
+        from . import dsv4_gluon
+    except (ImportError, AttributeError):
+        return None
+    return dsv4_gluon
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    import torch
+
+    return torch.cuda.get_device_capability(device_index)
+
+
+def wgmma_applies(q, *others) -> bool:
+    """Whether dsv4_gluon's kernel serves a call with queries q [rows, H, D] and key tensors
+    others: all bf16 on an sm_90 GPU, D 512, 33-64 heads (its programs take 64 heads), and this
+    Triton has Gluon."""
+    import torch
+
+    _, heads, dim = q.shape
+    if not (q.is_cuda and dim == 512 and 32 < heads <= 64 and not interpreting()
+            and all(x.dtype == q.dtype == torch.bfloat16 for x in others)):
+        return False
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    return _capability(index) == (9, 0) and gluon_kernels() is not None
+
+
+_warned: set[str] = set()
+
+
+def warn_unbuilt(what: str, why: str) -> str:
+    """Logs once per message that a Gluon kernel does not build here -> the message."""
+    import triton
+
+    message = f"the wgmma {what} does not build with Triton {triton.__version__}: {why}"
+    if message not in _warned:
+        _warned.add(message)
+        logging.getLogger(__name__).warning(message + f"; the Triton {what} serves it instead")
+    return message
 
 
 def row_block(width: int, most: int = 1024) -> int:
