@@ -204,6 +204,32 @@ def test_gpu_forward_at_64_heads_is_the_gluon_kernel(seed, monkeypatch):
     assert (lse - lse_t).abs().max().item() < 1e-2
 
 
+@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available() or not wgmma_applies(
+    torch.empty(1, 64, 512, device="cuda", dtype=torch.bfloat16)),
+    reason="the Gluon forward needs an sm_90 GPU and Gluon")
+def test_gpu_forward_runs_are_bitwise_equal(seed):
+    """The Gluon forward has no atomics and a fixed order of sums: repeated runs agree to the
+    bit (a tile read before all of its copies landed would not), over 2,048 tokens of CSA with
+    up to 512 picks (up to ten key tiles a token) and of HCA (three)."""
+    from sglang_dsv41.attention import dsv4_triton_forward as fwd
+    from sglang_dsv41.attention.dsv4_reference import sequence_first_rows
+
+    gen = torch.Generator().manual_seed(seed)
+    lens = [2048]
+    total = sum(lens)
+    q = torch.randn(total, 64, 512, device=DEVICE, dtype=torch.bfloat16)
+    kv = torch.randn(total, 512, device=DEVICE, dtype=torch.bfloat16)
+    sinks = torch.randn(64, device=DEVICE)
+    first = sequence_first_rows(_cu(lens), total)
+    for idx, rows in (csa_selection(lens, 2, 512, gen), hca_selection(lens, 128)):
+        comp = torch.randn(rows, 512, device=DEVICE, dtype=torch.bfloat16)
+        ckv, cidx, sel_end = fwd.selection_or_empty(comp, idx, total, 512, kv)
+        runs = [fwd.dsv4_forward(q, kv, sinks, first, 128, 512 ** -0.5, ckv, cidx, sel_end,
+                                 default_blocks(64)) for _ in range(4)]
+        for out, lse in runs[1:]:
+            assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1])
+
+
 def test_a_gluon_forward_this_triton_cannot_build_falls_back(seed, monkeypatch, caplog):
     """Where the Gluon forward does not build, the forward warns once and runs the Triton
     kernel, with the same results."""

@@ -196,6 +196,27 @@ def test_wgmma_decode_is_the_default_at_64_heads(seed):
            page_size=64, window=128)
 
 
+@pytest.mark.skipif(not HOPPER, reason="the wgmma decode needs an sm_90 GPU and Gluon")
+def test_wgmma_decode_runs_are_bitwise_equal(seed):
+    """One split a request: no atomics and a fixed order of sums, so repeated runs agree to the
+    bit, which a tile read before all of its copies landed (a wait on the wrong copy group)
+    breaks. 300 requests (more than two waves of programs), 3 and 10 key tiles a request."""
+    batch, page, pages = 300, 64, 16
+    cache = torch.randn(batch * pages, page, 512, device=DEVICE).to(torch.bfloat16)
+    table = torch.randperm(batch * pages, device=DEVICE).int().view(batch, pages)
+    lens = torch.randint(129, page * pages, (batch,), device=DEVICE, dtype=torch.int32)
+    q = torch.randn(batch, 64, 512, device=DEVICE).to(torch.bfloat16)
+    comp = torch.randn(4096, 512, device=DEVICE).to(torch.bfloat16)
+    sinks = torch.randn(64, device=DEVICE)
+    tiles = replace(WGMMA_TILES, splits=1)
+    for k in (64, 512):
+        picks = torch.randint(0, comp.shape[0], (batch, k), device=DEVICE, dtype=torch.int32)
+        runs = [dsv4_decode_triton(q, cache, table, lens, sinks, 128, 512 ** -0.5, comp, picks,
+                                   tiles=tiles) for _ in range(4)]
+        for other in runs[1:]:
+            assert torch.equal(runs[0], other), f"{k} picks: runs differ"
+
+
 def test_wgmma_tiles_refused_where_they_do_not_apply():
     with pytest.raises(ValueError, match="wgmma"):
         DecodeTiles(bh=16, bn=16, warps=8, stages=2, wgmma=True)

@@ -14,14 +14,13 @@ half of the output columns, exchanging P through shared memory, so no MMA is don
 
 The key tiles (a row's window, through its page table in decode, then its selected compressed
 rows: one numbering, window tiles first) are gathered with cp.async into a ring of STAGES
-buffers: the first STAGES with the query, then each refill STAGES - 1 tiles ahead of the MMAs,
-issued after the barrier that follows the wait for the current tile (that barrier also frees
-the previous tile's buffer: two barriers a tile, not three). A tile's page entries / picks are
-loaded STAGES tiles ahead, one entry a thread (in the copies' row layout every lane of a warp
-would load its warp's rows again), turned into row offsets under the current tile's MMAs and
-kept in an index ring in shared memory with their validity, which the copy and the tile's score
-mask read back. Invalid rows (past the request's length, -1 picks) are zero-filled by the masked
-copy and their scores set to -inf. Measured on an H200: bench/results/dsv4_attention_h200.txt.
+buffers, STAGES - 1 tiles ahead of the MMAs. A tile's page entries / picks are loaded STAGES
+tiles ahead, one entry a thread (in the copies' row layout every lane of a warp would load its
+warp's rows again), turned into row offsets under the current tile's MMAs and kept in an index
+ring in shared memory with their validity, which the copy (one iteration later) and the tile's
+score mask read back. Invalid rows (past the request's length, -1 picks) are zero-filled by the
+masked copy and their scores set to -inf. Measured on an H200: bench/results/
+dsv4_attention_h200.txt.
 
 GPU only: Gluon kernels do not run under TRITON_INTERPRET. The Triton kernels remain the path
 everywhere else and the CPU-tested ones; tests/test_dsv4_attention_decode.py and
@@ -165,9 +164,7 @@ def _dsv4_wgmma_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_ptr, len_
         offs_ring.index(st).store(offs)
         flags.index(st).store(valid.to(gl.int8))
     cta_barrier()
-    # All STAGES buffers are free: the first STAGES tiles' copies go now (a request of two
-    # tiles has both in flight with its query).
-    for st in gl.static_range(STAGES):
+    for st in gl.static_range(STAGES - 1):
         if PARTS != 2:
             _issue(k_smem.index(st), t0 + st, n_win, kv_ptr, comp_ptr, offs_ring.index(st),
                    flags.index(st), offs_d, rows_l)
@@ -178,22 +175,19 @@ def _dsv4_wgmma_kernel(q_ptr, kv_ptr, comp_ptr, idx_ptr, end_ptr, sink_ptr, len_
     acc = gl.zeros([BH, DIM], gl.float32, o_l)
     for i in range(t0, t1):
         j = i - t0
-        # Tile i + STAGES's page entries / picks: loaded now, used after this tile's MMAs.
-        page, pick = _tile_index(i + STAGES, n_win, lo, hi, sel_end, t1, b, idx_ptr, page_ptr,
-                                 stride_idx, stride_page, offs_n, PAGE, BN, PAGED)
-        # This thread's copies of tile i (one group a tile; the first iteration's is empty).
-        cp.wait_group(STAGES - 1)
-        fence_async_shared()  # cp.async's writes, read next by wgmma (the async proxy)
-        # One barrier for both: every thread's copies of tile i have landed, and every warp is
-        # past the previous tile's value MMA, so that tile's buffer and P may be rewritten:
-        # tile i + STAGES - 1 goes there (the first STAGES went before the loop).
+        # Every warp is past the previous tile's value MMA: its buffer and P may be rewritten.
         cta_barrier()
         x = j + STAGES - 1
         if PARTS != 2:
-            if j > 0:
-                _issue(k_smem.index(x % STAGES), i + STAGES - 1, n_win, kv_ptr, comp_ptr,
-                       offs_ring.index(x % RING), flags.index(x % RING), offs_d, rows_l)
+            _issue(k_smem.index(x % STAGES), i + STAGES - 1, n_win, kv_ptr, comp_ptr,
+                   offs_ring.index(x % RING), flags.index(x % RING), offs_d, rows_l)
         cp.commit_group()
+        # Tile i + STAGES's page entries / picks: loaded now, used after this tile's MMAs.
+        page, pick = _tile_index(i + STAGES, n_win, lo, hi, sel_end, t1, b, idx_ptr, page_ptr,
+                                 stride_idx, stride_page, offs_n, PAGE, BN, PAGED)
+        cp.wait_group(STAGES - 1)
+        fence_async_shared()  # cp.async's writes, read next by wgmma (the async proxy)
+        cta_barrier()
         if PARTS != 1:
             k = k_smem.index(j % STAGES)
             sc = warpgroup_mma(q_smem, k.permute((1, 0)), gl.zeros([BH, BN], gl.float32, s_l),
