@@ -90,8 +90,6 @@ _warned: set[str] = set()
 
 def warn_unbuilt(what: str, why: str) -> str:
     """Logs once per message that a Gluon kernel does not build here -> the message."""
-    import triton
-
     message = f"the wgmma {what} does not build with Triton {triton.__version__}: {why}"
     if message not in _warned:
         _warned.add(message)
