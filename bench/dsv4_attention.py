@@ -696,10 +696,11 @@ def training_compile_report(arch=90):
                            dict(BN=b.dkv_bn, BHH=bhh, TB=tb, BD=b.dkv_bd, DOT_PREC="tf32"),
                            b.dkv_warps, b.dkv_stages)}
         if heads == 64:  # what runs there on sm_90 (DSV4Blocks.fwd_wgmma)
-            from sglang_dsv41.attention.dsv4_gluon import _dsv4_wgmma_kernel
+            from sglang_dsv41.attention import dsv4_gluon
 
-            kernels["forward (Gluon)"] = (_dsv4_wgmma_kernel, dict(
-                HAS_SINK=True, PAGE=64, BN=64, STAGES=2, SPLITS=1, PARTS=0, PAGED=False), 8, 2)
+            kernels["forward (Gluon)"] = (dsv4_gluon._dsv4_wgmma_kernel,
+                                          dsv4_gluon.forward_constants(True),
+                                          dsv4_gluon.FORWARD_WARPS, 2)
         for name, (kernel, consts, warps, stages) in kernels.items():
             r = compile_report(kernel, types_, consts, aligned, arch, warps, stages)
             print(f"H={heads} {name:15s} {warps} warps {stages} stages: wgmma {r['wgmma']:4d}, "

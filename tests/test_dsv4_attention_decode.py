@@ -258,16 +258,19 @@ def test_wgmma_kernel_compiles_for_the_h200():
     512 columns each), the keys gathered by cp.async."""
     from triton_compile import compile_many_sm90
 
+    from sglang_dsv41.attention import dsv4_gluon
+
     types = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "comp_ptr": "*bf16", "o_ptr": "*bf16",
              "sink_ptr": "*fp32", "part_ptr": "*fp32", "ml_ptr": "*fp32", "qk_scale": "fp32",
              "idx_ptr": "*i32", "end_ptr": "*i32", "len_ptr": "*i32", "page_ptr": "*i32"}
     types.update({n: "i32" for n in ("H", "window", "stride_kv", "stride_c", "stride_idx",
                                      "stride_page", "tiles_per_split")})
     module = "sglang_dsv41.attention.dsv4_gluon"
-    ptx = compile_many_sm90([(module, "_dsv4_wgmma_kernel", types,
-                              dict(HAS_SINK=True, PAGE=64, BN=64, STAGES=2, SPLITS=splits,
-                                   PARTS=0, PAGED=paged), 8)
-                             for splits, paged in ((1, True), (2, True), (1, False))])
+    decode = [(dict(HAS_SINK=True, PAGE=64, BN=64, STAGES=2, SPLITS=splits, PARTS=0,
+                    PAGED=True), 8) for splits in (1, 2)]
+    forward = [(dsv4_gluon.forward_constants(True), dsv4_gluon.FORWARD_WARPS)]
+    ptx = compile_many_sm90([(module, "_dsv4_wgmma_kernel", types, consts, warps)
+                             for consts, warps in decode + forward])
     for p in ptx:
         shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+)", p))
         assert shapes == {"m64n32", "m64n256"}, shapes

@@ -280,16 +280,26 @@ def launch(q, kv, comp, cidx, sel_end, sinks, lens, table, out, part, ml, window
         PARTS=parts, num_warps=tiles.warps))
 
 
+# The training forward's build: decode's tiles (64 keys, two buffers, 8 warps), one split, no
+# pages (PAGE unused). bench/dsv4_attention.py --training-compile and the sm_90 build test
+# compile exactly this.
+FORWARD_WARPS = 8
+
+
+def forward_constants(has_sink: bool) -> dict:
+    """The training forward's compile-time arguments of _dsv4_wgmma_kernel."""
+    return dict(HAS_SINK=has_sink, PAGE=64, BN=64, STAGES=2, SPLITS=1, PARTS=0, PAGED=False)
+
+
 def launch_forward(q, kv, comp, cidx, sel_end, sinks, first_rows, out, lse, window,
                    scale_log2) -> str | None:
     """The training forward over T tokens, one program each (the grid's first axis: T may pass
     65,535), with dsv4_forward's contiguous inputs (first_rows: each token's sequence's first
-    row): out [T, H, 512] and lse [T, H] written -> None, or why the kernel does not build.
-    Decode's tiles (64 keys, two buffers): the same kernel and shared memory."""
+    row): out [T, H, 512] and lse [T, H] written -> None, or why the kernel does not build."""
     total, heads, _ = q.shape
-    key_tiles = triton.cdiv(window, 64) + triton.cdiv(cidx.shape[1], 64)
+    consts = forward_constants(sinks is not None)
+    key_tiles = triton.cdiv(window, consts["BN"]) + triton.cdiv(cidx.shape[1], consts["BN"])
     args = (q, kv, comp, cidx, sel_end, sinks if sinks is not None else q, first_rows, cidx,
             out, out, lse, heads, window, scale_log2, kv.stride(0), comp.stride(0),
             cidx.stride(0), 0, key_tiles)
-    return _launch(args, (total,), dict(HAS_SINK=sinks is not None, PAGE=64, BN=64, STAGES=2,
-                                        SPLITS=1, PARTS=0, PAGED=False, num_warps=8))
+    return _launch(args, (total,), dict(consts, num_warps=FORWARD_WARPS))

@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from .dsv4_triton_forward import _online_softmax_step, selection_or_empty
-from .triton_common import (LOG2E, dot_precision, gluon_kernels, interpreting, warn_unbuilt,
-                            wgmma_applies)
+from .triton_common import (LOG2E, dot_precision, gluon_kernels, interpreting,
+                            unbuilt_message, warn_unbuilt, wgmma_applies)
 
 
 @dataclass(frozen=True)
@@ -272,8 +272,7 @@ def dsv4_decode_triton(q, kv_cache, page_table, seq_lens, sinks, window, scale, 
                                          tiles, splits, triton.cdiv(key_tiles, splits))
         if unbuilt is not None:
             if chosen:
-                raise RuntimeError(f"the wgmma decode does not build with Triton "
-                                   f"{triton.__version__}: {unbuilt}")
+                raise RuntimeError(unbuilt_message("decode", unbuilt))
             _UNBUILT.append(warn_unbuilt("decode", unbuilt))
             return dsv4_decode_triton(q, kv_cache, page_table, seq_lens, sinks, window, scale,
                                       comp_kv, comp_idx, default_tiles(heads))

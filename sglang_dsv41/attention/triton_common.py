@@ -88,9 +88,14 @@ def wgmma_applies(q, *others) -> bool:
 _warned: set[str] = set()
 
 
+def unbuilt_message(what: str, why: str) -> str:
+    """Why the wgmma `what` (decode, forward) does not build with this Triton."""
+    return f"the wgmma {what} does not build with Triton {triton.__version__}: {why}"
+
+
 def warn_unbuilt(what: str, why: str) -> str:
     """Logs once per message that a Gluon kernel does not build here -> the message."""
-    message = f"the wgmma {what} does not build with Triton {triton.__version__}: {why}"
+    message = unbuilt_message(what, why)
     if message not in _warned:
         _warned.add(message)
         logging.getLogger(__name__).warning(message + f"; the Triton {what} serves it instead")
