@@ -145,6 +145,43 @@ def test_decode_refuses_mixed_dtypes():
                     torch.zeros(1, 2, dtype=torch.int32, device=DEVICE), backend="triton")
 
 
+def test_decode_hostile_inputs_get_clear_errors():
+    """Refused at the entry, before any kernel reads out of bounds: picks outside the pool, a
+    page table entry the window would read that is no page of the cache, lengths without the
+    query's own latent or past the table's row, bad sinks, window, widths and index dtypes.
+    Entries the windows do not read (past a request's length) may be anything."""
+    cache = torch.randn(4, 8, 16, device=DEVICE)
+    table = torch.tensor([[2, 0, -1], [3, -7, 99]], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([12, 5], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(2, 2, 16, device=DEVICE)
+    comp = torch.randn(3, 16, device=DEVICE)
+    picks = torch.tensor([[0, -1], [2, 1]], dtype=torch.int32, device=DEVICE)
+    for backend in ("reference", "triton"):
+        ok = dsv4_decode(q, cache, table, lens, None, 6, 0.25, comp, picks, backend=backend)
+        assert torch.isfinite(ok).all()
+        cases = [
+            (dict(comp_idx=picks.masked_fill(picks == 2, 3)), r"lie in \[-1, 3\)"),
+            (dict(comp_idx=picks.masked_fill(picks == 0, -2)), r"lie in \[-1, 3\)"),
+            (dict(comp_idx=picks[:1]), r"comp_idx must be \[2, K\]"),
+            (dict(comp_idx=picks.float()), "int32"),
+            (dict(comp_kv=None), "without comp_kv"),
+            (dict(comp_kv=comp[:, :8]), r"comp_kv must be \[C, 16\]"),
+            (dict(page_table=table.masked_fill(table == 0, 4)), "entry 1 = 4, not a page"),
+            (dict(seq_lens=lens.masked_fill(lens == 5, 9)), "entry 1 = -7, not a page"),
+            (dict(seq_lens=lens.masked_fill(lens == 5, 0)), r"seq_lens must lie in \[1, 24\]"),
+            (dict(seq_lens=lens.masked_fill(lens == 5, 25)), r"seq_lens must lie in \[1, 24\]"),
+            (dict(page_table=table.float()), "int32"),
+            (dict(sinks=torch.zeros(3, device=DEVICE)), r"sinks must have shape \[2\]"),
+            (dict(window=0), "window must be >= 1"),
+        ]
+        for change, message in cases:
+            args = dict(q=q, kv_cache=cache, page_table=table, seq_lens=lens, sinks=None,
+                        window=6, scale=0.25, comp_kv=comp, comp_idx=picks)
+            args.update(change)
+            with pytest.raises(ValueError, match=message):
+                dsv4_decode(**args, backend=backend)
+
+
 def test_decode_tiles_refuse_bad_sizes():
     with pytest.raises(ValueError, match="power of two"):
         DecodeTiles(bh=24, bn=16, warps=4, stages=2)

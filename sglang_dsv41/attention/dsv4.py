@@ -37,6 +37,35 @@ def resolve_backend(device: torch.device, backend: str | None) -> str:
     return name
 
 
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_sinks_and_window(sinks, heads, window):
+    if sinks is not None and tuple(sinks.shape) != (heads,):
+        raise ValueError(f"sinks must have shape [{heads}], got {tuple(sinks.shape)}")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+
+
+def _check_selection(comp_kv, comp_idx, rows, dim, check_values):
+    """comp_idx [rows, K] of rows of comp_kv [C, dim] (-1 = none); check_values: its range."""
+    if comp_idx is None:
+        return
+    if comp_idx.dim() != 2 or comp_idx.shape[0] != rows:
+        raise ValueError(f"comp_idx must be [{rows}, K], a row of picks a query; got "
+                         f"{tuple(comp_idx.shape)}")
+    if comp_idx.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"comp_idx must be int32 (or int64); got {comp_idx.dtype}")
+    if comp_kv is None:
+        raise ValueError("comp_idx given without comp_kv")
+    if comp_kv.dim() != 2 or comp_kv.shape[1] != dim:
+        raise ValueError(f"comp_kv must be [C, {dim}]; got {tuple(comp_kv.shape)}")
+    if check_values and comp_idx.numel() and (int(comp_idx.max()) >= comp_kv.shape[0]
+                                              or int(comp_idx.min()) < -1):
+        raise ValueError(f"comp_idx entries must lie in [-1, {comp_kv.shape[0]}); got "
+                         f"[{int(comp_idx.min())}, {int(comp_idx.max())}]")
+
+
 def _check(q, kv, sinks, cu_seqlens, window, comp_kv, comp_idx, check_values):
     if q.dim() != 3 or kv.dim() != 2 or kv.shape != (q.shape[0], q.shape[2]):
         raise ValueError(f"q must be [T, H, D] and kv [T, D]; got {tuple(q.shape)}, "
@@ -46,27 +75,33 @@ def _check(q, kv, sinks, cu_seqlens, window, comp_kv, comp_idx, check_values):
     if kv.dtype != q.dtype or (comp_kv is not None and comp_kv.dtype != q.dtype):
         raise ValueError(f"q, kv and comp_kv must share a dtype; got {q.dtype}, {kv.dtype}, "
                          f"{None if comp_kv is None else comp_kv.dtype}")
-    if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
-        raise ValueError(f"sinks must have shape [{q.shape[1]}], got {tuple(sinks.shape)}")
+    _check_sinks_and_window(sinks, q.shape[1], window)
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or (
             check_values and int(cu_seqlens[-1]) != q.shape[0]):
         raise ValueError(f"cu_seqlens must be 1-D and end at T={q.shape[0]}; got "
                          f"{cu_seqlens.tolist() if cu_seqlens.numel() < 16 else cu_seqlens.shape}")
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    if comp_idx is not None:
-        if comp_idx.dim() != 2 or comp_idx.shape[0] != q.shape[0]:
-            raise ValueError(f"comp_idx must be [T, K]; got {tuple(comp_idx.shape)}")
-        if comp_idx.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"comp_idx must be int32 (or int64); got {comp_idx.dtype}")
-        if comp_kv is None:
-            raise ValueError("comp_idx given without comp_kv")
-        if comp_kv.dim() != 2 or comp_kv.shape[1] != q.shape[2]:
-            raise ValueError(f"comp_kv must be [C, {q.shape[2]}]; got {tuple(comp_kv.shape)}")
-        if check_values and comp_idx.numel() and (int(comp_idx.max()) >= comp_kv.shape[0]
-                                 or int(comp_idx.min()) < -1):
-            raise ValueError(f"comp_idx entries must lie in [-1, {comp_kv.shape[0]}); got "
-                             f"[{int(comp_idx.min())}, {int(comp_idx.max())}]")
+    _check_selection(comp_kv, comp_idx, q.shape[0], q.shape[2], check_values)
+
+
+def _check_decode_pages(kv_cache, page_table, seq_lens, window):
+    """Each request holds at least its query's own latent, no more than its page table row
+    maps, and every page its window reads is one of the cache's (entries past a request's
+    length are not read, and may be anything)."""
+    pages, page = kv_cache.shape[:2]
+    lens = seq_lens.long()
+    if int(lens.min()) < 1 or int(lens.max()) > page_table.shape[1] * page:
+        raise ValueError(f"seq_lens must lie in [1, {page_table.shape[1] * page}] (the query's "
+                         f"own latent cached, within its page table row); got "
+                         f"[{int(lens.min())}, {int(lens.max())}]")
+    pos = lens[:, None] - 1 - torch.arange(min(window, int(lens.max())), device=lens.device)
+    read = pos >= 0
+    entries = page_table.long().gather(1, pos.clamp_min(0) // page)
+    bad = read & ((entries < 0) | (entries >= pages))
+    if bool(bad.any()):
+        b, i = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"request {b}: its window reads page table entry "
+                         f"{int(pos[b, i]) // page} = {int(entries[b, i])}, not a page of the "
+                         f"cache's {pages}")
 
 
 def dsv4_attention(q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor | None,
@@ -120,18 +155,21 @@ def dsv4_decode(q, kv_cache, page_table, seq_lens, sinks, window, scale, comp_kv
                 check_values: bool = True) -> torch.Tensor:
     """q [B, H, D]; kv_cache [pages, page_size, D]; page_table [B, max_pages]; seq_lens [B]
     (the query's own latent already cached); comp_kv [C, D] pool; comp_idx [B, K] -> [B, H, D].
-    check_values: as in dsv4_attention (seq_lens' maximum is read back to the host)."""
+    check_values: as in dsv4_attention (seq_lens' range, the pages the windows read and the
+    picks' range are read back to the host)."""
     if q.dim() != 3 or kv_cache.dim() != 3 or kv_cache.shape[2] != q.shape[2]:
         raise ValueError(f"q must be [B, H, D] and kv_cache [pages, page_size, D]; got "
                          f"{tuple(q.shape)}, {tuple(kv_cache.shape)}")
     if page_table.dim() != 2 or page_table.shape[0] != q.shape[0] or \
             tuple(seq_lens.shape) != (q.shape[0],):
         raise ValueError("page_table must be [B, max_pages] and seq_lens [B]")
-    if check_values and seq_lens.numel() and \
-            int(seq_lens.max()) > page_table.shape[1] * kv_cache.shape[1]:
-        raise ValueError("a seq_len exceeds the pages its page_table row can hold")
-    if comp_idx is not None and (comp_kv is None or comp_idx.shape[0] != q.shape[0]):
-        raise ValueError("comp_idx must be [B, K] and come with comp_kv")
+    if page_table.dtype not in _INDEX_DTYPES or seq_lens.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"page_table and seq_lens must be int32 (or int64); got "
+                         f"{page_table.dtype}, {seq_lens.dtype}")
+    _check_sinks_and_window(sinks, q.shape[1], window)
+    _check_selection(comp_kv, comp_idx, q.shape[0], q.shape[2], check_values)
+    if check_values and seq_lens.numel():
+        _check_decode_pages(kv_cache, page_table, seq_lens, window)
     if resolve_backend(q.device, backend) == "reference":
         return dsv4_decode_reference(q, kv_cache, page_table, seq_lens, sinks, window, scale,
                                      comp_kv, comp_idx)
