@@ -60,10 +60,11 @@ def _check_selection(comp_kv, comp_idx, rows, dim, check_values):
         raise ValueError("comp_idx given without comp_kv")
     if comp_kv.dim() != 2 or comp_kv.shape[1] != dim:
         raise ValueError(f"comp_kv must be [C, {dim}]; got {tuple(comp_kv.shape)}")
-    if check_values and comp_idx.numel() and (int(comp_idx.max()) >= comp_kv.shape[0]
-                                              or int(comp_idx.min()) < -1):
-        raise ValueError(f"comp_idx entries must lie in [-1, {comp_kv.shape[0]}); got "
-                         f"[{int(comp_idx.min())}, {int(comp_idx.max())}]")
+    if check_values and comp_idx.numel():
+        low, high = (int(x) for x in torch.aminmax(comp_idx))
+        if low < -1 or high >= comp_kv.shape[0]:
+            raise ValueError(f"comp_idx entries must lie in [-1, {comp_kv.shape[0]}); got "
+                             f"[{low}, {high}]")
 
 
 def _check(q, kv, sinks, cu_seqlens, window, comp_kv, comp_idx, check_values):
@@ -89,16 +90,16 @@ def _check_decode_pages(kv_cache, page_table, seq_lens, window):
     length are not read, and may be anything)."""
     pages, page = kv_cache.shape[:2]
     lens = seq_lens.long()
-    if int(lens.min()) < 1 or int(lens.max()) > page_table.shape[1] * page:
+    shortest, longest = (int(x) for x in torch.aminmax(lens))
+    if shortest < 1 or longest > page_table.shape[1] * page:
         raise ValueError(f"seq_lens must lie in [1, {page_table.shape[1] * page}] (the query's "
                          f"own latent cached, within its page table row); got "
-                         f"[{int(lens.min())}, {int(lens.max())}]")
-    pos = lens[:, None] - 1 - torch.arange(min(window, int(lens.max())), device=lens.device)
-    read = pos >= 0
+                         f"[{shortest}, {longest}]")
+    pos = lens[:, None] - 1 - torch.arange(min(window, longest), device=lens.device)
     entries = page_table.long().gather(1, pos.clamp_min(0) // page)
-    bad = read & ((entries < 0) | (entries >= pages))
-    if bool(bad.any()):
-        b, i = (int(x) for x in bad.nonzero()[0])
+    bad = ((pos >= 0) & ((entries < 0) | (entries >= pages))).nonzero()
+    if len(bad):
+        b, i = (int(x) for x in bad[0])
         raise ValueError(f"request {b}: its window reads page table entry "
                          f"{int(pos[b, i]) // page} = {int(entries[b, i])}, not a page of the "
                          f"cache's {pages}")
