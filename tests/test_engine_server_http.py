@@ -295,6 +295,14 @@ async def test_stall_report_marks_unhealthy():
                                                  "step 9"))
         r = await poll_until(lambda: http.get("/health_generate"), lambda r: r.status_code != 200)
         assert r.status_code == 503 and "dp_rank 1: rank 3 stuck" in r.text and "step 9" in r.text
+        # DP rank 0 sent no stall report: it is not waiting in the collective, so it is the one
+        # holding it (a leader busy in host code, a skipped idle batch)
+        assert "DP rank 0 reported no stall" in r.text, r.text
+        controller.out_queue.put(RankStats(0, 0, 0, 0, 1, 0, 0, 9, healthy=False,
+                                           stall="rank 1 stuck in collective 'all_gather' at "
+                                                 "step 9"))
+        r = await poll_until(lambda: http.get("/health"), lambda r: "rank 1 stuck" in r.text)
+        assert "reported no stall" not in r.text, r.text  # every rank waits: no one to blame
         controller.shutdown()
 
 

@@ -20,7 +20,7 @@ from sglang_dsv41.engine.request_limits import RequestLimits
 from sglang_dsv41.engine.dp_controller import DPController
 from sglang_dsv41.engine.http_server import ServerState, create_app
 from sglang_dsv41.engine.messages import AbortReq, SamplingParams
-from sglang_dsv41.engine.sampling import model_logprobs, sample_token
+from sglang_dsv41.engine.sampling import StopChecker, model_logprobs, sample_token
 from sglang_dsv41.loader import weight_sync_group
 from sglang_dsv41.model.dsv4 import get_preset
 from sglang_dsv41.server_args import ServerArgs
@@ -217,3 +217,90 @@ def test_pushed_weights_are_range_checked_against_the_current_scale():
         validate_named_tensors(model, [("weight", torch.full_like(w, 1e30))])
     with pytest.raises(WeightUpdateError, match="NaN or inf"):
         validate_named_tensors(model, [("bias", torch.full((4,), float("inf")))])
+
+
+def test_a_stop_regex_that_backtracks_ends_its_request_not_the_rank():
+    # "(a|aa)+$" on a run of a's followed by another letter backtracks exponentially: Python's
+    # re took minutes on the leader, wedging its DP rank and the ranks waiting in its collectives
+    tok = ByteTokenizer.from_config(get_preset("tiny"))
+    checker = StopChecker(None, tok.decode)
+    ids = tok.encode("a" * 60 + "b")
+    p = SamplingParams(max_new_tokens=200, stop_regex=["(a|aa)+$"])
+    start = time.monotonic()
+    reason = checker.check(ids, p, 200)
+    assert time.monotonic() - start < 2
+    assert reason["type"] == "abort" and "(a|aa)+$" in reason["message"], reason
+    # an ordinary pattern still stops at the token that completes it, and only there
+    p = SamplingParams(max_new_tokens=200, stop_regex=[r"b\d+;"])
+    assert checker.check(tok.encode("xx b12;"), p, 200) == {"type": "stop", "matched": "b12;"}
+    assert checker.check(tok.encode("xx b12;y"), p, 200) is None
+
+
+@pytest.mark.asyncio
+async def test_a_refused_batch_leaves_nothing_generating(app):
+    app, state, drainer = app
+    drainer.hold = True
+    async with client(app, timeout=10) as http:
+        busy = asyncio.create_task(http.post("/generate", json={
+            "input_ids": [1, 2], "rid": "busy", "routed_dp_rank": 0}))
+        while not drainer.parked:
+            await asyncio.sleep(0.01)
+        # the batch's second id is running: 400, and its first prompt is not left running
+        r = await http.post("/generate", json={"input_ids": [[1], [2]], "rid": ["fresh", "busy"],
+                                               "routed_dp_rank": 1})
+        assert r.status_code == 400 and "already running" in r.text, r.text
+        assert state.controller.num_in_flight() == [1, 0]
+        await poll_until(lambda: asyncio.sleep(0, [m for _, m in drainer.seen
+                                                   if isinstance(m, AbortReq)]),
+                         lambda aborts: [m.rid for m in aborts] == ["fresh"])
+        # ids repeated within one request are refused before anything is submitted
+        r = await http.post("/generate", json={"input_ids": [[1], [2]], "rid": ["d", "d"]})
+        assert r.status_code == 400 and "unique" in r.text, r.text
+        assert state.controller.num_in_flight() == [1, 0]
+        drainer.hold = False
+        for d, req in drainer.parked:
+            drainer.answer(d, req)
+        assert (await busy).status_code == 200
+        # one rid for a batch names its prompts rid_0, rid_1 (SGLang's _normalize_rid)
+        r = await http.post("/generate", json={"input_ids": [[1], [2]], "rid": "x",
+                                               "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 200 and [o["meta_info"]["id"] for o in r.json()] == ["x_0", "x_1"]
+
+
+@pytest.mark.asyncio
+async def test_ranks_and_token_ids_are_not_coerced(app):
+    app, _, _ = app
+    async with client(app) as http:
+        for body in ({"input_ids": [1], "routed_dp_rank": True},
+                     {"input_ids": [1], "routed_dp_rank": "1"},
+                     {"input_ids": [1], "data_parallel_rank": 1.0},
+                     {"input_ids": [True, False]},
+                     {"input_ids": [1.0, 2.0]}):
+            r = await http.post("/generate", json=body)
+            assert r.status_code == 400, (body, r.text)
+
+
+@pytest.mark.asyncio
+async def test_sessions_record_streamed_requests_and_refuse_what_they_cannot_continue(app):
+    app, _, _ = app
+    async with client(app, timeout=10) as http:
+        assert (await http.post("/open_session", json={"session_id": "s"})).status_code == 200
+        r = await http.post("/generate", json={
+            "input_ids": [10, 11], "rid": "t1", "stream": True, "session_params": {"id": "s"},
+            "sampling_params": {"max_new_tokens": 3}})
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+        r = await http.post("/generate", json={
+            "input_ids": [20], "rid": "t2", "session_params": {"id": "s", "rid": "t1"},
+            "sampling_params": {"max_new_tokens": 1}, "return_logprob": True,
+            "logprob_start_len": 0})
+        assert r.status_code == 200, r.text
+        # the drainer answers prompt[-1] + 1, ...: t1 was 10 11 -> 12 13 14, t2 continues it
+        assert r.json()["meta_info"]["prompt_tokens"] == 6
+        for session_params, why in (({"id": "s", "rid": "t1", "offset": 99}, "outside"),
+                                    ({"id": "s", "rid": "t1", "offset": -6}, "outside")):
+            r = await http.post("/generate", json={"input_ids": [1],
+                                                   "session_params": session_params})
+            assert r.status_code == 400 and why in r.text, r.text
+        r = await http.post("/generate", json={"input_ids": [1], "session_params": {"id": "s"},
+                                               "sampling_params": {"n": 2}})
+        assert r.status_code == 400 and "n = 1" in r.text, r.text

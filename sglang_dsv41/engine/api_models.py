@@ -10,10 +10,11 @@ Checks that need the served model (vocab, context length, dp_size) are in reques
 
 from __future__ import annotations
 
-import re
 from typing import Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+import regex
+from pydantic import (BaseModel, ConfigDict, Field, StrictInt, field_validator,
+                      model_validator)
 
 
 # SGLang's defaults (sampling_params.py): top_k "off" is 1 << 30; temperatures below the eps
@@ -111,8 +112,8 @@ class SamplingParamsIn(ApiSchema):
     def _compiles(cls, v: Any) -> Any:
         for pattern in as_list(v):
             try:
-                re.compile(pattern)
-            except re.error as e:
+                regex.compile(pattern)  # the engine the leader matches with (engine/sampling)
+            except regex.error as e:
                 raise ValueError(f"stop_regex {pattern!r} does not compile: {e}") from e
         return v
 
@@ -166,7 +167,8 @@ class SessionParams(ApiSchema):
     drop_previous_output: bool | None = None
 
 
-_Ids = list[int]
+# Strict: pydantic would read true/false and 1.0 as token ids, "1" or true as a DP rank
+_Ids = list[StrictInt]
 _Bool = Union[bool, list[bool]]
 _Int = Union[int, list[int]]
 
@@ -189,8 +191,9 @@ class GenerateRequest(ApiSchema):
     token_ids_logprob: Union[_Ids, list[_Ids], None] = None
     return_text_in_logprobs: bool = False
     return_hidden_states: _Bool = False
-    routed_dp_rank: int | None = None
-    data_parallel_rank: int | None = None  # SGLang's older name; sglang-router --dp-aware sets it
+    routed_dp_rank: StrictInt | None = None
+    # SGLang's older name; sglang-router --dp-aware sets it
+    data_parallel_rank: StrictInt | None = None
     routing_key: str | None = Field(None, max_length=1024)
     session_params: SessionParams | None = None
     return_routed_experts: bool = False

@@ -89,6 +89,7 @@ class DPController:
         self.stats: dict[int, RankStats] = {}
         self.failures: list[str] = []  # sticky: a dead rank or a stall breaks the whole world
         self.rank_failures: dict[int, str] = {}   # dp_rank -> why that DP group cannot serve
+        self.stalled_dp_ranks: set[int] = set()   # DP ranks with a rank waiting in a collective
         self._stop = threading.Event()
         self._reader = threading.Thread(target=self._read_loop, name="dp-controller-reader",
                                         daemon=True)
@@ -103,12 +104,23 @@ class DPController:
     def failure_reason(self, dp_rank: int | None = None) -> str:
         """Why the engine (or, with ``dp_rank``, that rank) cannot serve; "" when it can."""
         if self.failures:
-            return "; ".join(self.failures)
+            return "; ".join(self.failures) + self._not_stalled_text()
         if dp_rank is not None:
             return self.rank_failures.get(dp_rank, "")
         if len(self.rank_failures) < self.dp_size:
             return ""
         return self._rank_failures_text()
+
+    def _not_stalled_text(self) -> str:
+        # The stall reports come from the ranks waiting in a collective; a DP rank that sent
+        # none is not waiting in one: it has not reached the collective the others wait in,
+        # so it is the one to look at (py-spy dump of its scheduler process).
+        quiet = sorted(set(range(self.dp_size)) - self.stalled_dp_ranks)
+        if not self.stalled_dp_ranks or not quiet:
+            return ""
+        return (f"; DP rank{'s' if len(quiet) > 1 else ''} {','.join(map(str, quiet))} "
+                f"reported no stall: not waiting in a collective, so the likely cause (it "
+                f"skipped an idle batch, or is busy or hung outside collectives)")
 
     def _rank_failures_text(self) -> str:
         return "; ".join(rank_failure_text(d, r) for d, r in sorted(self.rank_failures.items()))
@@ -291,6 +303,8 @@ class DPController:
     def _on_stats(self, stats: RankStats) -> None:
         if not stats.healthy:
             # a stalled collective holds every rank (see the module docstring)
+            if stats.stall:
+                self.stalled_dp_ranks.add(stats.dp_rank)
             self.fail_engine(stats.stall or "reported unhealthy", stats.dp_rank)
             return
         self.stats[stats.dp_rank] = stats

@@ -144,6 +144,9 @@ def generate_router(state: ServerState) -> APIRouter:
                                                   request.headers.get("x-data-parallel-rank"))
         except ValueError as e:
             raise ApiError(400, str(e)) from e
+        if body.session_params is not None and len(pairs) > 1:
+            raise ApiError(400, "session_params needs one sample (n = 1): a session continues "
+                           "from one finished request")
         if body.routing_key is not None and pairs[0][0].routed_dp_rank is None:
             # Unpinned turns of one routing key stay on one DP rank (its prefix cache), by the
             # rule the SGLang plugin applies; sglang-router's own pin, when present, wins.
@@ -156,9 +159,10 @@ def generate_router(state: ServerState) -> APIRouter:
         if body.stream:
             req, _ = pairs[0]
             out, chunks = _submit(state, req, options[0])
-            return StreamingResponse(_stream(state, req, chunks, out),
+            session = body.session_params.id if body.session_params is not None else None
+            return StreamingResponse(_stream(state, req, chunks, out, session),
                                      media_type="text/event-stream")
-        runs = [_submit(state, req, opt) for (req, _), opt in zip(pairs, options)]
+        runs = _submit_all(state, [req for req, _ in pairs], options)
         results = asyncio.gather(*(_collect(state, req, chunks, out)
                                    for (req, _), (out, chunks) in zip(pairs, runs)))
         gone = asyncio.ensure_future(_client_gone(request))
@@ -170,6 +174,7 @@ def generate_router(state: ServerState) -> APIRouter:
             for req, _ in pairs:
                 state.controller.release(req.rid)
             results.cancel()
+            results.add_done_callback(_retrieve)
             return Response(status_code=499)
         outputs = results.result()
         if body.session_params is not None:
@@ -210,6 +215,20 @@ def _submit(state: ServerState, req: GenerateReq, options: OutputOptions):
                            state.model_config, options), chunks
 
 
+def _submit_all(state: ServerState, reqs: list[GenerateReq], options: list[OutputOptions]):
+    """Every request of a batch submitted, or none: one refused (an id already running, a rank
+    down) releases those submitted before it, so a 4xx/503 leaves nothing generating."""
+    runs = []
+    try:
+        for req, opt in zip(reqs, options):
+            runs.append(_submit(state, req, opt))
+    except BaseException:
+        for req in reqs[:len(runs)]:
+            state.controller.release(req.rid)
+        raise
+    return runs
+
+
 async def _collect(state: ServerState, req: GenerateReq, chunks: asyncio.Queue,
                    out: OutputAssembler) -> dict:
     try:
@@ -227,6 +246,13 @@ async def _collect(state: ServerState, req: GenerateReq, chunks: asyncio.Queue,
     return out.response()
 
 
+def _retrieve(future: asyncio.Future) -> None:
+    # A cancelled gather still holds its children's outcome; reading it keeps asyncio from
+    # logging "exception was never retrieved" for every client that leaves.
+    if not future.cancelled():
+        future.exception()
+
+
 async def _client_gone(request: Request) -> None:
     """Returns when the client disconnects (the body is read: the next message is that)."""
     while True:
@@ -236,8 +262,9 @@ async def _client_gone(request: Request) -> None:
 
 
 async def _stream(state: ServerState, req: GenerateReq, chunks: asyncio.Queue,
-                  out: OutputAssembler):
-    """SSE: one event per chunk with the cumulative text and ids, then ``data: [DONE]``."""
+                  out: OutputAssembler, session: str | None = None):
+    """SSE: one event per chunk with the cumulative text and ids, then ``data: [DONE]``. A
+    finished request of a session is recorded there (a later turn may continue it)."""
     finished = False
     try:
         while not out.finished:
@@ -252,7 +279,10 @@ async def _stream(state: ServerState, req: GenerateReq, chunks: asyncio.Queue,
                 break
             out.add(item)
             finished = out.finished
-            yield _sse(out.response())
+            response = out.response()
+            if finished and session is not None:
+                state.sessions.record(session, req, response)
+            yield _sse(response)
         yield b"data: [DONE]\n\n"
     finally:
         if not finished:  # the client went away mid-stream

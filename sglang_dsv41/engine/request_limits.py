@@ -100,6 +100,8 @@ class RequestLimits:
             ids = encode(prompt) if isinstance(prompt, str) else list(prompt)
             self.check_prompt(ids, sp)
             rid = body.per_prompt("rid", i, len(prompts))
+            if rid is not None and body.is_batch and isinstance(body.rid, str):
+                rid = f"{rid}_{i}"  # SGLang's io_struct._normalize_rid for one rid on a batch
             if body.stream and sp.n > 1:
                 raise ValueError("stream is not supported with n > 1")
             logprobs = self.logprob_fields(body, i, len(prompts), len(ids))
@@ -112,4 +114,9 @@ class RequestLimits:
                     routed_dp_rank=dp_rank, stream=body.stream, **logprobs), sp))
         if len(out) > MAX_BATCH:
             raise ValueError(f"{len(out)} samples in one request; the limit is {MAX_BATCH}")
+        rids = [req.rid for req, _ in out]
+        if len(set(rids)) != len(rids):
+            repeated = sorted({r for r in rids if rids.count(r) > 1})
+            raise ValueError(f"request ids must be unique within a request; repeated: "
+                             f"{repeated[:8]}")
         return out

@@ -13,15 +13,24 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Sequence
 from typing import Any
 
+import regex
 import torch
 
 from .messages import SamplingParams
 
 STOP_REGEX_WINDOW = 256  # characters of output a stop_regex is matched against
+# One stop_regex search's time limit. The leader matches between steps, so a pattern that
+# backtracks exponentially ("(a|aa)+$") would hold every request of its DP rank, and the ranks
+# waiting on it in the step's collectives; the `regex` engine stops such a search, and the
+# request ends (finish_reason abort, with the reason) instead.
+STOP_REGEX_TIMEOUT_S = 0.05
+
+
+class StopRegexTimeout(Exception):
+    pass
 
 
 def validate_sampling(p: SamplingParams, vocab_size: int) -> None:
@@ -150,7 +159,13 @@ class StopChecker:
             if not p.ignore_eos and last == self.eos_token_id:
                 return {"type": "stop", "matched": last}
             if p.stop or p.stop_regex:
-                matched = self._match_text(output_ids, p)
+                try:
+                    matched = self._match_text(output_ids, p)
+                except StopRegexTimeout as e:
+                    return {"type": "abort", "message": (
+                        f"stop_regex {e.args[0]!r} took over {STOP_REGEX_TIMEOUT_S * 1e3:.0f} ms "
+                        f"on the output's last {STOP_REGEX_WINDOW} characters (a pattern that "
+                        f"backtracks exponentially); the request was stopped")}
                 if matched is not None:
                     return {"type": "stop", "matched": matched}
         if len(output_ids) >= max_new_tokens:
@@ -173,7 +188,11 @@ class StopChecker:
             if s in text and s not in before:
                 return s
         for pattern in p.stop_regex:
-            m = re.search(pattern, text)
-            if m is not None and re.search(pattern, before) is None:
-                return m.group(0)
+            try:
+                m = regex.search(pattern, text, timeout=STOP_REGEX_TIMEOUT_S)
+                if m is not None and regex.search(pattern, before,
+                                                  timeout=STOP_REGEX_TIMEOUT_S) is None:
+                    return m.group(0)
+            except TimeoutError as e:
+                raise StopRegexTimeout(pattern) from e
         return None

@@ -56,6 +56,12 @@ class SessionStore:
             history = list(self._prompts[sp.id][sp.rid] if sp.drop_previous_output
                            else done[sp.rid])
             if sp.offset:
+                # SGLang slices history[:offset] (a negative offset counts from the end); one
+                # past either end would silently keep or drop everything there: refused here.
+                if not -len(history) <= sp.offset <= len(history):
+                    raise ValueError(f"session_params.offset {sp.offset} is outside the "
+                                     f"request's {len(history)} tokens (-{len(history)} to "
+                                     f"{len(history)})")
                 history = history[:sp.offset]
         return body.model_copy(update={"text": None, "input_ids": history + new_ids})
 

@@ -18,7 +18,7 @@ class StallReport:
 
     def message(self) -> str:
         return (f"rank {self.rank} stuck in collective '{self.op}' at step {self.step} for "
-                f"{self.waited_s:.1f}s (a DP rank probably skipped an idle batch)")
+                f"{self.waited_s:.1f}s, waiting for a rank that has not joined it")
 
 
 class StallWatchdog:
