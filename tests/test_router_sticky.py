@@ -8,10 +8,11 @@ import struct
 import threading
 import time
 
+import orjson
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from sglang_dsv41.ports import free_port
 from sglang_dsv41.router import NoEngineAvailable, Route, RouterError, StickyRouter
@@ -27,26 +28,36 @@ class FakeEngine:
         self.release = threading.Event()
         self.release.set()
         self.kv_free = kv_free or {d: 10_000 for d in range(dp_size)}
+        self.healthy = True          # False: /health answers 503 and /generate 500
+        self.weight_version = "1"
+        # A streamed answer: one cumulative event per entry (its size in bytes), or b"..." sent
+        # as one raw data line.
+        self.stream_events: list[int | bytes] = [10, 20]
         app = FastAPI()
 
         @app.get("/get_server_info")
         def info():
             return {"dp_size": dp_size, "enable_dp_attention": dp_size > 1,
+                    "weight_version": self.weight_version,
                     "rank_stats": {str(d): {"dp_rank": d, "kv_used_tokens": 20_000 - f,
                                             "kv_total_tokens": 20_000}
                                    for d, f in self.kv_free.items()}}
 
         @app.get("/health")
         def health():
-            return {}
+            return JSONResponse({}, status_code=200 if self.healthy else 503)
 
         @app.post("/generate")
         async def generate(request: Request):
             body = await request.json()
             if body.get("input_ids") == [-1]:
                 return JSONResponse({"error": {"message": "bad token"}}, status_code=400)
+            if not self.healthy:
+                return JSONResponse({"error": {"message": "scheduler died"}}, status_code=500)
             self.calls.append(body)
             await asyncio.to_thread(self.release.wait, 60)
+            if body.get("stream"):
+                return StreamingResponse(self._events(body), media_type="text/event-stream")
             return {"text": "x", "output_ids": [1],
                     "meta_info": {"dp_rank": body.get("routed_dp_rank")}}
 
@@ -61,6 +72,18 @@ class FakeEngine:
             if time.monotonic() > deadline:
                 raise RuntimeError("fake engine did not start")
             time.sleep(0.02)
+
+    async def _events(self, body: dict):
+        for i, event in enumerate(self.stream_events):
+            if isinstance(event, bytes):
+                yield b"data: " + event + b"\n\n"
+                continue
+            last = i == len(self.stream_events) - 1
+            chunk = {"text": "x" * event, "output_ids": [1] * (i + 1), "meta_info": {
+                "dp_rank": body.get("routed_dp_rank"),
+                "finish_reason": {"type": "length"} if last else None}}
+            yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+        yield b"data: [DONE]\n\n"
 
     def stop(self) -> None:
         self.release.set()
@@ -213,15 +236,89 @@ def test_a_reset_connection_is_tried_again_not_a_dead_engine(engines):
         proxy.close()
 
 
-def test_a_timed_out_turn_marks_its_engine_dead_without_a_probe(engines):
-    # No answer in time is a wedged or lost engine: dead at once, not probed and tried again.
+def test_a_timed_out_turn_fails_with_504_and_its_live_engine_stays_live(engines):
+    # A turn slower than the router's timeout, on an engine that answers /health, is a slow
+    # turn: it fails (504), and the engine keeps its sessions (it was marked dead for good).
     engine = engines(dp_size=1)
     router = StickyRouter([engine.url], timeout=0.5)
     engine.release.clear()
-    with pytest.raises(NoEngineAvailable, match="ReadTimeout"):
+    with pytest.raises(RouterError, match="no answer in 0.5s") as e:
         turn(router, "s1")
-    assert "ReadTimeout" in router.dead_slots()[Route(engine.url, 0)]
+    assert e.value.status == 504 and not router.dead_slots()
     assert len(engine.calls) == 1
+    engine.release.set()
+    assert turn(router, "s1")["meta_info"]["route"] == [engine.url, 0]
+    assert router.engine_urls() == [engine.url]
+
+
+def test_a_dead_engine_is_probed_again_and_revived(engines):
+    # Its turn failed with a 500 and its /health with a 503: dead. Probed again after
+    # revive_interval (by a turn, or by refresh(): the gateway's /health), it is live again
+    # once it answers.
+    a = engines(dp_size=2)
+    router = StickyRouter([a.url], revive_interval=0.3)
+    a.healthy = False
+    with pytest.raises(NoEngineAvailable, match="every engine rank is dead"):
+        turn(router, "s1")
+    assert set(router.dead_slots()) == {Route(a.url, 0), Route(a.url, 1)}
+    with pytest.raises(NoEngineAvailable):  # still down when probed again
+        time.sleep(0.3)
+        turn(router, "s1")
+    a.healthy = True
+    time.sleep(0.3)
+    router.refresh()
+    assert router.engine_urls() == [a.url] and not router.dead_slots()
+    assert turn(router, "s1")["meta_info"]["route"][0] == a.url
+
+
+def test_an_engine_that_missed_a_weight_update_stays_dead(engines):
+    # A weight update goes to the live engines only: revived on its old weights, an engine
+    # would roll out another policy. It stays dead until it serves the live engines' version.
+    a, b = engines(dp_size=1), engines(dp_size=1)
+    router = StickyRouter([a.url, b.url], revive_interval=0.2, refresh_interval=0.0)
+    a.healthy = False
+    for sid in ("s1", "s2"):
+        assert turn(router, sid)["meta_info"]["route"][0] == b.url
+    assert Route(a.url, 0) in router.dead_slots()
+    b.weight_version = "2"
+    a.healthy = True
+    time.sleep(0.2)
+    assert turn(router, "s3")["meta_info"]["route"][0] == b.url
+    assert "missed a weight update" in router.dead_slots()[Route(a.url, 0)]
+    a.weight_version = "2"
+    time.sleep(0.2)
+    router.refresh()
+    assert router.engine_urls() == sorted([a.url, b.url])
+
+
+def stream(router, sid):
+    async def run():
+        try:
+            return [c async for c in router.astream(sid, {"input_ids": [1, 2]}, 8)]
+        finally:
+            await router.aclose()
+    return asyncio.run(run())
+
+
+def test_a_stream_reads_chunks_of_any_size(engines):
+    # The engine's cumulative chunks (every id and logprob so far) pass aiohttp's 512 KiB line
+    # limit at about 12k tokens: a long turn must still arrive whole.
+    e = engines(dp_size=1)
+    e.stream_events = [600_000, 1_300_000]
+    router = StickyRouter([e.url])
+    chunks = stream(router, "s1")
+    assert [len(c["text"]) for c in chunks] == [600_000, 1_300_000]
+    assert chunks[-1]["meta_info"]["route"] == [e.url, 0] and not router.dead_slots()
+
+
+def test_an_unreadable_stream_fails_the_turn_with_a_router_error(engines):
+    e = engines(dp_size=1)
+    e.stream_events = [10, b"{not json"]
+    router = StickyRouter([e.url])
+    with pytest.raises(RouterError, match="stream could not be read: JSONDecodeError") as err:
+        stream(router, "s1")
+    assert err.value.status == 502 and not router.dead_slots()
+    assert all(s.in_flight == 0 for s in router.slot_states())
 
 
 def test_pause_blocks_new_turns_and_drain_waits(engines):
@@ -248,8 +345,9 @@ def test_pause_blocks_new_turns_and_drain_waits(engines):
 def test_client_errors_are_not_retried(engines):
     e = engines(dp_size=1)
     router = StickyRouter([e.url])
-    with pytest.raises(RouterError, match="400"):
+    with pytest.raises(RouterError, match="400") as refused:
         router.generate("s", {"input_ids": [-1]})
+    assert (refused.value.status, refused.value.reason) == (400, "bad token")
     assert router.engine_urls() == [e.url]
     with pytest.raises(ValueError):
         StickyRouter([])

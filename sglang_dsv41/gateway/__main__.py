@@ -29,12 +29,19 @@ def build_gateway(engine_urls: list[str], model_path: str, smg_url: str | None =
     from ..router.sticky import StickyRouter
     from .app import Gateway
 
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     info = httpx.get(engine_urls[0].rstrip("/") + "/model_info", timeout=30,
-                     headers={"Authorization": f"Bearer {api_key}"} if api_key else {}).json()
+                     headers=headers).json()
+    # Our engines report --max-new-tokens-limit in /get_server_info (SGLang's do not: None); a
+    # turn may ask for the smallest, whichever engine it lands on.
+    limits = [httpx.get(url.rstrip("/") + "/get_server_info", timeout=30, headers=headers)
+              .json().get("max_new_tokens_limit") for url in engine_urls]
+    limits = [int(n) for n in limits if n is not None]
     router = SMGSessionRouter(smg_url, engine_urls) if smg_url else StickyRouter(
         engine_urls, api_key=api_key, max_in_flight=max_in_flight)
     return Gateway(router, load_tokenizer(model_path), os.path.basename(model_path.rstrip("/")),
-                   int(info["context_length"]), thinking=thinking)
+                   int(info["context_length"]), thinking=thinking,
+                   max_new_tokens_limit=min(limits) if limits else None)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,12 @@ SessionRouter (router/): the session stays on one (engine, DP rank); a new sessi
 load and free KV; a session moves only at a turn boundary, when its engine is dead or its slot
 over the load threshold, with its full token history. ``GET /sessions/{sid}/trajectory`` is the
 record the trainer reads.
+
+Every OpenAI parameter is honoured or refused with a 400 that names it, never ignored: ``stop``,
+the penalties, ``logit_bias`` and ``logprobs``/``top_logprobs`` go to the engine's /generate;
+``response_format`` other than text and image parts are refused (no constrained decoding, a
+text-only model). A turn's client that leaves (streamed or not) cancels it: the engine request
+is aborted and the turn not recorded.
 """
 
 from __future__ import annotations
@@ -16,9 +22,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import orjson
@@ -26,14 +34,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from ..router.base import NoEngineAvailable, RouterError, SessionRouter
-from ..tokenizer import IncrementalDecoder
+from ..tokenizer import NUM_BYTES, ByteTokenizer, IncrementalDecoder
 from .trajectory import Trajectory, Turn, routed_experts_of
+
+logger = logging.getLogger(__name__)
 
 MAX_SESSIONS = 100_000   # the oldest finished sessions are forgotten past this
 MAX_BODY_BYTES = 16 << 20
 # A router without ``agenerate`` blocks a thread per turn in flight (asyncio's default pool,
 # cpu_count + 4 threads, capped the gateway at a handful of turns).
 ROUTER_THREADS = 32
+# The engine's rid has 1 to 256 characters: the session id's share of it (the rest: the turn
+# number and a random suffix, which keep rids of long ids that share a prefix apart).
+RID_SESSION_CHARS = 200
 
 
 class GatewayError(Exception):
@@ -50,19 +63,43 @@ def _json(payload: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(payload), status_code=status, media_type="application/json")
 
 
+def _router_failure(e: RouterError) -> GatewayError:
+    """The client's answer to a failed turn: the engine's own refusal (4xx) with its status
+    and message, 504 for a turn that got no answer in time, else 502. A 401/403 is the
+    gateway's own credentials to the engine, not the client's fault."""
+    if e.status is not None and 400 <= e.status < 500 and e.status not in (401, 403):
+        return GatewayError(e.status, f"the engine refused the request: {e.reason}")
+    return GatewayError(504 if e.status == 504 else 502, str(e))
+
+
+@dataclass
+class _SessionLock:
+    lock: asyncio.Lock
+    users: int = 0    # turns holding or waiting for it
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (its body is read: the next message is that)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
 class Gateway:
     def __init__(self, router: SessionRouter, tokenizer: Any, model_name: str,
                  context_length: int, thinking: bool = False,
-                 return_routed_experts: bool = False):
+                 return_routed_experts: bool = False, max_new_tokens_limit: int | None = None):
         import deepseek_recipe as dr
 
         self.dr, self.router, self.tokenizer = dr, router, tokenizer
         self.model_name, self.context_length = model_name, context_length
+        self.max_new_tokens_limit = max_new_tokens_limit   # the engines' (None: not reported)
         self.encoding = dr.DeepseekV41Encoding()
         self.options = dr.ConversionOptions(default_thinking_mode=thinking)
         self.return_routed_experts = return_routed_experts
         self.sessions: OrderedDict[str, Trajectory] = OrderedDict()
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._locks: dict[str, _SessionLock] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(ROUTER_THREADS, "gateway-router")
 
     def session(self, sid: str) -> Trajectory:
@@ -70,8 +107,32 @@ class Gateway:
         if traj is None:
             traj = self.sessions[sid] = Trajectory(sid)
             while len(self.sessions) > MAX_SESSIONS:
-                old, _ = self.sessions.popitem(last=False)
-                self._locks.pop(old, None)
+                self.sessions.popitem(last=False)
+        return traj
+
+    @contextlib.asynccontextmanager
+    async def _session_lock(self, sid: str) -> AsyncIterator[None]:
+        """Turns of one session (and its end) one after the other. A lock lives only while
+        someone holds or waits for it: dropped while in use, the next turn would make another
+        and run beside the current one; kept after, every session ever seen would keep one."""
+        entry = self._locks.get(sid)
+        if entry is None:
+            entry = self._locks[sid] = _SessionLock(asyncio.Lock())
+        entry.users += 1
+        try:
+            async with entry.lock:
+                yield
+        finally:
+            entry.users -= 1
+            if entry.users == 0:
+                del self._locks[sid]
+
+    async def end_session(self, sid: str) -> Trajectory | None:
+        """Forget a session (its record, its pin) once its turn in flight, if any, is over:
+        the record returned has every turn."""
+        async with self._session_lock(sid):
+            traj = self.sessions.pop(sid, None)
+            self.router.end_session(sid)
         return traj
 
     async def turn(self, sid: str, body: dict[str, Any], stream: bool = False
@@ -81,29 +142,31 @@ class Gateway:
         streaming), then (request, final output, the Turn) once the turn is recorded. Turns of
         one session run one after the other; an abandoned turn is not recorded."""
         body = {**body, "model": "DeepSeek-V4.1-Flash"}  # the encoding, whatever name is served
+        if body.get("max_completion_tokens") is not None:  # OpenAI's newer name of max_tokens
+            if body.get("max_tokens") not in (None, body["max_completion_tokens"]):
+                raise GatewayError(400, "max_tokens and max_completion_tokens disagree")
+            body["max_tokens"] = body["max_completion_tokens"]
         try:
             conv = self.dr.ChatCompletionRequest(body).convert(self.options)
         except self.dr.ConversionError as e:
             raise GatewayError(getattr(e, "status_code", 400) or 400, str(e)) from e
         except (ValueError, TypeError) as e:
             raise GatewayError(400, f"invalid chat request: {e}") from e
-        async with self._locks.setdefault(sid, asyncio.Lock()):
+        self._refuse_unsupported(conv)
+        sampling = self._sampling(conv, body)
+        async with self._session_lock(sid):
             traj = self.session(sid)
             text = self.encoding.render_conversation(conv.conversation).prompt
             ids, retokenized = traj.next_prompt_ids(text, self.tokenizer.encode)
             if len(ids) >= self.context_length:
                 raise GatewayError(400, f"the conversation has {len(ids)} tokens; the context "
                                    f"length is {self.context_length}")
-            opts = conv.inference_options
-            sampling = {"max_new_tokens": conv.resolve_max_tokens(len(ids), self.context_length),
-                        "skip_special_tokens": False}
-            for name in ("temperature", "top_p"):
-                if getattr(opts, name) is not None:
-                    sampling[name] = getattr(opts, name)
-            if opts.seed is not None:
-                sampling["sampling_seed"] = opts.seed
+            sampling["max_new_tokens"] = self._max_new_tokens(conv, len(ids))
             payload = {"input_ids": ids, "sampling_params": sampling, "return_logprob": True,
-                       "rid": f"{sid}-{len(traj.turns)}-{uuid.uuid4().hex[:8]}"}
+                       "rid": f"{sid[:RID_SESSION_CHARS]}-{len(traj.turns)}-"
+                              f"{uuid.uuid4().hex[:8]}"}
+            if conv.inference_options.top_logprobs:
+                payload["top_logprobs_num"] = conv.inference_options.top_logprobs
             if self.return_routed_experts:
                 payload["return_routed_experts"] = True
             out = None
@@ -126,6 +189,57 @@ class Gateway:
             traj.prompt_text = text
             yield conv, out, turn
 
+    def _refuse_unsupported(self, conv: Any) -> None:
+        """What the served model and engine cannot do is refused by name, never ignored."""
+        fmt = str(conv.conversation.response_format)
+        if fmt != "text":
+            raise GatewayError(400, f"response_format {fmt!r} is not supported: the engine has "
+                               "no constrained decoding (only 'text')")
+        images = [src.path for m in conv.conversation.messages for src in m.image_sources]
+        if images:
+            raise GatewayError(400, "image_url content parts are not supported: the served "
+                               f"model is text-only (at {', '.join(images)})")
+
+    def _sampling(self, conv: Any, body: dict[str, Any]) -> dict[str, Any]:
+        """/generate's sampling_params but max_new_tokens (it needs the prompt; a max_tokens
+        over the engines' limit is refused here). The recipe has range-checked the penalties;
+        the engine checks logit_bias against its vocab."""
+        opts = conv.inference_options
+        limit = self.max_new_tokens_limit
+        if opts.max_tokens is not None and limit is not None and opts.max_tokens > limit:
+            raise GatewayError(400, f"max_tokens={opts.max_tokens} exceeds this server's limit "
+                               f"of {limit} new tokens a turn (the engine's "
+                               "--max-new-tokens-limit)")
+        sampling: dict[str, Any] = {"skip_special_tokens": False}
+        for name in ("temperature", "top_p"):
+            if getattr(opts, name) is not None:
+                sampling[name] = getattr(opts, name)
+        if opts.seed is not None:
+            sampling["sampling_seed"] = opts.seed
+        stops = list(conv.parsing_options.stop_sequences)
+        if stops:
+            sampling["stop"] = stops
+        for name in ("frequency_penalty", "presence_penalty"):
+            if body.get(name) is not None:
+                sampling[name] = float(body[name])
+        if body.get("logit_bias") is not None:
+            if not isinstance(body["logit_bias"], dict):
+                raise GatewayError(400, "logit_bias must be an object of token id -> bias")
+            sampling["logit_bias"] = body["logit_bias"]
+        return sampling
+
+    def _max_new_tokens(self, conv: Any, prompt_tokens: int) -> int:
+        """The request's max_tokens, or the recipe's default lowered to what the context has
+        left and to the engines' --max-new-tokens-limit (65536 in thinking mode would
+        otherwise fail every request that sets none)."""
+        limit = self.max_new_tokens_limit
+        try:
+            n = conv.resolve_max_tokens(prompt_tokens, self.context_length)
+        except self.dr.ConversionError as e:
+            raise GatewayError(400, f"{e} (the conversation has {prompt_tokens} tokens; the "
+                               f"context length is {self.context_length})") from e
+        return n if limit is None else min(n, limit)
+
     async def _engine_outputs(self, sid: str, payload: dict[str, Any], expected: int,
                               stream: bool) -> AsyncIterator[dict[str, Any]]:
         """The engine's outputs for one turn through the router: its stream's cumulative chunks
@@ -143,7 +257,7 @@ class Gateway:
         except NoEngineAvailable as e:
             raise GatewayError(503, str(e)) from e
         except RouterError as e:
-            raise GatewayError(502, str(e)) from e
+            raise _router_failure(e) from e
 
     async def chat(self, sid: str, body: dict[str, Any]) -> tuple[Any, Turn, dict[str, Any]]:
         """One non-streamed turn: (the converted request, the turn, the /generate output)."""
@@ -162,17 +276,51 @@ class Gateway:
             self.dr.InferenceFinishReason.Length if reason == "length" else
             self.dr.InferenceFinishReason.Stop)
 
-    def response(self, conv: Any, turn: Turn, cid: str) -> dict[str, Any]:
+    def _logprobs(self, conv: Any, meta: dict[str, Any], start: int, end: int
+                  ) -> list[dict[str, Any]]:
+        """OpenAI's ``logprobs.content`` entries of output tokens [start, end) from the engine's
+        meta_info (``output_token_logprobs``, ``output_top_logprobs``: [logprob, id, text])."""
+        rows = meta.get("output_token_logprobs") or []
+        tops = (meta.get("output_top_logprobs") or []) if conv.inference_options.top_logprobs \
+            else []
+        entries = []
+        for i in range(start, min(end, len(rows))):
+            entry = self._token_logprob(rows[i][1], rows[i][0])
+            alternatives = tops[i] if i < len(tops) and tops[i] else []
+            entry["top_logprobs"] = [self._token_logprob(a[1], a[0]) for a in alternatives]
+            entries.append(entry)
+        return entries
+
+    def _token_logprob(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        # A byte token alone may be part of a character: its own byte, not U+FFFD's.
+        raw = bytes([token_id]) if isinstance(self.tokenizer, ByteTokenizer) and \
+            token_id < NUM_BYTES else text.encode()
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
+
+    def response(self, conv: Any, turn: Turn, cid: str, meta: dict[str, Any] | None = None
+                 ) -> dict[str, Any]:
+        """The chat.completion of a recorded turn; ``meta``: the engine's meta_info (for
+        logprobs)."""
         dr = self.dr
         proc = self._processor(conv, cid)
         resp = dr.ChatCompletionResponse(cid, self.model_name, int(time.time()),
                                          len(turn.prompt_ids), turn.cached_tokens)
         text = self.tokenizer.decode(turn.output_ids)
-        for chunk in [*proc.push(dr.InferenceChunk.ready(prompt_usage=None)),
-                      *proc.push(dr.InferenceChunk.text(text, len(turn.output_ids))),
-                      *proc.push(self._finish(turn)), *proc.finish()]:
-            resp.accumulate(chunk)
+        # A stop string finishes the parser inside the text (the answer ends before it): it
+        # takes nothing after that.
+        for chunk in [dr.InferenceChunk.ready(prompt_usage=None),
+                      dr.InferenceChunk.text(text, len(turn.output_ids)), self._finish(turn)]:
+            if proc.finished:
+                break
+            for event in proc.push(chunk):
+                resp.accumulate(event)
+        for event in proc.finish():
+            resp.accumulate(event)
         result = orjson.loads(resp.to_json())
+        if conv.inference_options.logprobs:
+            result["choices"][0]["logprobs"] = {"content": self._logprobs(
+                conv, meta or {}, 0, len(turn.output_ids)), "refusal": None}
         result["usage"].update(prompt_tokens=len(turn.prompt_ids),
                                total_tokens=len(turn.prompt_ids) + len(turn.output_ids))
         result["sglang_dsv41"] = {"dp_rank": turn.dp_rank, "engine": turn.engine,
@@ -188,7 +336,7 @@ class Gateway:
         Errors before the first event raise GatewayError (an HTTP error); after it they become
         an error event. Text ending in an incomplete UTF-8 sequence waits for its next token."""
         dr = self.dr
-        proc, counted, started = None, 0, False
+        proc, counted, started, logprobs_sent = None, 0, False, 0
         text_stream = IncrementalDecoder(self.tokenizer.decode)
         try:
             async for conv, out, turn in self.turn(sid, body, stream=True):
@@ -197,22 +345,52 @@ class Gateway:
                     events = proc.push(dr.InferenceChunk.ready(prompt_usage=None))
                 ids = out["output_ids"]
                 delta = text_stream.step(ids, final=turn is not None)
-                if delta:
+                # A stop string finishes the parser (its answer ends before the string): what
+                # the engine sends after that is recorded, not shown.
+                if delta and not proc.finished:
                     events += proc.push(dr.InferenceChunk.text(delta, len(ids) - counted))
                     counted = len(ids)
-                if turn is not None:
+                if turn is not None and not proc.finished:
                     events += [*proc.push(self._finish(turn)), *proc.finish()]
                 if events:
                     started = True
-                    yield b"".join(b"data: " + c.to_json().encode() + b"\n\n" for c in events)
+                    sse = [c.to_json().encode() for c in events]
+                    if conv.inference_options.logprobs:
+                        sse = self._attach_logprobs(sse, self._logprobs(
+                            conv, out["meta_info"], logprobs_sent, len(ids)))
+                        logprobs_sent = len(ids)
+                    yield b"".join(b"data: " + e + b"\n\n" for e in sse)
                     events = []
         except GatewayError as e:
             if not started:
                 raise
-            yield b"data: " + orjson.dumps({"error": {
-                "message": e.message, "type": "service_unavailable" if e.status >= 500 else
-                "invalid_request_error", "code": e.status}}) + b"\n\n"
+            yield _error_event(e.status, e.message)
+        except Exception as e:
+            # A failure nobody foresaw still ends the client's stream with an error event and
+            # [DONE], not a torn connection.
+            if not started:
+                raise
+            logger.exception("streamed turn of session %r failed", sid)
+            yield _error_event(500, f"the gateway failed mid-stream: {type(e).__name__}: {e}")
         yield b"data: [DONE]\n\n"
+
+    @staticmethod
+    def _attach_logprobs(sse: list[bytes], entries: list[dict[str, Any]]) -> list[bytes]:
+        """The entries of the tokens since the last event go on the last chunk of this batch
+        that has a choice (a parser holding text back, e.g. a DSML call in progress, sends them
+        with a later batch)."""
+        for i in reversed(range(len(sse))):
+            chunk = orjson.loads(sse[i])
+            if chunk.get("choices"):
+                chunk["choices"][0]["logprobs"] = {"content": entries, "refusal": None}
+                return [*sse[:i], orjson.dumps(chunk), *sse[i + 1:]]
+        return sse
+
+
+def _error_event(status: int, message: str) -> bytes:
+    return b"data: " + orjson.dumps({"error": {
+        "message": message, "type": "service_unavailable" if status >= 500 else
+        "invalid_request_error", "code": status}}) + b"\n\n"
 
 
 def create_gateway_app(gateway: Gateway) -> FastAPI:
@@ -240,8 +418,20 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
             raise GatewayError(400, "the body must be a JSON object")
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         if not body.get("stream"):
-            conv, turn, _ = await gateway.chat(sid, body)
-            return _json(gateway.response(conv, turn, cid))
+            # A client that goes away cancels the turn, as a streamed one: its engine request
+            # is aborted (the router closes that connection) and the turn is not recorded.
+            chat = asyncio.ensure_future(gateway.chat(sid, body))
+            gone = asyncio.ensure_future(_client_gone(request))
+            try:
+                done, _ = await asyncio.wait({chat, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+                if not chat.done():
+                    chat.cancel()
+            if chat not in done:
+                return Response(status_code=499)  # nobody reads it
+            conv, turn, out = chat.result()
+            return _json(gateway.response(conv, turn, cid, out["meta_info"]))
         events = gateway.stream_events(sid, body, cid)
         first = await anext(events)  # placement and refusals answer as HTTP errors
 
@@ -277,8 +467,7 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
 
     @app.delete("/sessions/{sid}")
     async def end_session(sid: str):
-        traj = gateway.sessions.pop(sid, None)
-        gateway.router.end_session(sid)
+        traj = await gateway.end_session(sid)
         if traj is None:
             raise GatewayError(404, f"no session {sid!r}")
         return traj.record()
@@ -290,6 +479,10 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        # Dead engines are probed again here too: one that came back is live without a turn.
+        refresh = getattr(gateway.router, "arefresh", None)
+        if refresh is not None:
+            await refresh()
         if not gateway.router.engine_urls():
             return _error(503, "no live engine", "service_unavailable")
         return Response(status_code=200)

@@ -15,7 +15,14 @@ from typing import Any, Iterator
 
 
 class RouterError(RuntimeError):
-    """A request failed for a reason retrying elsewhere cannot fix (e.g. HTTP 4xx)."""
+    """A request failed for a reason retrying elsewhere cannot fix (e.g. HTTP 4xx). ``status``:
+    the HTTP status that best describes it (the engine's own for a refusal, 504 for a turn
+    that got no answer in time), None when unknown; ``reason``: the engine's own message."""
+
+    def __init__(self, message: str, status: int | None = None, reason: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.reason = message if reason is None else reason
 
 
 class NoEngineAvailable(RouterError):

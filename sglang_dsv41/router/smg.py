@@ -15,11 +15,13 @@ placed by ``--assignment-mode``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from typing import Any
 
 import httpx
@@ -27,6 +29,19 @@ import httpx
 from .base import NoEngineAvailable, Route, RouterError, SessionRouter
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+MAX_ROUTING_KEY_CHARS = 256
+
+
+def routing_key(session_id: str) -> str:
+    """The header value that pins ``session_id``: a header carries visible ASCII only, so the
+    id is percent-encoded (UTF-8), and past MAX_ROUTING_KEY_CHARS replaced by its SHA-256 after
+    a "%s" that no percent-encoding yields: the same id always gives the same key, distinct ids
+    distinct keys."""
+    key = urllib.parse.quote(session_id, safe="", errors="surrogatepass")
+    if len(key) <= MAX_ROUTING_KEY_CHARS:
+        return key
+    digest = hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"%sha256-{digest}"
 
 
 def parse_args(argv: list[str]) -> Any:
@@ -131,7 +146,7 @@ class SMGSessionRouter(SessionRouter):
             self._in_flight += 1
         try:
             r = self._client.post(self.router_url + "/generate", json=payload,
-                                  headers={ROUTING_KEY_HEADER: session_id})
+                                  headers={ROUTING_KEY_HEADER: routing_key(session_id)})
         except httpx.HTTPError as e:
             raise NoEngineAvailable(f"sglang-router at {self.router_url}: {e}") from e
         finally:
@@ -139,7 +154,8 @@ class SMGSessionRouter(SessionRouter):
                 self._in_flight -= 1
                 self._cond.notify_all()
         if r.status_code != 200:
-            raise RouterError(f"sglang-router answered {r.status_code}: {r.text[:500]}")
+            raise RouterError(f"sglang-router answered {r.status_code}: {r.text[:500]}",
+                              r.status_code, _error_message(r))
         out = r.json()
         meta = out["meta_info"]
         self._routes[session_id] = Route(self.router_url, int(meta.get("dp_rank", 0)))
@@ -158,6 +174,17 @@ class SMGSessionRouter(SessionRouter):
 
     def engine_urls(self) -> list[str]:
         return list(self._engines)
+
+
+def _error_message(r: httpx.Response) -> str:
+    """The message of an error body ({"error": {"message": ...}}), else the body itself."""
+    try:
+        err = r.json().get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"]
+    except (ValueError, AttributeError):
+        pass
+    return r.text[:500]
 
 
 if __name__ == "__main__":

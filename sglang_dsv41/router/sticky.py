@@ -11,7 +11,12 @@ Health is per slot: a rank the engine reports unhealthy, or whose ``/health?dp_r
 after a 5xx, is dead and only its sessions move; a timeout, or a refused or dropped connection
 whose ``/health`` probe fails too, kills every slot of that engine (a dropped connection whose
 engine answers its probe was the connection's fault, not a dead engine: the turn is tried
-again). A moved session is re-pinned on its next turn (a turn
+again; a timed-out turn whose engine answers its probe was a slow turn: it fails with a 504
+and the engine stays live). Dead is not for good: an engine with dead slots has its
+``/health`` probed again at most every ``revive_interval`` seconds, when a turn starts or the
+gateway checks its health, and once it answers, its slots live again except the ranks its
+/get_server_info still reports unhealthy (and none while it serves another weight_version than
+the live engines: it missed a weight update). A moved session is re-pinned on its next turn (a turn
 boundary), with its whole history in that turn's prompt (the prefix is recomputed there). With
 ``max_in_flight``, a session whose slot already has that many turns in flight is moved, at its
 turn boundary, to the best live slot when that one has fewer.
@@ -43,6 +48,9 @@ JSON_HEADERS = {"content-type": "application/json"}
 # closing at that moment, which the server answers with a reset (at equal timeouts, httpx's
 # default, a trainer whose step took about 5 s saw its engine's both ranks reset at once).
 ENGINE_KEEPALIVE_S = 2.0
+# A health or info probe waits this long at most: a wedged engine must not hold a turn (or the
+# gateway's /health) for the router's whole generation timeout.
+PROBE_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -55,11 +63,13 @@ class SlotState:
 
 @dataclass(frozen=True)
 class Call:
-    """One HTTP call the turn policy wants made; ``stream``: answer once the head arrived."""
+    """One HTTP call the turn policy wants made; ``stream``: answer once the head arrived;
+    ``timeout``: seconds, else the router's own."""
     method: str
     url: str
     body: dict[str, Any] | None = None
     stream: bool = False
+    timeout: float | None = None
 
 
 @dataclass
@@ -75,8 +85,8 @@ class Reply:
 
 
 class TransportFailure(Exception):
-    """The engine could not be reached, dropped the connection or timed out. A timeout takes
-    the engine for dead; the others only when its /health probe fails too (``_turn``)."""
+    """The engine could not be reached, dropped the connection or timed out; the engine is
+    taken for dead only when its /health probe fails too (``_turn``)."""
 
     def __init__(self, message: str, timed_out: bool = False):
         super().__init__(message)
@@ -110,7 +120,8 @@ def dp_size_of(server_info: dict[str, Any]) -> int:
 class StickyRouter(SessionRouter):
     def __init__(self, engine_urls: list[str], *, api_key: str | None = None,
                  timeout: float = 300.0, refresh_interval: float = 1.0, max_attempts: int = 3,
-                 client: httpx.Client | None = None, max_in_flight: int | None = None):
+                 client: httpx.Client | None = None, max_in_flight: int | None = None,
+                 revive_interval: float = 5.0):
         if not engine_urls:
             raise ValueError("StickyRouter needs at least one engine url")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -119,6 +130,7 @@ class StickyRouter(SessionRouter):
             limits=httpx.Limits(max_connections=512, max_keepalive_connections=256,
                                 keepalive_expiry=ENGINE_KEEPALIVE_S))
         self._refresh_interval, self._max_attempts = refresh_interval, max_attempts
+        self._revive_interval = revive_interval
         self._max_in_flight = max_in_flight
         self._timeout = timeout
         self._headers = headers
@@ -130,6 +142,7 @@ class StickyRouter(SessionRouter):
         self._dead: dict[Route, str] = {}        # slot -> reason
         self._paused = False
         self._last_refresh: dict[str, float] = {}
+        self._last_probe: dict[str, float] = {}  # url -> when its dead slots were last probed
         for url in engine_urls:
             url = url.rstrip("/")
             try:
@@ -144,23 +157,7 @@ class StickyRouter(SessionRouter):
     # ---- SessionRouter ----------------------------------------------------------------------
     def generate(self, session_id: str, payload: dict[str, Any],
                  expected_tokens: int = 0) -> dict[str, Any]:
-        turn = self._turn(session_id, payload, expected_tokens)
-        call = next(turn)
-        try:
-            while True:
-                try:
-                    resp = self._client.request(
-                        call.method, call.url, headers=JSON_HEADERS,
-                        content=None if call.body is None else orjson.dumps(call.body))
-                    reply: Reply | TransportFailure = Reply(resp.status_code, resp.content)
-                except httpx.TransportError as e:
-                    reply = TransportFailure(f"{type(e).__name__}: {e}",
-                                             isinstance(e, httpx.TimeoutException))
-                call = turn.send(reply)
-        except StopIteration as done:
-            route, reply = done.value
-        finally:
-            turn.close()
+        route, reply = self._drive(self._turn(session_id, payload, expected_tokens))
         try:
             return self._output(route, reply.body)
         finally:
@@ -181,13 +178,15 @@ class StickyRouter(SessionRouter):
         """One turn with ``"stream": true``: the engine's SSE chunks (SGLang's: cumulative text,
         output_ids and meta_info) as they arrive, each with ``meta_info.route``. Placement and
         retries happen before the first chunk; closing the iterator early (the client went
-        away) closes the engine connection, which aborts the request there."""
+        away) closes the engine connection, which aborts the request there. Every failure
+        after that raises a RouterError (NoEngineAvailable when the engine is dead)."""
         route, reply = await self._adrive(self._turn(session_id, dict(payload, stream=True),
                                                      expected_tokens, stream=True))
+        where = f"{route.url} dp_rank {route.dp_rank}"
         resp: aiohttp.ClientResponse = reply.stream
         done = False
         try:
-            async for line in resp.content:
+            async for line in _lines(resp.content):
                 if not line.startswith(b"data: "):
                     continue
                 data = line[6:].rstrip()
@@ -198,15 +197,22 @@ class StickyRouter(SessionRouter):
                 if "error" in chunk:
                     err = chunk["error"]
                     status = int(err.get("code", 500)) if isinstance(err, dict) else 500
+                    reason = str(err.get("message", err) if isinstance(err, dict) else err)
                     raise (RouterError if status < 500 else NoEngineAvailable)(
-                        f"{route.url} dp_rank {route.dp_rank}: {err}")
+                        f"{where}: {err}", status, reason)
                 chunk.setdefault("meta_info", {})["route"] = [route.url, route.dp_rank]
                 yield chunk
-            raise NoEngineAvailable(f"{route.url} dp_rank {route.dp_rank}: the stream ended "
-                                    "without [DONE]")
+            failure, timed_out = "the stream ended without [DONE]", False
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            self._mark_dead(route.url, None, f"{type(e).__name__} mid-stream: {e}")
-            raise NoEngineAvailable(f"{route.url} failed mid-stream: {e!r}") from e
+            failure = f"{type(e).__name__} mid-stream: {e}"
+            timed_out = isinstance(e, asyncio.TimeoutError)
+        except RouterError:
+            raise
+        except Exception as e:
+            # Whatever else goes wrong reading the stream (a chunk that is not JSON) fails the
+            # turn with a message the gateway can send, not a torn client stream.
+            raise RouterError(f"{where}: the engine's stream could not be read: "
+                              f"{type(e).__name__}: {e}", 502) from e
         finally:
             # Closing a stream that did not finish drops its connection: the engine aborts the
             # request. A finished one goes back to the pool.
@@ -215,6 +221,17 @@ class StickyRouter(SessionRouter):
             else:
                 resp.close()
             self._release(route)
+        # The stream broke off: the engine is dead only if it does not answer /health either.
+        health = await self._adrive(_single(Call(
+            "GET", f"{route.url}/health?dp_rank={route.dp_rank}", timeout=PROBE_TIMEOUT_S)))
+        if isinstance(health, TransportFailure):
+            self._mark_dead(route.url, None, failure)
+        elif health.status_code != 200:
+            self._mark_dead(route.url, route.dp_rank, f"/health: {_describe(health)}")
+        else:
+            raise RouterError(f"{where}: {failure} (the engine answers /health)",
+                              504 if timed_out else 502)
+        raise NoEngineAvailable(f"{where} failed mid-stream: {failure}")
 
     def route_of(self, session_id: str) -> Route | None:
         with self._cond:
@@ -239,6 +256,14 @@ class StickyRouter(SessionRouter):
     def engine_urls(self) -> list[str]:
         with self._cond:
             return sorted({r.url for r in self._slots if r not in self._dead})
+
+    def refresh(self) -> None:
+        """What a turn does first: re-read stale engines' stats and probe the dead ones due
+        for it (a health check that must see a revived engine even while no turn comes)."""
+        self._drive(self._refresh())
+
+    async def arefresh(self) -> None:
+        await self._adrive(self._refresh())
 
     # ---- introspection (tests, telemetry) ------------------------------------------------------
     def slot_states(self) -> list[SlotState]:
@@ -265,12 +290,7 @@ class StickyRouter(SessionRouter):
         calls to make and receives each one's Reply (or TransportFailure); it returns the
         accepted /generate (route, 200 reply), whose slot stays in flight until the caller's
         ``_release(route)``, or raises."""
-        for url in self._stale_engines():
-            resp = yield Call("GET", url + "/get_server_info")
-            if isinstance(resp, TransportFailure) or resp.status_code != 200:
-                self._mark_dead(url, None, f"/get_server_info failed: {_describe(resp)}")
-            else:
-                self._apply_server_info(url, orjson.loads(resp.body))
+        yield from self._refresh()
         last_error: str | None = None
         for _ in range(self._max_attempts):
             route = self._acquire(session_id, expected_tokens)
@@ -286,22 +306,26 @@ class StickyRouter(SessionRouter):
             self._release(route)
             last_error = f"{route.url} dp_rank {route.dp_rank}: {_describe(resp)}"
             broken = isinstance(resp, TransportFailure)
-            if broken and resp.timed_out:  # no answer in time: a wedged or lost engine
-                self._mark_dead(route.url, None, _describe(resp))
-                continue
             if not broken and resp.status_code < 500:
                 raise RouterError(f"{route.url}/generate answered {resp.status_code}: "
-                                  f"{resp.text}")
-            # A dropped connection or a 5xx: retry elsewhere only if the rank is down. Up, a 5xx
-            # is this request's fault; a dropped connection was the connection's (tried again).
-            health = yield Call("GET", f"{route.url}/health?dp_rank={route.dp_rank}")
+                                  f"{resp.text}", resp.status_code, _engine_message(resp))
+            # A dropped connection, a timeout or a 5xx: retry elsewhere only if the rank is
+            # down. Up, a 5xx is this request's fault, a timeout a turn slower than the
+            # router's timeout (retried elsewhere it would be as slow), and a dropped
+            # connection was the connection's (tried again).
+            health = yield Call("GET", f"{route.url}/health?dp_rank={route.dp_rank}",
+                                timeout=PROBE_TIMEOUT_S)
             if isinstance(health, TransportFailure):
                 self._mark_dead(route.url, None, _describe(resp if broken else health))
             elif health.status_code != 200:
                 self._mark_dead(route.url, route.dp_rank, f"/health: {_describe(health)}")
+            elif broken and resp.timed_out:
+                raise RouterError(f"{route.url} dp_rank {route.dp_rank}: no answer in "
+                                  f"{self._timeout:g}s ({resp}); the engine answers /health, "
+                                  "so the turn failed, not the engine", 504)
             elif not broken:
                 raise RouterError(f"{route.url}/generate answered {resp.status_code}: "
-                                  f"{resp.text}")
+                                  f"{resp.text}", resp.status_code, _engine_message(resp))
         raise NoEngineAvailable(f"session {session_id}: no engine answered after "
                                 f"{self._max_attempts} attempts (last error: {last_error})")
 
@@ -317,16 +341,38 @@ class StickyRouter(SessionRouter):
                                               sock_read=self._timeout))
         return self._session
 
-    async def _adrive(self, turn: Generator[Call, Any, Any]) -> Any:
-        """Runs ``_turn`` on the shared aiohttp session."""
-        http = self._aio_session()
-        call = next(turn)
+    def _drive(self, turn: Generator[Call, Any, Any]) -> Any:
+        """Runs ``_turn`` (or another generator of Calls) on the blocking httpx client."""
         try:
+            call = next(turn)
+            while True:
+                try:
+                    resp = self._client.request(
+                        call.method, call.url, headers=JSON_HEADERS,
+                        content=None if call.body is None else orjson.dumps(call.body),
+                        timeout=call.timeout or httpx.USE_CLIENT_DEFAULT)
+                    reply: Reply | TransportFailure = Reply(resp.status_code, resp.content)
+                except httpx.TransportError as e:
+                    reply = TransportFailure(f"{type(e).__name__}: {e}",
+                                             isinstance(e, httpx.TimeoutException))
+                call = turn.send(reply)
+        except StopIteration as done:
+            return done.value
+        finally:
+            turn.close()
+
+    async def _adrive(self, turn: Generator[Call, Any, Any]) -> Any:
+        """Runs ``_turn`` (or another generator of Calls) on the shared aiohttp session."""
+        http = self._aio_session()
+        try:
+            call = next(turn)
             while True:
                 try:
                     resp = await http.request(
                         call.method, call.url,
-                        data=None if call.body is None else orjson.dumps(call.body))
+                        data=None if call.body is None else orjson.dumps(call.body),
+                        **({"timeout": aiohttp.ClientTimeout(total=call.timeout)}
+                           if call.timeout else {}))
                     if call.stream and resp.status == 200:
                         reply: Reply | TransportFailure = Reply(200, stream=resp)
                     else:
@@ -340,6 +386,44 @@ class StickyRouter(SessionRouter):
             return done.value
         finally:
             turn.close()
+
+    def _refresh(self) -> Generator[Call, Any, None]:
+        """Re-reads /get_server_info of live engines older than ``refresh_interval``, and
+        probes the /health of engines with dead slots not probed for ``revive_interval``: one
+        that answers has its slots revived, but for the ranks its info reports unhealthy, and
+        only if it serves the live engines' weight_version (a weight update skips dead
+        engines: revived on older weights, it would roll out with another policy)."""
+        stale, due = self._due_engines()
+        answered = []
+        for url in due:
+            health = yield Call("GET", url + "/health", timeout=PROBE_TIMEOUT_S)
+            if not isinstance(health, TransportFailure) and health.status_code == 200:
+                answered.append(url)
+        if answered:  # the live engines' versions now, not as of their last refresh
+            stale = self.engine_urls()
+        infos = {}
+        for url in dict.fromkeys(stale + answered):
+            resp = yield Call("GET", url + "/get_server_info", timeout=PROBE_TIMEOUT_S)
+            if isinstance(resp, TransportFailure) or resp.status_code != 200:
+                self._mark_dead(url, None, f"/get_server_info failed: {_describe(resp)}")
+            elif url not in answered:
+                infos[url] = orjson.loads(resp.body)
+                self._apply_server_info(url, infos[url])
+            else:
+                infos[url] = orjson.loads(resp.body)
+        live = {str(infos[u]["weight_version"]) for u in self.engine_urls()
+                if infos.get(u, {}).get("weight_version") is not None}
+        for url in answered:
+            if url not in infos:
+                continue
+            version = infos[url].get("weight_version")
+            if live and version is not None and str(version) not in live:
+                with self._cond:
+                    for route in [r for r in self._dead if r.url == url]:
+                        self._dead[route] = (f"weight_version {version}, the live engines "
+                                             f"serve {sorted(live)}: it missed a weight update")
+            else:
+                self._apply_server_info(url, infos[url], revive=True)
 
     def _output(self, route: Route, content: bytes) -> dict[str, Any]:
         out = orjson.loads(content)
@@ -391,31 +475,47 @@ class StickyRouter(SessionRouter):
             self._slots[route].in_flight -= 1
             self._cond.notify_all()
 
-    def _stale_engines(self) -> list[str]:
-        """Live engines whose free KV and rank health are older than ``refresh_interval``
-        (claimed here, so concurrent turns do not all refresh the same engine)."""
+    def _due_engines(self) -> tuple[list[str], list[str]]:
+        """(live engines whose free KV and rank health are older than ``refresh_interval``,
+        engines with dead slots not probed for ``revive_interval``), claimed here so that
+        concurrent turns do not all refresh or probe the same engine."""
         now = time.monotonic()
         with self._cond:   # an RLock: engine_urls takes it again
             stale = [url for url in self.engine_urls()
                      if now - self._last_refresh.get(url, 0.0) >= self._refresh_interval]
             for url in stale:
                 self._last_refresh[url] = now
-        return stale
+            due = sorted({r.url for r in self._dead
+                          if now - self._last_probe.get(r.url, 0.0) >= self._revive_interval})
+            for url in due:
+                self._last_probe[url] = now
+        return stale, due
 
-    def _apply_server_info(self, url: str, info: dict[str, Any]) -> None:
+    def _apply_server_info(self, url: str, info: dict[str, Any], revive: bool = False) -> None:
+        """Free KV and rank health of an engine; ``revive``: it answered its /health probe, its
+        dead slots live again (the ranks this info reports unhealthy stay dead)."""
         free = kv_free_by_dp_rank(info)
-        for dp, reason in unhealthy_dp_ranks(info).items():
-            self._mark_dead(url, dp, reason)
+        unhealthy = unhealthy_dp_ranks(info)
         with self._cond:
+            if revive:
+                for route in [r for r in self._dead if r.url == url]:
+                    if route.dp_rank not in unhealthy:
+                        del self._dead[route]
+                self._cond.notify_all()
             for dp, n in free.items():
                 if Route(url, dp) in self._slots:
                     self._slots[Route(url, dp)].kv_free_tokens = n
+        for dp, reason in unhealthy.items():
+            self._mark_dead(url, dp, reason)
 
     def _mark_dead(self, url: str, dp_rank: int | None, reason: str) -> None:
-        """One slot (``dp_rank``) or, for None, every slot of the engine."""
+        """One slot (``dp_rank``) or, for None, every slot of the engine; probed again for
+        revival after ``revive_interval``."""
         with self._cond:
             for route in self._slots:
                 if route.url == url and dp_rank in (None, route.dp_rank):
+                    if route not in self._dead:
+                        self._last_probe[url] = time.monotonic()
                     self._dead.setdefault(route, reason)
             self._cond.notify_all()
 
@@ -430,3 +530,37 @@ def _describe(resp: Reply | TransportFailure) -> str:
     if isinstance(resp, TransportFailure):
         return str(resp)
     return f"HTTP {resp.status_code}: {resp.text[:300]}"
+
+
+def _engine_message(resp: Reply) -> str:
+    """The message of an engine's error body ({"error": {"message": ...}}, SGLang's and ours),
+    else the body itself."""
+    try:
+        err = orjson.loads(resp.body).get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"]
+    except (orjson.JSONDecodeError, AttributeError):
+        pass
+    return resp.text[:500]
+
+
+def _single(call: Call) -> Generator[Call, Any, Reply | TransportFailure]:
+    """One call as a generator a driver runs: its Reply or TransportFailure."""
+    return (yield call)
+
+
+async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """The lines of a response body, however long: aiohttp's own line reader refuses lines
+    over 512 KiB (LineTooLong), and an engine's cumulative SSE chunk (every id and logprob so
+    far) passes that at about 12k tokens. Each byte is searched once."""
+    buf = bytearray()
+    async for data in content.iter_any():
+        searched = len(buf)
+        buf += data
+        start = 0
+        while (end := buf.find(b"\n", searched)) >= 0:
+            yield bytes(buf[start:end])
+            start = searched = end + 1
+        del buf[:start]
+    if buf:
+        yield bytes(buf)
