@@ -4,6 +4,7 @@ by test_sglang_plugins.py; a case prints ``OK <json>`` on success and raises oth
 
 from __future__ import annotations
 
+import asyncio
 import faulthandler
 import json
 import os
@@ -215,10 +216,34 @@ def case_http_worker() -> None:
     install_torchvision_shim()
     app = import_from_string(os.environ["SGLANG_HTTP_SERVER_APP_PATH"])
     http = sys.modules["sglang.srt.entrypoints.http_server"]
+    from sglang_dsv41.policies.watchdog import StallReport
     from sglang_dsv41.sglang_backend.plugins import INSTALLED
+    from sglang_dsv41.sglang_backend.watchdog_hooks import write_stall_report
 
+    # As the worker runs: Starlette builds the middleware stack on the first ASGI call (the
+    # lifespan), whose body then calls set_global_state; a stalled rank's /health after that
+    app.middleware_stack = app.build_middleware_stack()
+    http.set_global_state(http._GlobalState(tokenizer_manager=None, template_manager=None,
+                                            scheduler_info={}))
+    write_stall_report(os.environ["SGLANG_DSV41_RUN_DIR"],
+                       StallReport(rank=5, step=2, op="mlp_sync", waited_s=9.0))
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b""}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "GET", "path": "/health", "headers": [],
+             "query_string": b"", "root_path": "", "scheme": "http", "http_version": "1.1",
+             "server": ("127.0.0.1", 30000), "client": ("127.0.0.1", 1)}
+    asyncio.run(app(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     done(installed=sorted(INSTALLED), same_app=app is http.app,
-         generate_hooked=hasattr(http.serve_generate_request, "__wrapped__"))
+         generate_hooked=hasattr(http.serve_generate_request, "__wrapped__"),
+         health=[start["status"], json.loads(body)["error"]["stalled_ranks"]])
 
 
 def dummy_load(ckpt_dir: str) -> dict:

@@ -254,9 +254,53 @@ def test_plain_sglang_launch_server_gets_the_guards_through_check_server_args(in
         "SGLANG_HTTP_SERVER_APP_PATH=my_server:app")
 
 
-def test_tokenizer_worker_processes_load_the_plugins():
+def test_tokenizer_worker_processes_load_the_plugins(tmp_path):
     """SGLang imports the app path in each tokenizer worker process without load_plugins();
     ours loads them (and it is SGLang's own app object)."""
-    facts, _ = run_case("http_worker", SGLANG_HTTP_SERVER_APP_PATH=PLUGIN_APP)
+    facts, _ = run_case("http_worker", SGLANG_HTTP_SERVER_APP_PATH=PLUGIN_APP,
+                        SGLANG_DSV41_RUN_DIR=str(tmp_path))
+    # its /health names a stalled rank too: the middleware is in before the worker serves
+    # (added from set_global_state, in the lifespan, Starlette refused it)
     assert facts == {"installed": sorted(ALL_PLUGINS), "same_app": True,
-                     "generate_hooked": True}
+                     "generate_hooked": True, "health": [503, [5]]}
+
+
+def test_a_stall_report_made_as_its_step_ends_is_not_left_behind(tmp_path, monkeypatch):
+    """The watchdog's check and the report's write are two moments; a step that ends between
+    them withdrew nothing, and its report, written after, kept /health 503 for good."""
+    from sglang_dsv41.sglang_backend import watchdog_hooks as wh
+
+    monkeypatch.setenv("SGLANG_DSV41_RUN_DIR", str(tmp_path))
+    monkeypatch.setenv("SGLANG_DSV41_STALL_TIMEOUT", "0.2")
+    write, writing = wh.write_stall_report, []
+
+    def slow_write(*args, **kwargs):  # the step ends while the report is being made
+        writing.append(True)
+        time.sleep(0.4)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(wh, "write_stall_report", slow_write)
+    guard = wh.RankGuard()
+    with guard.guard("run_batch"):
+        deadline = time.monotonic() + 10
+        while not writing:
+            assert time.monotonic() < deadline, "no stall report was made"
+            time.sleep(0.01)
+    with guard.guard("run_batch"):  # a later, healthy step
+        pass
+    assert wh.read_stall_reports(str(tmp_path)) == [] and wh.stall_response(str(tmp_path)) is None
+    guard.watchdog.close()
+
+
+def test_stall_reports_of_dp_replicas_are_kept_apart(tmp_path):
+    """SGLang's DP replicas (--dp-size without DP attention) each number their ranks from 0:
+    replica 1's rank 0 neither overwrites nor withdraws replica 0's report."""
+    from sglang_dsv41.policies.watchdog import StallReport
+    from sglang_dsv41.sglang_backend import watchdog_hooks as wh
+
+    for replica in (0, 1):
+        wh.write_stall_report(str(tmp_path), StallReport(0, 4, "mlp_sync", 3.0), replica)
+    wh.clear_stall_report(str(tmp_path), 0, 1)  # replica 1's rank 0 recovered
+    status, body = wh.stall_response(str(tmp_path))
+    assert status == 503 and body["error"]["message"].startswith(
+        "unhealthy: DP replica 0: rank 0 stuck in collective 'mlp_sync' at step 4"), body

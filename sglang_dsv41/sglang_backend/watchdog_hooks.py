@@ -25,58 +25,81 @@ HEALTH_PATHS = ("/health", "/health_generate")
 
 
 # ---- stall reports on disk (scheduler ranks -> HTTP process of the same node) ---------------
-def stall_report_path(run_dir: str, rank: int | str) -> str:
-    return os.path.join(run_dir, f"stall-rank{rank}.json")
+def stall_report_path(run_dir: str, rank: int | str, replica: int | None = None) -> str:
+    """A rank's report file. ``replica``: SGLang's DP replica (--dp-size without DP attention),
+    each of which numbers its ranks from 0 in a world of its own."""
+    where = "" if replica is None else f"dp{replica}-"
+    return os.path.join(run_dir, f"stall-{where}rank{rank}.json")
 
 
-def write_stall_report(run_dir: str, report: StallReport) -> str:
+def write_stall_report(run_dir: str, report: StallReport, replica: int | None = None) -> str:
     os.makedirs(run_dir, exist_ok=True)
-    path = stall_report_path(run_dir, report.rank)
+    path = stall_report_path(run_dir, report.rank, replica)
     tmp = f"{path}.{os.getpid()}.tmp"
+    message = report.message() if replica is None else f"DP replica {replica}: {report.message()}"
     with open(tmp, "w") as f:
-        json.dump({"rank": report.rank, "step": report.step, "op": report.op,
-                   "waited_s": report.waited_s, "message": report.message()}, f)
+        json.dump({"rank": report.rank, "replica": replica, "step": report.step, "op": report.op,
+                   "waited_s": report.waited_s, "message": message}, f)
     os.replace(tmp, path)  # a reader never sees half a report
     return path
 
 
-def clear_stall_report(run_dir: str, rank: int) -> None:
+def clear_stall_report(run_dir: str, rank: int, replica: int | None = None) -> None:
     with contextlib.suppress(FileNotFoundError):
-        os.remove(stall_report_path(run_dir, rank))
+        os.remove(stall_report_path(run_dir, rank, replica))
 
 
 def read_stall_reports(run_dir: str) -> list[dict]:
     out = []
-    for path in sorted(glob.glob(stall_report_path(run_dir, "*"))):
+    for path in sorted(glob.glob(os.path.join(run_dir, "stall-*.json"))):
         try:
             with open(path) as f:
                 out.append(json.load(f))
         except (OSError, ValueError):
             continue  # replaced or removed while read: the next check sees it
-    return sorted(out, key=lambda r: r.get("rank", 0))
+    return sorted(out, key=lambda r: (r.get("replica") or 0, r.get("rank", 0)))
+
+
+def _replica() -> int | None:
+    """This scheduler's DP replica in SGLang's published context; None without a DP
+    controller, or outside a scheduler."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        replica = get_parallel().dp_rank
+    except (ImportError, AttributeError, RuntimeError, ValueError):
+        return None
+    return replica if isinstance(replica, int) else None
 
 
 # ---- the rank's watchdog ---------------------------------------------------------------------
 class RankGuard:
     """This process's watchdog, started on its first guarded call (only scheduler processes
-    make one), named by its global rank."""
+    make one), named by its global rank (and DP replica). A report is written and withdrawn
+    under one lock, and only for a guard still open: an operation that finishes while its
+    report is being made leaves none behind."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.watchdog: StallWatchdog | None = None
         self.steps: Counter[str] = Counter()
         self.run_dir = ""
+        self.replica: int | None = None
+        self._open: set[tuple[str, int]] = set()   # guards entered and not yet left
 
     def _start(self) -> StallWatchdog:
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_initialized() else 0
-        self.run_dir = ENV.RUN_DIR.get()
+        self.run_dir, self.replica = ENV.RUN_DIR.get(), _replica()
 
         def on_stall(report: StallReport) -> None:
-            logger.error("sglang-dsv41 stall: %s", report.message())
-            if self.run_dir:
-                write_stall_report(self.run_dir, report)
+            with self._lock:
+                if (report.op, report.step) not in self._open:
+                    return  # it finished between the watchdog's check and this report
+                logger.error("sglang-dsv41 stall: %s", report.message())
+                if self.run_dir:
+                    write_stall_report(self.run_dir, report, self.replica)
 
         return StallWatchdog(rank, ENV.STALL_TIMEOUT.get(), on_stall)
 
@@ -87,18 +110,21 @@ class RankGuard:
                 self.watchdog = self._start()
             self.steps[op] += 1
             watchdog, step = self.watchdog, self.steps[op]
+            self._open.add((op, step))
         try:
             with watchdog.guard(op, step):
                 yield
         finally:
-            report = watchdog.last_report
-            if report is not None and (report.op, report.step) == (op, step):
-                # it finished after all (a slow first forward, a JIT compile): healthy again
-                logger.warning("sglang-dsv41: rank %d finished '%s' step %d after its stall "
-                               "report", report.rank, op, step)
-                watchdog.last_report = None
-                if self.run_dir:
-                    clear_stall_report(self.run_dir, report.rank)
+            with self._lock:
+                self._open.discard((op, step))
+                report = watchdog.last_report
+                if report is not None and (report.op, report.step) == (op, step):
+                    # it finished after all (a slow first forward, a JIT compile): healthy again
+                    logger.warning("sglang-dsv41: rank %d finished '%s' step %d after its stall "
+                                   "report", report.rank, op, step)
+                    watchdog.last_report = None
+                    if self.run_dir:
+                        clear_stall_report(self.run_dir, report.rank, self.replica)
 
 
 GUARD = RankGuard()
