@@ -1,7 +1,7 @@
 """Convert a DeepSeek V4.1 release checkpoint to the text-only bf16 one SGLang 0.5.23 and our
 trainer load.
 
-    python -m sglang_dsv41.convert SRC DST [--verify] [--max-shard-size 5GB] [--quiet]
+    python -m sglang_dsv41.convert SRC DST [--verify] [--max-shard-size 5GB] [--quiet] [--force]
 
 Every header is read and checked first (loader/release_layout.py); then tensors stream in
 source order, one source shard open at a time, a few MiB per chunk, into output shards whose
@@ -11,6 +11,11 @@ bf16; Engram tables and tid2eid are copied byte for byte. DST is built in a hidd
 ``--verify`` re-reads DST tensor by tensor against the streamed source, then (for configs the
 model can build on this machine) runs DSV4ForCausalLM on the source dequantized in float32
 through safetensors' own reader and on DST, and compares the logits.
+
+DST may not be SRC, hold SRC or lie inside it (real paths are compared), nor be a symlink; an
+existing non-empty DST is replaced only if this tool wrote it (it holds .sglang_dsv41_output),
+or with --force. All of this is checked before any work (loader/atomic_dir.py). Exit status: 0
+written, 1 refused or failed (error: ..., DST left as it was), 2 bad arguments.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Iterator
 import torch
 from tqdm import tqdm
 
-from .loader.atomic_dir import StagedDir
+from .loader.atomic_dir import StagedDir, check_output_dir, os_error_text
 from .loader.fp4 import dequantize_fp4
 from .loader.fp8 import CHUNK_BYTES, iter_dequantized_rows
 from .loader.release_layout import (RELEASE_SCALE_SUFFIX, ConversionPlan, PlanEntry,
@@ -39,6 +44,8 @@ from .loader.shards import (CONFIG_FILE, RawShardReader, StreamingShardWriter, p
 # Test hook: seconds to sleep after each finished output shard (to kill a conversion midway).
 SHARD_DELAY_ENV = "SGLANG_DSV41_CONVERT_SHARD_DELAY_S"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+# --help: the docstring's first paragraph (what it does) and its last (DST rules, exit status).
+DESCRIPTION = " ".join(__doc__.split("\n\n")[0].split() + __doc__.split("\n\n")[-1].split())
 
 
 def parse_size(text: str) -> int:
@@ -146,15 +153,15 @@ def _write_shards(plan: ConversionPlan, out_dir: str, max_shard_bytes: int,
 
 
 def convert(src: str, dst: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-            progress: bool = True, verify: bool = False) -> dict:
-    """Release checkpoint ``src`` -> text-only bf16 checkpoint ``dst`` (replaced atomically)."""
+            progress: bool = True, verify: bool = False, force: bool = False) -> dict:
+    """Release checkpoint ``src`` -> text-only bf16 checkpoint ``dst`` (replaced atomically;
+    an existing ``dst`` that this tool did not write only with ``force``)."""
     src = os.path.abspath(src)
     if not os.path.isdir(src):
         raise ValueError(f"source checkpoint {src} is not a directory")
-    if os.path.abspath(dst) == src:
-        raise ValueError("DST must differ from SRC")
+    check_output_dir(dst, [src], force)  # refuse before the (long) planning and conversion
     plan = plan_conversion(src)
-    staged = StagedDir(dst)
+    staged = StagedDir(dst, [src], force)
     try:
         total = sum(e.dst_bytes for e in plan.entries)
         weight_map = _write_shards(plan, staged.path, max_shard_bytes, progress)
@@ -177,10 +184,10 @@ def convert(src: str, dst: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
             if not logits.get("ok", True):
                 raise ValueError(f"verification failed: logits of DST differ from the "
                                  f"dequantized source's: {logits}")
+        staged.publish(replace=True)
     except BaseException:
         staged.discard()
         raise
-    staged.publish(replace=True)
     return summary
 
 
@@ -209,21 +216,28 @@ def verify_tensors(plan: ConversionPlan, dst: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sglang_dsv41.convert",
-                                description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m sglang_dsv41.convert", description=DESCRIPTION)
     p.add_argument("src", help="release checkpoint directory")
-    p.add_argument("dst", help="output directory (written atomically, replaced if present)")
+    p.add_argument("dst", help="output directory (written atomically; an existing one is "
+                   "replaced only if this tool wrote it, or with --force)")
     p.add_argument("--verify", action="store_true",
                    help="re-read DST and compare every tensor with the dequantized source, "
                    "then the model's logits on both")
     p.add_argument("--max-shard-size", default="5GB", help="output shard size (5GB, 500MiB)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--force", action="store_true",
+                   help="replace DST even if it is a non-empty directory this tool did not "
+                   "write (everything in it is deleted; DST holding or inside SRC is refused "
+                   "regardless)")
     args = p.parse_args(argv)
     try:
         summary = convert(args.src, args.dst, parse_size(args.max_shard_size),
-                          progress=not args.quiet, verify=args.verify)
+                          progress=not args.quiet, verify=args.verify, force=args.force)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a filesystem problem (disk full, permissions): one line, the path
+        print(f"error: {os_error_text(e)}", file=sys.stderr)
         return 1
     print(f"wrote {summary['dst']}: {summary['tensors']} tensors in {summary['shards']} shards "
           f"({summary['total_size'] / 1e6:.1f} MB); dropped {summary['dropped']} "

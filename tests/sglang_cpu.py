@@ -13,27 +13,11 @@ import importlib
 import json
 import os
 
-import torch
+# One implementation, in the package: make_checkpoint --layout hf and the serving loader install
+# it too (the README's CPU install has the same torchvision).
+from sglang_dsv41.loader.torchvision_shim import install_torchvision_shim  # noqa: F401
 
 SGLANG_VERSION = "0.5.23"
-_shim = None
-
-
-def install_torchvision_shim() -> None:
-    global _shim
-    if _shim is not None:
-        return
-    try:
-        torch.ops.torchvision.nms  # a working torchvision build registered it already
-        _shim = False
-        return
-    except (AttributeError, RuntimeError):
-        pass
-    lib = torch.library.Library("torchvision", "DEF")
-    lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold, float scale, "
-               "int zero_point) -> Tensor")
-    _shim = lib
 
 
 def import_sglang(module: str):

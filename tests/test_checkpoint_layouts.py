@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,6 +24,7 @@ from sglang_dsv41.model.dsv4.context import DSV4Context
 from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM, init_weights
 from sglang_dsv41.model.dsv4.names import from_transformers, storable_state, to_transformers
 from sglang_dsv41.plan.shapes import text_tensor_specs
+from sglang_dsv41.tools.make_checkpoint import main as make_checkpoint_main
 from sglang_dsv41.tools.make_checkpoint import make_checkpoint, random_text_tensors
 
 transformers = pytest.importorskip("transformers")
@@ -152,3 +157,65 @@ def test_unknown_parameter_names_are_refused_by_name():
         from_transformers({"model.layers.0.mlp.bogus": torch.zeros(1)})
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.down_proj: missing"):
         from_transformers({"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(2, 4, 2)})
+
+
+def test_hf_layout_and_its_loading_need_no_test_shim(tmp_path):
+    """On the README's CPU install transformers' DeepseekV4 import reaches a torchvision whose
+    operators cannot load: make_checkpoint --layout hf and the serving loader install the
+    package's shim themselves. A fresh interpreter, without tests/conftest.py's."""
+    out = str(tmp_path / "hf")
+    code = f"""
+import torch
+from sglang_dsv41.tools.make_checkpoint import main
+assert main([{out!r}, "--preset", "tiny-v4", "--layout", "hf", "--num-shards", "2"]) == 0
+from sglang_dsv41.loader.serving import load_serving_model
+load_serving_model({out!r}, torch.float32, "cpu")
+print("loaded")
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300, cwd=root)
+    assert p.returncode == 0 and "loaded" in p.stdout, p.stderr[-3000:]
+
+
+def test_serving_loader_names_the_corrupt_or_duplicated_shard(tmp_path):
+    ckpt = tmp_path / "bf16"
+    make_checkpoint(str(ckpt), get_preset("tiny"), "bf16", seed=SEED, num_shards=3)
+    files = sorted(checkpoint_files(str(ckpt)))
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    os.truncate(bad / files[1], os.path.getsize(bad / files[1]) - 100)
+    with pytest.raises(ValueError, match=f"corrupt checkpoint shard .*{files[1]}"):
+        load_serving_model(str(bad), torch.float32, "cpu")
+    # A tensor stored twice: which copy the index means cannot be guessed.
+    shutil.copyfile(ckpt / files[1], bad / files[1])
+    first = load_file(str(bad / files[0]))
+    name = next(iter(first))
+    save_file({**load_file(str(bad / files[2])), name: first[name]}, str(bad / files[2]))
+    with pytest.raises(ValueError, match=f"'{re.escape(name)}' is stored in two shards, "
+                                         f".*{files[0]} and .*{files[2]}"):
+        load_serving_model(str(bad), torch.float32, "cpu")
+
+
+def test_make_checkpoint_cli_refuses_bad_outputs_in_one_line(tmp_path, capsys):
+    """An OUT whose parent is a file, or a non-empty directory this tool did not write (only
+    with --force): `error: ...`, exit 1, nothing touched; --help in whole sentences."""
+    (tmp_path / "afile").write_text("x")
+    assert make_checkpoint_main([str(tmp_path / "afile" / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and f"{tmp_path / 'afile'} is not a directory" in err
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "thesis.tex").write_text("precious")
+    assert make_checkpoint_main([str(home), "--layout", "bf16"]) == 1
+    assert "--force" in capsys.readouterr().err and (home / "thesis.tex").exists()
+    assert make_checkpoint_main([str(home), "--layout", "bf16", "--force"]) == 0
+    assert not (home / "thesis.tex").exists() and (home / "config.json").exists()
+    assert make_checkpoint_main([str(home), "--layout", "bf16"]) == 0  # its own output
+    assert sorted(os.listdir(tmp_path)) == ["afile", "home"]
+    with pytest.raises(SystemExit):
+        make_checkpoint_main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("Write a random checkpoint of a preset: the real V4.1 release layout, the "
+            "converted bf16 one, or transformers' DeepseekV4 layout.") in out
+    assert "--force" in out

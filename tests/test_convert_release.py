@@ -3,6 +3,7 @@ values, SGLang 0.5.23's config flattening, atomicity under SIGKILL, corrupt inpu
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -15,6 +16,9 @@ import torch
 from safetensors.torch import save_file
 
 from sglang_dsv41.convert import convert
+from sglang_dsv41.convert import main as convert_main
+from sglang_dsv41.loader import atomic_dir
+from sglang_dsv41.loader.atomic_dir import OUTPUT_MARKER
 from sglang_dsv41.loader.conversion_logits import verify_logits
 from sglang_dsv41.loader.fp4 import dequantize_fp4
 from sglang_dsv41.loader.fp8 import dequantize_fp8_blocks, scale_shape
@@ -237,3 +241,231 @@ def read_all_file(path):
         return {n: r.read(n) for n in r.tensors}
     finally:
         r.close()
+
+
+def cli(capsys, *args):
+    """The converter's CLI entry point: (exit code, stderr). An uncaught exception (a raw
+    traceback on the command line) fails the test."""
+    rc = convert_main([*map(str, args), "--quiet"])
+    return rc, capsys.readouterr().err
+
+
+def tree(d):
+    return sorted(os.path.join(r, n) for r, dirs, files in os.walk(d) for n in dirs + files)
+
+
+def test_dst_that_would_delete_src_or_foreign_files_is_refused(release, tmp_path, capsys):
+    """DST = the parent of SRC, SRC itself through a symlinked parent, a directory inside SRC,
+    a symlink, or a non-empty directory this tool did not write: refused before any work,
+    nothing deleted; --force replaces only the last kind; a DST this tool wrote is replaced."""
+    models = tmp_path / "models"
+    shutil.copytree(release, models / "rel")
+    (models / "notes.txt").write_text("precious")
+    (tmp_path / "alias").symlink_to(tmp_path)
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "thesis.tex").write_text("precious")
+    (tmp_path / "link").symlink_to(tmp_path / "home")
+    before = tree(tmp_path)
+    src = models / "rel"
+    for dst, why in ((models, "contains the source"),
+                     (tmp_path / "alias" / "models" / "rel", "is the source"),
+                     (src / "sub", "lies inside the source"),
+                     (tmp_path / "link", "is a symlink"),
+                     (tmp_path / "home", "did not write .*--force")):
+        with pytest.raises(ValueError, match=why):
+            convert(str(src), str(dst), progress=False)
+        assert tree(tmp_path) == before, dst
+    rc, err = cli(capsys, src, models)
+    assert rc == 1 and err.startswith("error: ") and "contains the source" in err
+    rc, err = cli(capsys, src, tmp_path / "home")
+    assert rc == 1 and "--force" in err and (tmp_path / "home" / "thesis.tex").exists()
+    with pytest.raises(ValueError, match="contains the source"):  # --force never deletes SRC
+        convert(str(src), str(models), progress=False, force=True)
+    # A directory this tool wrote (it carries the marker) is replaced without --force.
+    convert(str(src), str(tmp_path / "out"), progress=False)
+    assert (tmp_path / "out" / OUTPUT_MARKER).is_file()
+    convert(str(src), str(tmp_path / "out"), progress=False)
+    assert cli(capsys, src, tmp_path / "home", "--force")[0] == 0
+    assert not (tmp_path / "home" / "thesis.tex").exists()
+    assert (tmp_path / "home" / INDEX_FILE).is_file()
+    assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n or ".old-" in n]
+
+
+def test_failed_publish_leaves_no_staged_copy(release, tmp_path, monkeypatch):
+    """publish() runs inside convert()'s cleanup: a DST that became a symlink while the
+    conversion ran fails the rename, and the complete staged copy is removed."""
+    dst = tmp_path / "dst"
+    module = sys.modules[convert.__module__]
+    real_write_index = module.write_index
+
+    def write_index_then_swap_dst(*args):
+        real_write_index(*args)
+        os.makedirs(tmp_path / "elsewhere")
+        os.symlink(tmp_path / "elsewhere", dst)
+
+    monkeypatch.setattr(module, "write_index", write_index_then_swap_dst)
+    with pytest.raises(OSError):
+        convert(str(release), str(dst), progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["dst", "elsewhere"]
+
+
+def _dead_pid() -> int:
+    p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                       capture_output=True, text=True, check=True)
+    return int(p.stdout)
+
+
+def test_crash_between_publish_renames_keeps_the_complete_copy(release, tmp_path):
+    """Without RENAME_EXCHANGE, publish is two renames; a writer SIGKILLed between them leaves
+    DST missing, the previous output in .dst.old-* and the new one in .dst.tmp-*. The next
+    writer restores the previous output before it cleans, even when its own run then fails."""
+    dst = tmp_path / "dst"
+    convert(str(release), str(dst), progress=False)
+    child = f"""
+import os, sys, time
+from sglang_dsv41.loader import atomic_dir
+atomic_dir._exchange = lambda a, b: False  # a filesystem without RENAME_EXCHANGE
+real = os.rename
+def slow(a, b):
+    real(a, b)
+    if '.old-' in b:
+        print('first rename done', flush=True)
+        time.sleep(60)
+os.rename = slow
+staged = atomic_dir.StagedDir({str(dst)!r})
+open(os.path.join(staged.path, 'new'), 'w').close()
+staged.publish()
+"""
+    p = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "first rename done"
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+    assert not dst.exists() and len(os.listdir(tmp_path)) == 2
+    with pytest.raises(ValueError, match="foreign"):
+        with atomic_dir.staged_output(str(dst)):
+            raise ValueError("foreign failure after the staged directory was made")
+    assert sorted(os.listdir(tmp_path)) == ["dst"] and (dst / INDEX_FILE).is_file()
+    assert not (dst / "new").exists()  # the previous output, as before the interrupted run
+    # No previous output, only a sealed staged copy (killed before its rename): restored.
+    shutil.rmtree(dst)
+    sealed = tmp_path / f".dst{atomic_dir.STAGING_TAG}{_dead_pid()}-0000"
+    sealed.mkdir()
+    (sealed / OUTPUT_MARKER).write_text("{}")
+    unsealed = tmp_path / f".dst{atomic_dir.STAGING_TAG}{_dead_pid()}-0001"
+    unsealed.mkdir()  # killed while writing: junk
+    assert atomic_dir.clean_stale_siblings(str(dst)) == [unsealed.name]
+    assert (dst / OUTPUT_MARKER).is_file() and sorted(os.listdir(tmp_path)) == ["dst"]
+
+
+def _rewrite(ckpt, name, fn):
+    """Replace tensor ``name`` in its shard by fn(tensor)."""
+    file = json.load(open(ckpt / INDEX_FILE))["weight_map"][name]
+    tensors = read_all_file(ckpt / file)
+    tensors[name] = fn(tensors[name])
+    save_file(tensors, str(ckpt / file))
+    return file
+
+
+@pytest.mark.parametrize("name,dtype,want", [
+    ("layers.1.engram.embed.weight", torch.bfloat16, "F8_E4M3"),
+    ("layers.1.engram.embed.scale", torch.float32, "F8_E8M0"),
+    ("layers.0.ffn.gate.tid2eid", torch.int64, "I32")])
+def test_copied_tensor_of_the_wrong_dtype_refused_before_writing(release, tmp_path, capsys,
+                                                                 name, dtype, want):
+    bad = tmp_path / "bad"
+    shutil.copytree(release, bad)
+    file = _rewrite(bad, name, lambda t: t.to(dtype))
+    with pytest.raises(ValueError, match=rf"tensor '{re.escape(name)}' in {file} has dtype "
+                                         rf"\w+, expected {want}"):
+        plan_conversion(str(bad))
+    rc, err = cli(capsys, bad, tmp_path / "out")
+    assert rc == 1 and want in err and not (tmp_path / "out").exists()
+    assert sorted(os.listdir(tmp_path)) == ["bad"]
+
+
+def test_tensor_in_two_shards_or_against_the_index_refused(release, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(release, bad)
+    index = json.load(open(bad / INDEX_FILE))["weight_map"]
+    name = next(n for n, f in index.items() if f.startswith("model-00001-") and
+                n.endswith("norm.weight"))
+    last = sorted(set(index.values()))[-1]
+    value = read_all_file(bad / index[name])[name]
+    tensors = read_all_file(bad / last)
+    save_file({**tensors, name: torch.full_like(value, 7)}, str(bad / last))
+    with pytest.raises(ValueError, match=rf"'{re.escape(name)}' is stored in two shards, "
+                                         rf"{index[name]} and {last}"):
+        convert(str(bad), str(tmp_path / "out"), progress=False)
+    # Only in another shard than the index says: refused, naming both.
+    first = read_all_file(bad / index[name])
+    save_file({n: t for n, t in first.items() if n != name}, str(bad / index[name]))
+    save_file({**tensors, name: value}, str(bad / last))
+    with pytest.raises(ValueError, match=rf"index assigns tensor '{re.escape(name)}' to "
+                                         rf"{index[name]}, but it is stored in {last}"):
+        plan_conversion(str(bad))
+    # A name that the index does not list is refused too (which copy is meant is unknown).
+    save_file(first, str(bad / index[name]))
+    save_file(tensors, str(bad / last))
+    other = sorted(set(index.values()))[1]
+    save_file({**read_all_file(bad / other), "layers.0.extra.weight": value}, str(bad / other))
+    with pytest.raises(ValueError, match=rf"{other} holds tensor 'layers\.0\.extra\.weight', "
+                                         "which the index does not list"):
+        plan_conversion(str(bad))
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_inputs_end_in_one_error_line(release, tmp_path, capsys):
+    """Each refused before any output is written, with `error: ...` and exit 1."""
+    cases = {}
+    q = tmp_path / "q"
+    shutil.copytree(release, q)
+    cfg = json.load(open(q / "config.json"))
+    json.dump({**cfg, "quantization_config": ["fp8"]}, open(q / "config.json", "w"))
+    cases[q] = "quantization_config must be an object, got list"
+    tok = tmp_path / "tok"
+    shutil.copytree(release, tok)
+    (tok / "tokenizer.json").mkdir()
+    cases[tok] = "tokenizer.json is a directory"
+    tok2 = tmp_path / "tok2"
+    shutil.copytree(release, tok2)
+    (tok2 / "tokenizer_config.json").symlink_to(tmp_path / "nonexistent")
+    cases[tok2] = "tokenizer_config.json is a dangling symlink"
+    ids = tmp_path / "ids"
+    shutil.copytree(release, ids)
+    n_experts = tiny_cfg().n_routed_experts
+    _rewrite(ids, "layers.0.ffn.gate.tid2eid", lambda t: t + n_experts)
+    cases[ids] = rf"tid2eid' .* holds expert ids {n_experts}\.\.\d+, outside \[0, {n_experts}\)"
+    for src, why in cases.items():
+        rc, err = cli(capsys, src, tmp_path / "out", "--verify")
+        assert rc == 1 and err.startswith("error: ") and re.search(why, err), (src, err)
+        assert not [n for n in os.listdir(tmp_path) if n.startswith((".out", "out"))], src
+    (tmp_path / "afile").write_text("x")
+    rc, err = cli(capsys, release, tmp_path / "afile" / "out")
+    assert rc == 1 and f"{tmp_path / 'afile'} is not a directory" in err
+
+
+def test_disk_full_is_one_error_naming_the_file(release, tmp_path):
+    """A write that fails (RLIMIT_FSIZE: EFBIG, as a full disk's ENOSPC) is reported once,
+    with the shard's path, and the staged copy is removed."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (500_000, 500_000))
+
+    p = subprocess.run([sys.executable, "-m", "sglang_dsv41.convert", str(release),
+                        str(tmp_path / "out"), "--quiet", "--max-shard-size", "100GB"],
+                       capture_output=True, text=True, timeout=120, preexec_fn=limit)
+    rc, err = p.returncode, p.stderr
+    assert rc == 1 and err.count("error: ") == 1 and "File too large" in err, err
+    assert "model-00001-of-00001.safetensors" in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_help_describes_the_tool_in_whole_sentences(capsys):
+    with pytest.raises(SystemExit):
+        convert_main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "to the text-only bf16 one SGLang 0.5.23 and our trainer load." in out
+    assert "--force" in out and "Exit status: 0 written, 1 refused or failed" in out

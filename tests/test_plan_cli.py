@@ -35,3 +35,13 @@ def test_plan_too_big_refused_with_reason(capsys):
                                   "256"]) == 1
     captured = capsys.readouterr()
     assert "PLAN REFUSED" in captured.out and "largest safe" in captured.err
+
+
+def test_non_finite_sizes_are_illegal_input(capsys):
+    """inf would overflow once turned into bytes (a raw OverflowError, exit 1 'does not fit'),
+    nan would fail a comparison with a wrong reason: both exit 2, naming the flag."""
+    for flag in ("--kv-gib-per-gpu", "--host-gib-per-node", "--base-gib-per-rank"):
+        for value in ("inf", "nan"):
+            assert main([flag, value]) == 2, (flag, value)
+            err = capsys.readouterr().err
+            assert f"{flag} must be a finite number" in err, err

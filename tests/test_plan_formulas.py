@@ -119,3 +119,16 @@ def test_two_node_plan_budget_by_hand():
     safe = tight.largest_safe_max_total_tokens
     budget = (256 * GIB - tight.budget.engram - tight.budget.base) // 8
     assert mmap_bytes((safe + 16) * 960) <= budget < mmap_bytes((safe + 32) * 960)
+
+
+def test_default_kv_size_is_the_formula_it_prints():
+    """One K=V latent head per layer (K and V are one tensor, stored once), replicated over
+    attention TP: layers x kv_heads x head_dim x dtype bytes, the same at every TP size, and
+    the printed formula says exactly that (no factor 2, no per-rank split)."""
+    for tp in (8, 4):
+        res = make_plan(PlanInput(model="v41-flash", nnodes=2, tp=tp, dp=16 // tp, ep=16))
+        want = FLASH.num_hidden_layers * FLASH.num_key_value_heads * FLASH.head_dim * 2
+        assert res.kv_bytes_per_token == want == 40 * 1 * 512 * 2
+        assert "layers x kv_heads x head_dim x 2 B" in res.kv_bytes_per_token_source
+        assert "2 x" not in res.kv_bytes_per_token_source
+        assert "per_rank" not in res.kv_bytes_per_token_source

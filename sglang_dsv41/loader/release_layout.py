@@ -26,7 +26,8 @@ from ..jsonio import read_json_object
 from ..model.dsv4.config import DSV4Config
 from .fp4 import FP4_PACKED_DTYPE, fp4_logical_shape, fp4_scale_shape
 from .fp8 import FP8_DTYPE, scale_shape
-from .shards import checkpoint_files, shard_headers, tensor_nbytes
+from .shards import (DTYPE_NAMES, RawShardReader, checkpoint_files, shard_headers,
+                     tensor_nbytes)
 
 RELEASE_SCALE_SUFFIX = ".scale"
 DROP_PREFIXES = ("vision.", "aligner.", "image_", "mtp.")
@@ -37,6 +38,11 @@ VISION_KEYS = ("vision_n_layers", "vision_dim", "vision_n_heads", "vision_inter_
                "vision_patch_size", "vision_rope_theta", "vision_downsample_ratio",
                "vision_max_n_token", "vision_min_pixels", "vision_max_wh_ratio")
 DRAFT_KEY_PREFIXES = ("dspark_", "mtp_", "draft_")
+# Tensors copied byte for byte and the only dtype each may have (SGLang 0.5.23 loads them as
+# stored and our loader refuses anything else): a wrong one must be refused before conversion,
+# since nothing converts it and the published checkpoint would not load.
+COPY_DTYPES = ((".engram.embed.weight", torch.float8_e4m3fn),
+               (".engram.embed.scale", torch.float8_e8m0fnu), (".gate.tid2eid", torch.int32))
 TOKENIZER_FILE_PATTERN = re.compile(
     r"^(tokenizer.*|special_tokens_map\.json|generation_config\.json|chat_template.*)$")
 
@@ -101,6 +107,9 @@ def quant_block(release: dict) -> tuple[tuple[int, int] | None, str]:
         "quantization_config")
     if q is None:
         return None, "bf16"
+    if not isinstance(q, dict):
+        raise ValueError(f"release config.json: quantization_config must be an object, got "
+                         f"{type(q).__name__} {q!r}")
     if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3":
         raise ValueError(f"unsupported quantization_config {q}: only fp8 e4m3 block scales")
     block = q.get("weight_block_size")
@@ -150,6 +159,11 @@ def _entry(name: str, file: str, dtype: torch.dtype, shape: list[int], tensors: 
            block: tuple[int, int] | None) -> PlanEntry:
     where = f"tensor {name!r} in {file}"
     if COPY_PATTERN.search(name):
+        want = next(dt for suffix, dt in COPY_DTYPES if name.endswith(suffix))
+        if dtype != want:
+            raise ValueError(f"{where} has dtype {DTYPE_NAMES.get(dtype, dtype)}, expected "
+                             f"{DTYPE_NAMES[want]} (it is copied byte for byte, never "
+                             "converted)")
         return PlanEntry(name, file, dtype, shape, "copy")
     scale = name[: -len(".weight")] + RELEASE_SCALE_SUFFIX if name.endswith(".weight") else None
     if scale in tensors:
@@ -175,23 +189,76 @@ def _entry(name: str, file: str, dtype: torch.dtype, shape: list[int], tensors: 
     return PlanEntry(name, file, dtype, shape, kind)
 
 
+def tokenizer_files(src: str) -> list[str]:
+    """The tokenizer files to copy, each checked to be a readable regular file (a directory or
+    a dangling symlink would otherwise fail only after every shard was written)."""
+    names = sorted(f for f in os.listdir(src) if TOKENIZER_FILE_PATTERN.match(f))
+    for name in names:
+        path = os.path.join(src, name)
+        if not os.path.isfile(path):
+            what = ("a dangling symlink" if os.path.islink(path) and not os.path.exists(path)
+                    else "a directory" if os.path.isdir(path) else "not a regular file")
+            raise ValueError(f"tokenizer file {path} is {what}")
+        if not os.access(path, os.R_OK):
+            raise ValueError(f"tokenizer file {path} is not readable")
+    return names
+
+
+def read_tensor_locations(src: str) -> dict[str, tuple[str, torch.dtype, list[int]]]:
+    """name -> (shard file, dtype, shape) from every shard header. A name stored in two shards,
+    or in a shard other than the one the index names (or missing from the index), is refused:
+    which copy is meant cannot be guessed."""
+    files = checkpoint_files(src)
+    index = {n: f for f, names in files.items() for n in names or []}
+    tensors: dict[str, tuple[str, torch.dtype, list[int]]] = {}
+    for file in files:
+        path = os.path.join(src, file)
+        for n, (dt, shape) in shard_headers(path).items():
+            if n in tensors:
+                named = f" (the index names {index[n]})" if n in index else ""
+                raise ValueError(f"tensor {n!r} is stored in two shards, {tensors[n][0]} and "
+                                 f"{file}{named}")
+            if index and n not in index:
+                raise ValueError(f"checkpoint shard {path} holds tensor {n!r}, which the index "
+                                 "does not list")
+            tensors[n] = (file, dt, shape)
+    for n, file in index.items():
+        if n not in tensors:
+            raise ValueError(f"checkpoint shard {os.path.join(src, file)} lacks tensor {n!r} "
+                             "that the index assigns to it")
+        if tensors[n][0] != file:
+            raise ValueError(f"the checkpoint index assigns tensor {n!r} to {file}, but it is "
+                             f"stored in {tensors[n][0]}")
+    return tensors
+
+
+def check_tid2eid(src: str, e: PlanEntry, n_routed_experts: int) -> None:
+    """Every expert id of a hash-routed layer's tid2eid within [0, n_routed_experts): an id
+    outside would index past the experts when the layer runs (a few MiB: read whole)."""
+    reader = RawShardReader(os.path.join(src, e.src_file))
+    try:
+        ids = reader.read(e.name)
+    finally:
+        reader.close()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n_routed_experts):
+        raise ValueError(f"tensor {e.name!r} in {e.src_file} holds expert ids "
+                         f"{int(ids.min())}..{int(ids.max())}, outside [0, {n_routed_experts})"
+                         f" (n_routed_experts {n_routed_experts})")
+
+
 def plan_conversion(src: str) -> ConversionPlan:
-    """Read every header, classify every tensor and check the text tensors against the
-    config's inventory (plan/shapes.py) before a single byte is written."""
+    """Read every header, classify every tensor (Engram tables and tid2eid must have their
+    checkpoint dtypes, tid2eid its ids within the experts) and check the text tensors against
+    the config's inventory (plan/shapes.py), and the tokenizer files, before a single byte is
+    written. Only the small tid2eid tables are read beyond the headers."""
     from ..plan.shapes import text_tensor_specs
 
     release = read_json_object(os.path.join(src, "config.json"), "config")
     config = text_config_from_release(release)
     cfg = DSV4Config.from_dict(config)
     block, _ = quant_block(release)
-    tensors: dict[str, tuple[str, torch.dtype, list[int]]] = {}
-    for file, index_names in checkpoint_files(src).items():
-        headers = shard_headers(os.path.join(src, file))
-        for n in index_names or []:
-            if n not in headers:
-                raise ValueError(f"checkpoint shard {os.path.join(src, file)} lacks tensor "
-                                 f"{n!r} that the index assigns to it")
-        tensors.update({n: (file, dt, shape) for n, (dt, shape) in headers.items()})
+    tok = tokenizer_files(src)
+    tensors = read_tensor_locations(src)
     expected = text_tensor_specs(cfg)
     entries, dropped = [], 0
     for name, (file, dtype, shape) in tensors.items():
@@ -215,7 +282,9 @@ def plan_conversion(src: str) -> ConversionPlan:
     if missing:
         raise ValueError(f"the release checkpoint lacks text tensor {missing[0]!r} "
                          f"({len(missing)} missing)")
+    for e in entries:
+        if e.name.endswith(".gate.tid2eid"):
+            check_tid2eid(src, e, cfg.n_routed_experts)
     order = {n: i for i, n in enumerate(expected)}
     entries.sort(key=lambda e: (e.src_file, order[e.name]))
-    tok = sorted(f for f in os.listdir(src) if TOKENIZER_FILE_PATTERN.match(f))
     return ConversionPlan(src, config, block, entries, dropped, tok)

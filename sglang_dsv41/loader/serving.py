@@ -21,13 +21,14 @@ import logging
 import os
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError
 
 from ..jsonio import read_json_object
 from ..model.dsv4.config import CONFIG_FILE, V4, DSV4Config
 from ..model.dsv4.model import DSV4ForCausalLM, init_weights
 from ..model.dsv4.presets import PRESETS, get_preset
 from .dummy import DUMMY_SEED, dummy_init_, is_engram_table
+from .shards import open_shard
 
 logger = logging.getLogger("sglang_dsv41.loader")
 LAYOUTS = ("preset", "flat", "transformers")
@@ -122,20 +123,32 @@ def has_tokenizer(model_path: str) -> bool:
 
 
 def read_checkpoint(model_path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of every ``*.safetensors`` file; errors name the file (a corrupt shard) or
+    both files (a tensor stored twice: which copy is meant cannot be guessed)."""
     files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors in {model_path}")
     tensors: dict[str, torch.Tensor] = {}
+    where: dict[str, str] = {}
     for path in files:
-        with safe_open(path, "pt") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
+        try:
+            with open_shard(path) as f:
+                for name in f.keys():
+                    if name in tensors:
+                        raise ValueError(f"tensor {name!r} is stored in two shards, "
+                                         f"{where[name]} and {path}")
+                    tensors[name], where[name] = f.get_tensor(name), path
+        except SafetensorError as e:  # a tensor's bytes past a truncated end, ...
+            raise ValueError(f"corrupt checkpoint shard {path}: {e}") from e
     return tensors
 
 
 def read_transformers_checkpoint(model_path: str) -> dict[str, torch.Tensor]:
     """transformers reads its own directory (its save_pretrained renames on the way out, and
     reverses them on the way in); its state dict then maps to our names."""
+    from .torchvision_shim import install_torchvision_shim
+
+    install_torchvision_shim()  # transformers' DeepseekV4 import reaches torchvision
     from transformers import DeepseekV4ForCausalLM
 
     from ..model.dsv4.names import from_transformers

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Iterable
+from contextlib import contextmanager
+from typing import Iterable, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -62,9 +63,25 @@ class StreamingShardWriter:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, like safetensors' own writer
         self.path, self.data_bytes = path, offset
-        self._f = open(path, "wb")
-        self._f.write(struct.pack("<Q", len(raw)) + raw)
+        with self._naming_path():
+            self._f = open(path, "wb")
+            try:
+                self._f.write(struct.pack("<Q", len(raw)) + raw)
+            except BaseException:
+                self.abort()
+                raise
         self._next, self._written = 0, 0
+
+    @contextmanager
+    def _naming_path(self) -> Iterator[None]:
+        """Re-raise a write error (disk full, file too large) with the shard's path: the
+        errno alone does not say which file or filesystem."""
+        try:
+            yield
+        except OSError as e:
+            if e.filename is not None:
+                raise
+            raise OSError(e.errno, e.strerror or str(e), self.path) from e
 
     def write(self, name: str, chunk: torch.Tensor) -> None:
         """Append ``chunk`` (the whole tensor or its next rows) to tensor ``name``."""
@@ -77,22 +94,33 @@ class StreamingShardWriter:
         data = chunk.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
         if self._written + data.nbytes > size:
             raise ValueError(f"{self.path}: tensor {name!r} got more bytes than its shape holds")
-        self._f.write(memoryview(data))
+        with self._naming_path():
+            self._f.write(memoryview(data))
         self._written += data.nbytes
         if self._written == size:
             self._next, self._written = self._next + 1, 0
 
     def close(self) -> None:
         if self._next != len(self._order):
-            self._f.close()
+            self.abort()
             missing = self._order[self._next][0]
             raise ValueError(f"{self.path}: closed before tensor {missing!r} was complete")
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
+        with self._naming_path():
+            try:
+                self._f.flush()
+                os.fsync(self._f.fileno())
+            except BaseException:
+                self.abort()
+                raise
+            self._f.close()
 
     def abort(self) -> None:
-        self._f.close()
+        """Close after a failure. The shard is incomplete anyway: flushing its buffer may fail
+        again (the disk that just filled up), and that must not replace the first error."""
+        try:
+            self._f.close()
+        except OSError:
+            pass
 
     def __enter__(self) -> "StreamingShardWriter":
         return self

@@ -50,8 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-gib-per-gpu", type=float, default=d.kv_gib_per_gpu,
                    help="GPU memory given to the KV cache (default: %(default)s)")
     p.add_argument("--kv-bytes-per-token", type=int, default=d.kv_bytes_per_token,
-                   help="KV bytes per token per GPU (default: plain GQA size from the config; "
-                        "give the real figure for compressed/MLA caches)")
+                   help="KV bytes per token per GPU (default: an upper bound from the config, "
+                        "one K=V latent per token and layer; give the real figure for SGLang's "
+                        "compressed fp8 cache)")
     p.add_argument("--kv-dtype-bytes", type=int, default=d.kv_dtype_bytes)
     p.add_argument("--page-size", type=int, default=d.page_size)
     p.add_argument("--host-gib-per-node", type=float, default=d.host_gib_per_node)

@@ -9,6 +9,7 @@ result still carries the largest max_total_tokens that would fit.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 from ..model.dsv4.config import DSV4Config
@@ -37,7 +38,7 @@ class PlanInput:
     ep: int | None = None  # None: tp x dp (experts over every rank of a stage)
     pp: int = 1
     kv_gib_per_gpu: float = 20.0
-    kv_bytes_per_token: int | None = None  # None: plain GQA size from the config
+    kv_bytes_per_token: int | None = None  # None: memory.kv_bytes_per_token (an upper bound)
     kv_dtype_bytes: int = 2
     page_size: int = 16
     host_gib_per_node: float = 2048.0
@@ -57,6 +58,11 @@ class PlanInput:
         for name in ("nnodes", "gpus_per_node", "tp", "dp", "pp", "kv_dtype_bytes", "page_size"):
             need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1")
         need(self.ep is None or self.ep >= 1, "--ep must be >= 1")
+        # inf/nan would pass the comparisons below (or fail them with a misleading reason) and
+        # then overflow when turned into bytes: refused as illegal input.
+        for name in ("kv_gib_per_gpu", "host_gib_per_node", "base_gib_per_rank"):
+            need(math.isfinite(getattr(self, name)),
+                 f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
         need(self.kv_gib_per_gpu > 0, "--kv-gib-per-gpu must be > 0")
         need(self.kv_bytes_per_token is None or self.kv_bytes_per_token >= 1,
              "--kv-bytes-per-token must be >= 1")
@@ -147,9 +153,12 @@ def make_plan(inp: PlanInput, cfg: DSV4Config | None = None) -> PlanResult:
         kv_bpt, kv_source = inp.kv_bytes_per_token, "given (--kv-bytes-per-token)"
     else:
         kv_bpt = kv_bytes_per_token(cfg, inp.kv_dtype_bytes, layout.tp)
-        kv_source = ("plain GQA size from the config (2 x kv_heads_per_rank x head_dim x "
-                     f"{inp.kv_dtype_bytes} B x layers); compressed/MLA caches are smaller: "
-                     "pass --kv-bytes-per-token")
+        # What kv_bytes_per_token computes: one K=V latent head (K and V are the same tensor,
+        # stored once), replicated over attention TP (not split), every token on every layer.
+        kv_source = ("upper bound from the config: layers x kv_heads x head_dim x "
+                     f"{inp.kv_dtype_bytes} B, one K=V latent per token and layer, not split "
+                     "over attention TP; SGLang's compressed fp8 cache is smaller: pass "
+                     "--kv-bytes-per-token")
     requested = kv_tokens_for_budget(int(inp.kv_gib_per_gpu * GIB), kv_bpt, page)
     if requested < MIN_PAGES * page:
         raise PlanError(f"--kv-gib-per-gpu {inp.kv_gib_per_gpu} holds {requested} tokens at "

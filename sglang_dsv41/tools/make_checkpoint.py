@@ -2,6 +2,7 @@
 transformers' DeepseekV4 layout.
 
     python -m sglang_dsv41.tools.make_checkpoint OUT --preset tiny --layout release|bf16|hf
+        [--force]
 
 The weights are the real model's (sglang_dsv41.model.dsv4.model: DSV4ForCausalLM + init_weights,
 built with bf16 as the default dtype), stored in checkpoint dtypes (plan/shapes.checkpoint_dtype).
@@ -12,6 +13,10 @@ SGLang renames its ``.scale`` to weight_scale_inv), FP4 (or FP8) experts, ``gate
 several shards; the Engram table's ``embed.scale`` is the table's own e8m0 scale, kept as is.
 ``hf`` (V4 presets only) is written by transformers: DeepseekV4ForCausalLM takes our tensors
 through names.to_transformers and save_pretrained writes them.
+
+OUT is written atomically (loader/atomic_dir.py); an existing non-empty OUT is replaced only if
+this tool or the converter wrote it (it holds .sglang_dsv41_output), or with --force. Exit
+status: 0 written, 1 refused or failed (error: ..., OUT left as it was), 2 bad arguments.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import sys
 
 import torch
 
-from ..loader.atomic_dir import staged_output
+from ..loader.atomic_dir import check_output_dir, os_error_text, staged_output
 from ..loader.fp4 import quantize_fp4
 from ..loader.fp8 import quantize_fp8_blocks
 from ..loader.release_layout import RELEASE_SCALE_SUFFIX
@@ -33,6 +38,8 @@ from ..model.dsv4.presets import get_preset
 from ..plan.shapes import checkpoint_dtype
 
 LAYOUTS = ("release", "bf16", "hf")
+# --help: the docstring's first paragraph (what it writes) and its last (OUT, exit status).
+DESCRIPTION = " ".join(__doc__.split("\n\n")[0].split() + __doc__.split("\n\n")[-1].split())
 V41_BLOCK = [32, 32]  # V4.1-Flash's weight_block_size (the converter reads it from the config)
 # FP8 block-quantized in the release (SGLang maps their ".scale" to weight_scale_inv); the
 # compressor/indexer-compressor projections, weights_proj, norms and the Engram table are not.
@@ -125,6 +132,9 @@ def write_hf(out_dir: str, cfg: DSV4Config, text: dict[str, torch.Tensor],
              num_shards: int) -> None:
     """transformers' own DeepseekV4 checkpoint of ``text``: the model takes our tensors as they
     are (assign: bf16 matrices, fp32 sinks/mHC/ape/bias) and save_pretrained writes them."""
+    from ..loader.torchvision_shim import install_torchvision_shim
+
+    install_torchvision_shim()  # transformers' DeepseekV4 import reaches torchvision
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
     from ..model.dsv4.names import to_transformers
@@ -147,14 +157,17 @@ def to_transformers_config(cfg: DSV4Config) -> dict:
 
 def make_checkpoint(out_dir: str, cfg: DSV4Config, layout: str = "release", seed: int = 0,
                     num_shards: int = 4, block: list[int] | None = None,
-                    expert_dtype: str = "fp4") -> str:
+                    expert_dtype: str = "fp4", force: bool = False) -> str:
+    """Write the checkpoint to ``out_dir`` atomically; an existing ``out_dir`` that this tool
+    did not write is replaced only with ``force``."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    check_output_dir(out_dir, force=force)  # refuse before building anything
     if layout == "hf":
         to_transformers_config(cfg)  # refuse V4.1 before building anything
     text = random_text_tensors(cfg, seed)
     if layout == "hf":
-        with staged_output(out_dir) as tmp:
+        with staged_output(out_dir, force=force) as tmp:
             write_hf(tmp, cfg, text, num_shards)
         return out_dir
     if layout == "release":
@@ -166,26 +179,32 @@ def make_checkpoint(out_dir: str, cfg: DSV4Config, layout: str = "release", seed
 
         tensors = text
         config = text_config_from_release(release_config(cfg, V41_BLOCK, expert_dtype))
-    with staged_output(out_dir) as tmp:
+    with staged_output(out_dir, force=force) as tmp:
         write_tensors(tmp, tensors, config, num_shards)
     return out_dir
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sglang_dsv41.tools.make_checkpoint",
-                                description=__doc__.splitlines()[0])
-    p.add_argument("out")
+                                description=DESCRIPTION)
+    p.add_argument("out", help="output directory (written atomically)")
     p.add_argument("--preset", default="tiny")
     p.add_argument("--layout", choices=LAYOUTS, default="release")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-shards", type=int, default=4)
     p.add_argument("--expert-dtype", choices=("fp4", "fp8"), default="fp4")
+    p.add_argument("--force", action="store_true",
+                   help="replace OUT even if it is a non-empty directory this tool did not "
+                   "write (everything in it is deleted)")
     args = p.parse_args(argv)
     try:
         make_checkpoint(args.out, get_preset(args.preset), args.layout, args.seed,
-                        args.num_shards, expert_dtype=args.expert_dtype)
+                        args.num_shards, expert_dtype=args.expert_dtype, force=args.force)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a filesystem problem (disk full, permissions): one line, the path
+        print(f"error: {os_error_text(e)}", file=sys.stderr)
         return 1
     print(f"wrote {args.out} ({args.layout}, {INDEX_FILE})")
     return 0
