@@ -6,6 +6,8 @@ the number of ready blocks). The kernel runs under TRITON_INTERPRET=1 (or on CUD
 """
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -83,3 +85,15 @@ def test_registered_kernel_matches_eager(monkeypatch):
 def test_selection_from_mask_lists_allowed_columns():
     allowed = torch.tensor([[[True, False, True], [False, False, False]]])
     assert backend.selection_from_mask(allowed).tolist() == [[[0, 2], [-1, -1]]]
+
+
+def test_registration_needs_no_test_shim():
+    """On the README's CPU install transformers' imports reach a torchvision whose operators
+    cannot load (tests/conftest.py hides that): the registration installs the package's shim
+    itself. A fresh interpreter, without the conftest's."""
+    code = ("from sglang_dsv41.attention import register_transformers_attention\n"
+            "print(register_transformers_attention())\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       cwd=root)
+    assert p.returncode == 0 and p.stdout.split() == ["sglang_dsv41_dsv4"], p.stderr[-3000:]
