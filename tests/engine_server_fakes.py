@@ -14,6 +14,7 @@ import threading
 import time
 
 import numpy as np
+import uvicorn
 
 from sglang_dsv41.engine.messages import (AbortReq, ControlOut, ControlReq, GenerateOut,
                                           GenerateReq, RankStats, ShutdownReq)
@@ -92,3 +93,15 @@ async def poll_until(fetch, done, timeout: float = 30.0):
         assert time.monotonic() < deadline, getattr(result, "text", result)
         await asyncio.sleep(0.02)
     return result
+
+
+def serve(app, log_level: str = "critical") -> tuple[uvicorn.Server, str]:
+    """``app`` on a real loopback HTTP server in a thread -> (the server, its base URL)."""
+    from sglang_dsv41.ports import free_port
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(),
+                                           log_level=log_level))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.02)
+    return server, f"http://127.0.0.1:{server.config.port}"

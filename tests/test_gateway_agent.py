@@ -6,17 +6,14 @@ has learnt to call tools."""
 
 from __future__ import annotations
 
-import threading
-import time
 
 import pytest
-import uvicorn
+from engine_server_fakes import serve
 from fastapi import FastAPI, Request
 
 from sglang_dsv41.gateway.__main__ import build_gateway
 from sglang_dsv41.gateway.app import create_gateway_app
 from sglang_dsv41.model.dsv4 import get_preset
-from sglang_dsv41.ports import free_port
 from sglang_dsv41.tokenizer import ByteTokenizer
 from trainer_bridge.envs.agent_shell import TASKS, ShellAgentEpisode
 
@@ -51,15 +48,6 @@ def scripted_engine() -> FastAPI:
         return {"context_length": 8192}
 
     return app
-
-
-def serve(app) -> tuple[uvicorn.Server, str]:
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(),
-                                           log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.02)
-    return server, f"http://127.0.0.1:{server.config.port}"
 
 
 def test_agent_episode_calls_a_tool_and_answers_through_the_gateway():

@@ -20,7 +20,7 @@ import httpx
 import orjson
 import pytest
 import uvicorn
-from engine_server_fakes import QueueDrainer
+from engine_server_fakes import QueueDrainer, serve
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -31,7 +31,6 @@ from sglang_dsv41.engine.request_limits import RequestLimits
 from sglang_dsv41.gateway.__main__ import build_gateway, load_tokenizer
 from sglang_dsv41.gateway.app import Gateway, create_gateway_app
 from sglang_dsv41.model.dsv4 import get_preset
-from sglang_dsv41.ports import free_port
 from sglang_dsv41.router.smg import SMGSessionRouter
 from sglang_dsv41.router.sticky import StickyRouter
 from sglang_dsv41.server_args import ServerArgs
@@ -40,15 +39,6 @@ from sglang_dsv41.tokenizer import ByteTokenizer
 pytestmark = [pytest.mark.timeout(120)]
 HI = [{"role": "user", "content": "hi"}]
 TOK = ByteTokenizer.from_config(get_preset("tiny"))
-
-
-def serve(app) -> tuple[uvicorn.Server, str]:
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(),
-                                           log_level="critical"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.02)
-    return server, f"http://127.0.0.1:{server.config.port}"
 
 
 @pytest.fixture
