@@ -156,12 +156,15 @@ def test_resume_continues_exactly(tmp_path, offline_rollouts):
 
 def crash_worker(out_dir: str, rollouts: str, queue) -> None:
     torch.set_num_threads(1)
+    import errno
+
     import trainer_bridge.checkpoint as ckpt
     from trainer_bridge.config import load_config
     from trainer_bridge.trainer import Trainer
 
     base = ["rollout.source=offline", f"rollout.offline_path={rollouts}", "steps=3",
             "checkpoint_every=2", f"out_dir={out_dir}", "plots=false", "tensorboard=false"]
+    root = os.path.join(out_dir, "checkpoints")
     try:
         trainer = Trainer(load_config("tiny", None, base))
         for step in range(2):
@@ -170,33 +173,101 @@ def crash_worker(out_dir: str, rollouts: str, queue) -> None:
         trainer.save()
         trainer.train_step(2)
         trainer.step = 3
+        # another trainer's save in progress: never touched by this one
+        foreign = os.path.join(root, ".step-000003.tmp")
+        os.makedirs(foreign)
         real_save = torch.save
 
         def dying_save(obj, path, *a, **kw):
             if str(path).endswith("trainer_state.pt"):
-                raise OSError("disk died mid-save")
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
             return real_save(obj, path, *a, **kw)
 
         ckpt.torch.save = dying_save
+        message = ""
         try:
             trainer.save()
-        except OSError:
-            pass
+        except ckpt.CheckpointSaveError as e:
+            message = str(e)
         ckpt.torch.save = real_save
-        latest = ckpt.latest_checkpoint(os.path.join(out_dir, "checkpoints"))
-        tmp_left = os.path.isdir(os.path.join(out_dir, "checkpoints", ".step-000003.tmp"))
+        latest = ckpt.latest_checkpoint(root)
+        left = sorted(n for n in os.listdir(root) if n.endswith(".tmp"))
         state = ckpt.load_checkpoint(latest, trainer.policy.model, trainer.optimizer, 0)
-        queue.put((os.path.basename(latest), tmp_left, state["step"]))
+        # another world size is refused before anything is loaded
+        try:
+            ckpt.load_checkpoint(latest, trainer.policy.model, trainer.optimizer, 0, 2)
+            world = "loaded"
+        except ckpt.CheckpointLoadError as e:
+            world = str(e)
+        # a torn shard of the newest checkpoint: named, with the older one to resume from
+        trainer.save()
+        shard = os.path.join(root, "step-000003", "__0_0.distcp")
+        with open(shard, "r+b") as f:
+            f.truncate(os.path.getsize(shard) // 2)
+        try:
+            ckpt.load_checkpoint(ckpt.latest_checkpoint(root), trainer.policy.model,
+                                 trainer.optimizer, 0)
+            corrupt = "loaded"
+        except ckpt.CheckpointLoadError as e:
+            corrupt = str(e)
+        queue.put((os.path.basename(latest), left, state["step"], message, world, corrupt))
         trainer.close()
     except Exception:
         import traceback
 
-        queue.put(("error", traceback.format_exc(), None))
+        queue.put(("error", traceback.format_exc(), None, None, None, None))
 
 
-def test_crash_during_save_keeps_previous_checkpoint(tmp_path, offline_rollouts):
-    [(latest, tmp_left, step)] = run_spawned(
-        crash_worker, [(str(tmp_path / "run"), offline_rollouts)], timeout=150)
-    assert latest != "error", tmp_left
+def test_failed_save_cleans_up_and_keeps_previous_checkpoint(tmp_path, offline_rollouts):
+    run = str(tmp_path / "run")
+    [(latest, left, step, message, world, corrupt)] = run_spawned(
+        crash_worker, [(run, offline_rollouts)], timeout=150)
+    assert latest != "error", left
     assert latest == "step-000002" and step == 2
-    assert tmp_left, "the interrupted save should have left only its .tmp directory"
+    # the failed save removed its own temporary directory, not the other trainer's
+    assert left == [".step-000003.tmp"], left
+    assert "No space left on device" in message and os.path.join(run, "checkpoints") in message
+    assert "saved by 1 rank(s), this run has 2" in world
+    older = os.path.join(run, "checkpoints", "step-000002")
+    assert "__*.distcp" in corrupt and f"--resume-from {older}" in corrupt, corrupt
+
+
+def test_resumed_metrics_follow_the_checkpoint_and_dry_run_writes_elsewhere(
+        tmp_path, offline_rollouts):
+    """A run killed after logging step 2 (and mid-row of step 3) with its step-2 checkpoint
+    latest: the resume keeps rows 0-1, drops the torn line and logs step 2 again, exactly."""
+    out = str(tmp_path / "run")
+    args = [sys.executable, "-m", "trainer_bridge.train", "--preset", "tiny",
+            "rollout.source=offline", f"rollout.offline_path={offline_rollouts}", "steps=3",
+            "checkpoint_every=2", f"out_dir={out}", "plots=false", "tensorboard=false"]
+    env = dict(os.environ, **CANONICAL_CPU_NUMERICS)
+
+    def train(*extra):
+        p = subprocess.run(args + list(extra), env=env, capture_output=True, text=True,
+                           timeout=150)
+        assert "Traceback" not in p.stderr, p.stderr[-3000:]
+        return p
+
+    assert train().returncode == 0
+    first = {r["step"]: r for r in map(json.loads, open(os.path.join(out, "metrics.jsonl")))}
+    assert sorted(first) == [0, 1, 2]
+    ckpts = os.path.join(out, "checkpoints")
+    shutil.rmtree(os.path.join(ckpts, "step-000003"))      # killed before the last save
+    with open(os.path.join(ckpts, "latest"), "w") as f:
+        f.write("step-000002\n")
+    with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 3, "loss": 0.1')                # and mid-row
+    p = train()
+    assert p.returncode == 2 and "holds a previous run" in p.stderr
+    assert train("--resume").returncode == 0
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[2]["loss"] == first[2]["loss"] and rows[0] == first[0]
+    p = train("--resume")
+    assert p.returncode == 0 and "nothing to train" in p.stdout
+    before = open(os.path.join(out, "metrics.jsonl")).read()
+    p = train("--dry-run")
+    assert p.returncode in (0, 1), p.stderr[-3000:]
+    assert open(os.path.join(out, "metrics.jsonl")).read() == before
+    dry = [json.loads(line) for line in open(os.path.join(out, "dry_run", "metrics.jsonl"))]
+    assert [r["step"] for r in dry] == [0, 1, 2]

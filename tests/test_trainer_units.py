@@ -229,8 +229,9 @@ def test_accumulate_unsharded_override_values():
 
 
 def test_lm_head_gemm_values_and_what_auto_means():
-    """model.lm_head_gemm: auto is tf32x3-logits on CUDA (TF32 tensor cores), ieee on a CPU; anything
-    else is refused at load (build_policy hands it to the head: test_trainer_compute_copies)."""
+    """model.lm_head_gemm: auto is tf32x3-logits on CUDA (TF32 tensor cores), ieee on a CPU;
+    anything else is refused at load (build_policy hands it to the head:
+    test_trainer_compute_copies)."""
     from trainer_bridge.config import load_config
     from trainer_bridge.policy import lm_head_gemm_for
 
@@ -273,3 +274,106 @@ def test_the_policy_forwards_before_the_update_only_where_a_step_needs_it(
     trainer.on_policy = lambda: Trainer.on_policy(trainer)
     mb = SimpleNamespace(routing={0: None} if routing else None)
     assert Trainer.needs_reference_forward(trainer, mb) is expected
+
+
+@pytest.mark.parametrize("override,key", [
+    ("optim.lr=0", "optim.lr"), ("optim.lr=-0.1", "optim.lr"), ("optim.lr=.inf", "optim.lr"),
+    ("optim.sink_lr=-1", "optim.sink_lr"), ("optim.warmup_steps=-3", "optim.warmup_steps"),
+    ("optim.max_grad_norm=0", "optim.max_grad_norm"),
+    ("optim.max_grad_norm=-1", "optim.max_grad_norm"),
+    ("optim.weight_decay=-0.1", "optim.weight_decay"), ("optim.betas=[1.5,0.9]", "optim.betas"),
+    ("optim.betas=[0.9,1.0]", "optim.betas"), ("loss.clip_eps=-0.2", "loss.clip_eps"),
+    ("loss.clip_eps_high=0.1", "loss.clip_eps_high"), ("loss.kl_coef=-1", "loss.kl_coef"),
+    ("seed=-1", "seed"), ("loss.mini_batches=100", "loss.mini_batches"),
+    ("rollout.temperature=0", "rollout.temperature"),
+    ("rollout.temperature=-1", "rollout.temperature"),
+    # cross-field checks, before any server or model
+    ("rollout.env=chess", "rollout.env"), ("rollout.env_args={nope: 1}", "rollout.env_args"),
+    ("rollout.server_urls=[]", "rollout.server_urls"),
+])
+def test_config_refuses_out_of_range_values_naming_the_key(override, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        load_config("tiny", None, [override])
+
+
+def test_config_cross_field_and_yaml_file_errors(tmp_path):
+    with pytest.raises(ValueError, match="one_rank=copies.*optimizer_offload=chunked"):
+        load_config("tiny", None, ["optim.optimizer_offload=chunked", "model.one_rank=copies"])
+    for text, msg in [("optim: {lr: [1,\n", "not valid YAML"), ("steps: 3\nsteps: 4\n",
+                      "not valid YAML"), ("- 1\n- 2\n", "top level must be a mapping")]:
+        f = tmp_path / "c.yaml"
+        f.write_text(text)
+        with pytest.raises(ValueError, match=msg):
+            load_config("tiny", str(f), [])
+    # still accepted: no clipping, sink_lr = lr, an offline source ignores env
+    cfg = load_config("tiny", None, ["optim.max_grad_norm=.inf", "optim.sink_lr=null",
+                                     "rollout.source=offline", "rollout.offline_path=x",
+                                     "rollout.env=chess"])
+    assert cfg.optim.sink_lr is None and math.isinf(cfg.optim.max_grad_norm)
+
+
+def test_telemetry_resume_keeps_earlier_rows_drops_torn_line_and_plots_all(tmp_path):
+    import json
+
+    from trainer_bridge.telemetry import Telemetry
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [json.dumps({"step": s, "loss": float(s)}) for s in (0, 1, 2, 3)]
+    path.write_text("\n".join(rows) + '\n{"step": 4, "lo')   # killed mid-row
+    t = Telemetry(str(tmp_path), True, tensorboard=False)
+    assert t.resume(2) == 3
+    assert [r["step"] for r in t.rows] == [0, 1]            # the plots start from step 0
+    t.log(2, {"loss": 2.5})
+    t.log(3, {"loss": 3.5})
+    got = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in got] == [(0, 0.0), (1, 1.0), (2, 2.5), (3, 3.5)]
+    assert [r["step"] for r in t.rows] == [0, 1, 2, 3]
+    assert not (tmp_path / "metrics.jsonl.tmp").exists()
+    # the dry run's directory starts empty every time
+    Telemetry(str(tmp_path), True, tensorboard=False, fresh=True)
+    assert not path.exists()
+
+
+def test_resume_config_differences_list_the_keys_that_would_change():
+    from trainer_bridge.config import config_differences, config_snapshot
+
+    saved = config_snapshot(load_config("tiny", None, []))
+    assert config_differences(saved, load_config("tiny", None, ["out_dir=x", "steps=40"])) == []
+    diff = config_differences(saved, load_config("tiny", None, ["optim.lr=0.1",
+                                                                 "optim.warmup_steps=2"]))
+    assert diff == ["optim.lr: 0.005 -> 0.1", "optim.warmup_steps: 0 -> 2"]
+
+
+def _fake_checkpoint(root, step, world_size=1, **extra):
+    from trainer_bridge.config import config_snapshot
+
+    d = root / f"step-{step:06d}"
+    d.mkdir(parents=True)
+    (d / ".metadata").write_bytes(b"")
+    torch.save({"step": step, "world_size": world_size,
+                "config": config_snapshot(load_config("tiny", None, [])), **extra},
+               d / "trainer_state.pt")
+    return d
+
+
+def test_checkpoint_read_errors_name_the_file_and_the_older_checkpoint(tmp_path):
+    from trainer_bridge.checkpoint import (CheckpointLoadError, check_world_size,
+                                           read_trainer_state)
+
+    older, newer = _fake_checkpoint(tmp_path, 2), _fake_checkpoint(tmp_path, 4)
+    (newer / "trainer_state.pt").write_bytes(b"PK\x03\x04 truncated")
+    with pytest.raises(CheckpointLoadError) as e:
+        read_trainer_state(str(newer))
+    msg = str(e.value)
+    assert str(newer / "trainer_state.pt") in msg and f"--resume-from {older}" in msg
+    with pytest.raises(CheckpointLoadError, match="no older complete checkpoint"):
+        read_trainer_state(str(_fake_checkpoint(tmp_path / "b", 1, bad=1).parent / "nope"))
+    state = read_trainer_state(str(older))
+    check_world_size(str(older), state, 1)
+    with pytest.raises(CheckpointLoadError, match="saved by 1 rank.*this run has 2"):
+        check_world_size(str(older), state, 2)
+    # a checkpoint from before world_size was recorded: its RNG files say
+    with pytest.raises(CheckpointLoadError, match="saved by 2 rank"):
+        for r in (0, 1):
+            (older / f"rng_rank{r}.pt").write_bytes(b"")
+        check_world_size(str(older), {"step": 2}, 1)

@@ -5,25 +5,33 @@ The frozen tables (Engram, tid2eid) are not written: they come from the base che
 V4.1-Flash Engram table alone is ~95 GiB.
 
 Layout: ``<dir>/step-000042/`` (DCP files, ``trainer_state.pt``, ``rng_rank<r>.pt``) written as
-``<dir>/.step-000042.tmp`` and renamed once every rank has finished; then ``<dir>/latest`` is
-replaced atomically. A crash mid-save leaves only a ``.tmp`` directory, which is never loaded.
+``<dir>/.step-000042.<unique>.tmp`` (a name of this save's own: a save never deletes a directory
+it did not make) and renamed once every rank has finished; then ``<dir>/latest`` is replaced
+atomically. A save that fails (disk full, ...) removes its ``.tmp`` directory and raises
+CheckpointSaveError naming it; a process killed mid-save leaves only the ``.tmp`` directory,
+which is never loaded. ``trainer_state.pt`` records the world size and the run's config.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import random
 import shutil
+import tempfile
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
 from sglang_dsv41.model.dsv4.names import is_frozen_table
+
+from .dist import all_reduce_scalar, broadcast_object
 
 LATEST = "latest"
 STATELESS = "stateless_params"  # trainer_state.pt: _stateless at the save
@@ -54,28 +62,82 @@ def _barrier() -> None:
         dist.barrier()
 
 
+class CheckpointSaveError(OSError):
+    """A save failed on some rank; its temporary directory is gone, earlier checkpoints stay."""
+
+
+class CheckpointLoadError(ValueError):
+    """A checkpoint that cannot be loaded: the message names the file and the alternatives."""
+
+
 def save_checkpoint(root: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     trainer_state: dict[str, Any], rank: int) -> str:
-    """Collective. ``trainer_state`` (schedule, data position, ...) is written by rank 0."""
-    final, tmp = step_dir(root, step), os.path.join(root, f".step-{step:06d}.tmp")
+    """Collective. ``trainer_state`` (schedule, data position, ...) is written by rank 0, with
+    the step and the world size."""
+    final = step_dir(root, step)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    tmp, error = None, None
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier()
-    model_sd, optim_sd = _trained_state(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
-    torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
+        try:
+            os.makedirs(root, exist_ok=True)
+            tmp = tempfile.mkdtemp(prefix=f".step-{step:06d}.", suffix=".tmp", dir=root)
+        except OSError as e:
+            error = f"cannot create a checkpoint directory under {root}: {_os_error(e)}"
+    tmp, error = broadcast_object((tmp, error))
+    if error:
+        raise CheckpointSaveError(error)
+    failed = ""
+    try:
+        model_sd, optim_sd = _trained_state(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+        torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
+        if rank == 0:
+            torch.save({"step": step, "world_size": world, STATELESS: _stateless(optim_sd),
+                        **trainer_state}, os.path.join(tmp, "trainer_state.pt"))
+    except (Exception, CheckpointException) as e:  # every rank learns of it: none waits
+        failed = _os_error(e)
+    if all_reduce_scalar(float(bool(failed)), "max", _collective_device()) > 0:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        where = f"rank {rank}: {failed}" if failed else "on another rank"
+        raise CheckpointSaveError(f"saving the step-{step} checkpoint into {tmp} failed ({where});"
+                                  f" its temporary directory was removed, earlier checkpoints "
+                                  f"are kept")
     if rank == 0:
-        torch.save({"step": step, STATELESS: _stateless(optim_sd), **trainer_state},
-                   os.path.join(tmp, "trainer_state.pt"))
-    _barrier()
-    if rank == 0:
-        if os.path.isdir(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _write_latest(root, os.path.basename(final))
-    _barrier()
+        try:
+            if os.path.isdir(final):
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _write_latest(root, os.path.basename(final))
+        except OSError as e:
+            failed = _os_error(e)
+            shutil.rmtree(tmp, ignore_errors=True)
+    failed = broadcast_object(failed)
+    if failed:
+        raise CheckpointSaveError(f"publishing the step-{step} checkpoint as {final} failed: "
+                                  f"{failed}")
     return final
+
+
+def _collective_device() -> torch.device | None:
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
+def _os_error(e: BaseException) -> str:
+    """The root cause of a (possibly wrapped, e.g. DCP's CheckpointException) error, one line."""
+    while True:
+        if isinstance(e, CheckpointException) and e.failures:
+            e = next(iter(e.failures.values()))[0]
+        elif e.__cause__ is not None and not isinstance(e, OSError):
+            e = e.__cause__
+        else:
+            break
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}" + (f": {e.filename}" if e.filename else "")
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:300]}"
 
 
 def _write_latest(root: str, name: str) -> None:
@@ -121,19 +183,71 @@ def _stateless(optim_sd: dict[str, Any]) -> list[str]:
     return [fqn for fqn in listed if fqn not in optim_sd["state"]]
 
 
-def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    rank: int) -> dict[str, Any]:
-    """Collective. Restores model, optimizer and this rank's RNG; returns the trainer state."""
+def read_trainer_state(path: str) -> dict[str, Any]:
+    """``path``'s trainer_state.pt (a CheckpointLoadError naming the file if unreadable)."""
     if not _complete(path):
-        raise ValueError(f"{path} is not a complete checkpoint")
-    trainer_state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+        raise CheckpointLoadError(f"{path} is not a complete checkpoint (no trainer_state.pt or "
+                                  f".metadata){_alternatives(path)}")
+    return _read(path, "trainer_state.pt", lambda f: torch.load(f, weights_only=False))
+
+
+def saved_world_size(path: str, state: dict[str, Any]) -> int:
+    """The world size ``path`` was saved with (older checkpoints: its RNG files)."""
+    if "world_size" in state:
+        return int(state["world_size"])
+    return len(glob.glob(os.path.join(path, "rng_rank*.pt")))
+
+
+def check_world_size(path: str, state: dict[str, Any], world_size: int) -> None:
+    saved = saved_world_size(path, state)
+    if saved != world_size:
+        raise CheckpointLoadError(
+            f"{path} was saved by {saved} rank(s), this run has {world_size}: resume with "
+            f"--nproc-per-node {saved} (each rank's RNG state and data share depend on the "
+            f"world size, so a resume on another one would not continue exactly)")
+
+
+def _read(path: str, name: str, fn):
+    f = os.path.join(path, name)
+    try:
+        return fn(f)
+    except (Exception, CheckpointException) as e:
+        raise CheckpointLoadError(f"cannot read {f}: {_os_error(e)}{_alternatives(path)}"
+                                  ) from None
+
+
+def _alternatives(path: str) -> str:
+    """How to resume from the newest complete checkpoint older than ``path``, if any."""
+    root, name = os.path.split(os.path.normpath(path))
+    older = [d for d in sorted(os.listdir(root)) if d.startswith("step-") and d < name
+             and _complete(os.path.join(root, d))] if os.path.isdir(root) else []
+    if not older:
+        return "; there is no older complete checkpoint to resume from"
+    return (f"; the older complete checkpoint {os.path.join(root, older[-1])} can be resumed "
+            f"with --resume-from {os.path.join(root, older[-1])}")
+
+
+def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    rank: int, world_size: int | None = None) -> dict[str, Any]:
+    """Collective. Restores model, optimizer and this rank's RNG; returns the trainer state.
+    Refuses (every rank, before any collective) a checkpoint of another world size."""
+    trainer_state = read_trainer_state(path)
+    if world_size is None:
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+    check_world_size(path, trainer_state, world_size)
     # A fresh optimizer's state dict holds every parameter's state (DCP initialises it); those
     # saved without any are not read, and stay without (so their first step is a first step).
     model_sd, optim_sd = _trained_state(model, optimizer)
     for fqn in trainer_state.pop(STATELESS, []):
         optim_sd["state"].pop(fqn, None)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
+    _read(path, ".metadata", lambda f: dcp.FileSystemReader(path).read_metadata())
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except (Exception, CheckpointException) as e:
+        raise CheckpointLoadError(f"cannot read the model/optimizer shards "
+                                  f"{os.path.join(path, '__*.distcp')}: {_os_error(e)}"
+                                  f"{_alternatives(path)}") from None
     missing = set_state_dict(model, optimizer, model_state_dict=state["model"],
                              optim_state_dict=state["optim"],
                              options=StateDictOptions(strict=False)).missing_keys
@@ -143,5 +257,5 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
     rng_file = os.path.join(path, f"rng_rank{rank}.pt")
     if not os.path.isfile(rng_file):
         raise ValueError(f"{path} has no RNG state for rank {rank} (saved with fewer ranks?)")
-    set_rng_state(torch.load(rng_file, weights_only=False))
+    set_rng_state(_read(path, f"rng_rank{rank}.pt", lambda f: torch.load(f, weights_only=False)))
     return trainer_state

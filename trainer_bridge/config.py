@@ -7,14 +7,18 @@ configs (types checked, unknown keys refused), then ``__post_init__`` validates 
 
 from __future__ import annotations
 
+import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import OmegaConf
+import yaml
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from sglang_dsv41.model.dsv4.token_logprobs import FP32_GEMMS
 
+from .envs import ENVIRONMENTS
 from .local_shards import ADAMW_KERNELS
 from .memory_plan import MEMORY_FRACTION
 from .optimizer_offload import OFFLOAD_MODES
@@ -110,6 +114,17 @@ class RolloutConfig:
                   "concurrency")
         if self.source == "offline" and not self.offline_path:
             raise ValueError("rollout.source=offline needs rollout.offline_path")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"rollout.temperature must be > 0 and finite, got "
+                             f"{self.temperature!r}")
+        if self.source == "server":
+            if self.env not in ENVIRONMENTS:
+                raise ValueError(f"rollout.env={self.env!r}: choose from {sorted(ENVIRONMENTS)}")
+            try:  # the environment's own arguments (its tokenizer comes first)
+                inspect.signature(ENVIRONMENTS[self.env]).bind(None, **self.env_args)
+            except TypeError as e:
+                raise ValueError(f"rollout.env_args {dict(self.env_args)} for env "
+                                 f"{self.env!r}: {e}") from None
 
 
 @dataclass(kw_only=True)
@@ -129,6 +144,9 @@ class LossConfig:
         _positive("loss", self, "token_budget", "mini_batches", "dual_clip_c", "tis_cap")
         if self.dual_clip_c <= 1.0:
             raise ValueError("loss.dual_clip_c must be > 1")
+        _finite_at_least("loss", self, "clip_eps", 0.0, strict=True)
+        _finite_at_least("loss", self, "clip_eps_high", self.clip_eps)
+        _finite_at_least("loss", self, "kl_coef", 0.0)
 
 
 @dataclass(kw_only=True)
@@ -158,6 +176,19 @@ class OptimConfig:
         if not (0 <= self.sink_frozen_frac and 0 <= self.sink_ramp_frac
                 and self.sink_frozen_frac + self.sink_ramp_frac <= 1):
             raise ValueError("optim.sink_frozen_frac and sink_ramp_frac must be >= 0 and sum <= 1")
+        _finite_at_least("optim", self, "lr", 0.0, strict=True)
+        if self.sink_lr is not None:
+            _finite_at_least("optim", self, "sink_lr", 0.0)
+        _finite_at_least("optim", self, "weight_decay", 0.0)
+        # clipping is always on; a huge value (or .inf) never clips
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"optim.max_grad_norm must be > 0 (.inf: no clipping), got "
+                             f"{self.max_grad_norm!r}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps!r}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optim.betas must be two values in [0, 1), got "
+                             f"{list(self.betas)!r}")
 
 
 @dataclass(kw_only=True)
@@ -171,6 +202,9 @@ class TrainConfig:
     out_dir: str = "runs/tiny"
     checkpoint_every: int = 0           # 0: only at the end
     resume: bool = False
+    # --resume-from: this checkpoint directory (out_dir/checkpoints/step-N) instead of the
+    # latest; implies resume
+    resume_from: str | None = None
     weight_sync: bool = True
     weight_sync_transport: str = "tensor"     # tensor | distributed
     dry_run: bool = False
@@ -187,6 +221,24 @@ class TrainConfig:
         _choice("weight_sync_transport", self.weight_sync_transport, ("tensor", "distributed"))
         if self.checkpoint_every < 0:
             raise ValueError("checkpoint_every must be >= 0")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if self.resume_from:
+            self.resume = True
+        r = self.rollout
+        if r.source == "server":
+            samples = r.prompts_per_step * r.group_size
+            if self.loss.mini_batches > samples:
+                raise ValueError(f"loss.mini_batches={self.loss.mini_batches} must be <= the "
+                                 f"samples per step (rollout.prompts_per_step x group_size = "
+                                 f"{samples})")
+            if not r.server_urls and not self.launch_server:
+                raise ValueError("rollout.server_urls is empty: give at least one engine URL, "
+                                 "or --launch-server")
+        if self.model.one_rank == "copies" and self.optim.optimizer_offload != "none":
+            raise ValueError(f"model.one_rank=copies keeps every weight on the device: not with "
+                             f"optim.optimizer_offload={self.optim.optimizer_offload} (use "
+                             f"model.one_rank=fsdp or auto)")
 
 
 def tiny() -> TrainConfig:
@@ -226,7 +278,15 @@ def load_config(preset: str | None, config_file: str | None, overrides: list[str
     layers = []
     try:
         if config_file:
-            layers.append(OmegaConf.load(config_file))
+            try:
+                layer = OmegaConf.load(config_file)
+            except yaml.YAMLError as e:
+                raise ValueError(f"--config {config_file}: not valid YAML: "
+                                 f"{' '.join(str(e).split())}") from None
+            if not isinstance(layer, DictConfig):
+                raise ValueError(f"--config {config_file}: the top level must be a mapping of "
+                                 f"section: {{key: value}}, not a {type(layer).__name__}")
+            layers.append(layer)
         for text in overrides:
             if "=" not in text:
                 raise ValueError(f"override {text!r} is not key=value")
@@ -243,7 +303,45 @@ def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name}={value!r}: choose from {choices}")
 
 
+def _finite_at_least(section: str, obj: Any, name: str, low: float, strict: bool = False
+                     ) -> None:
+    v = getattr(obj, name)
+    if not (math.isfinite(v) and (v > low if strict else v >= low)):
+        raise ValueError(f"{section}.{name} must be finite and {'>' if strict else '>='} {low}, "
+                         f"got {v!r}")
+
+
 def _positive(section: str, obj: Any, *names: str) -> None:
     for n in names:
         if not getattr(obj, n) > 0:
             raise ValueError(f"{section}.{n} must be positive, got {getattr(obj, n)!r}")
+
+
+# Keys a resume may change: where the run is and what it writes, not what it trains. ``steps``
+# may grow (the LR schedule's sink warm-up is measured in steps: the resumed run says so).
+RESUME_MAY_CHANGE = frozenset({
+    "out_dir", "resume", "resume_from", "dry_run", "plots", "tensorboard", "checkpoint_every",
+    "launch_server", "server_args", "steps", "rollout.server_urls", "rollout.api_key",
+    "rollout.concurrency", "rollout.offline_path", "model.checkpoint_cache_dir"})
+
+
+def config_snapshot(cfg: TrainConfig) -> dict[str, Any]:
+    """The config as flat ``section.key`` -> plain value (what a checkpoint records)."""
+    def flat(d: dict, prefix: str) -> dict[str, Any]:
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, dict) and k != "env_args":
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    return flat(OmegaConf.to_container(OmegaConf.structured(cfg)), "")
+
+
+def config_differences(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
+    """``key: saved -> now`` for each key that differs and a resume may not change."""
+    now = config_snapshot(cfg)
+    return [f"{k}: {saved.get(k, '<absent>')!r} -> {now.get(k, '<absent>')!r}"
+            for k in sorted(set(saved) | set(now))
+            if k not in RESUME_MAY_CHANGE and saved.get(k) != now.get(k)]

@@ -49,9 +49,16 @@ def rollout_metrics(samples: list[Sample]) -> dict[str, float]:
 
 
 class Telemetry:
-    """Rank 0 writes; other ranks hold a disabled instance (every method is then a no-op)."""
+    """Rank 0 writes; other ranks hold a disabled instance (every method is then a no-op).
 
-    def __init__(self, out_dir: str, enabled: bool, tensorboard: bool = True):
+    ``metrics.jsonl`` gets one row a step, each in one append-mode write. A fresh run appends to
+    what is there (train.py refuses to start a fresh run where one left metrics); ``fresh``
+    empties the file first (the dry run's own directory). ``resume(step)`` keeps only the rows
+    before ``step`` and drops a torn last line, rewriting the file atomically, so the resumed
+    run's rows follow the kept ones and the plots show every step."""
+
+    def __init__(self, out_dir: str, enabled: bool, tensorboard: bool = True,
+                 fresh: bool = False):
         self.enabled, self.out_dir = enabled, out_dir
         self.rows: list[dict[str, Any]] = []
         self._first_alloc: tuple[int, float] = (0, 0.0)
@@ -61,6 +68,8 @@ class Telemetry:
             return
         os.makedirs(out_dir, exist_ok=True)
         self.path = os.path.join(out_dir, "metrics.jsonl")
+        if fresh and os.path.exists(self.path):
+            os.remove(self.path)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -81,12 +90,48 @@ class Telemetry:
             return metrics
         row = {"step": step, **metrics}
         self.rows.append(row)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        data = (json.dumps(row) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            if os.write(fd, data) != len(data):  # a short write: the disk filled up mid-row
+                raise OSError(f"{self.path}: short write of the step-{step} metrics row")
+        finally:
+            os.close(fd)
         if self._tb is not None:
             for k, v in metrics.items():
                 self._tb.add_scalar(k, v, step)
         return metrics
+
+    def resume(self, step: int) -> int:
+        """Keep the rows of steps before ``step`` (a resumed run logs ``step`` on), drop any
+        torn or unparseable line; rewrites metrics.jsonl atomically. -> the rows dropped."""
+        if not self.enabled or not os.path.exists(self.path):
+            return 0
+        kept, dropped = [], 0
+        with open(self.path, "rb") as f:
+            for line in f.read().split(b"\n"):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    keep = int(row["step"]) < step
+                except (ValueError, KeyError, TypeError):
+                    keep = False
+                if keep:
+                    kept.append(row)
+                else:
+                    dropped += 1
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        self.rows = kept
+        if dropped:
+            log.info("metrics.jsonl: kept the %d rows before step %d, dropped %d (logged after "
+                     "the checkpoint, or torn)", len(kept), step, dropped)
+        return dropped
 
     def close(self, plots: bool = True) -> list[str]:
         if not self.enabled:

@@ -19,7 +19,7 @@ from sglang_dsv41.tokenizer import ByteTokenizer
 
 from .batch import MicroBatch, Sample, pack, split_by_token_budget
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import TrainConfig
+from .config import TrainConfig, config_differences, config_snapshot
 from .dist import (all_reduce_scalar, all_reduce_tensor, close_distributed, init_distributed,
                    on_primary)
 from .envs import make_env
@@ -73,7 +73,10 @@ class Trainer:
             self.syncer = WeightSyncer(self.router, api_key=cfg.rollout.api_key,
                                        served_dtype=cfg.model.served_dtype,
                                        transport=cfg.weight_sync_transport)
-        self.telemetry = Telemetry(cfg.out_dir, self.dist.is_primary, cfg.tensorboard)
+        # The dry run's check steps go to a directory of their own, never into the run's rows.
+        self.telemetry = Telemetry(os.path.join(cfg.out_dir, "dry_run") if cfg.dry_run
+                                   else cfg.out_dir, self.dist.is_primary, cfg.tensorboard,
+                                   fresh=cfg.dry_run)
         if cfg.resume:
             self.load_latest()
 
@@ -284,15 +287,29 @@ class Trainer:
     def save(self) -> str:
         return save_checkpoint(os.path.join(self.cfg.out_dir, "checkpoints"), self.step,
                                self.policy.model, self.optimizer,
-                               {"scheduler": self.scheduler.state_dict()}, self.dist.rank)
+                               {"scheduler": self.scheduler.state_dict(),
+                                "config": config_snapshot(self.cfg)}, self.dist.rank)
 
-    def load_latest(self) -> None:
+    def checkpoint_to_resume(self) -> str:
+        """cfg.resume_from, else the latest complete checkpoint of out_dir."""
+        if self.cfg.resume_from:
+            return self.cfg.resume_from
         path = latest_checkpoint(os.path.join(self.cfg.out_dir, "checkpoints"))
         if path is None:
             raise ValueError(f"--resume: no complete checkpoint under {self.cfg.out_dir}")
-        state = load_checkpoint(path, self.policy.model, self.optimizer, self.dist.rank)
+        return path
+
+    def load_latest(self) -> None:
+        path = self.checkpoint_to_resume()
+        state = load_checkpoint(path, self.policy.model, self.optimizer, self.dist.rank,
+                                self.dist.world_size)
+        changed = config_differences(state["config"], self.cfg) if "config" in state else []
+        if changed:
+            raise ValueError(f"{path} was trained with another config; a resume keeps it: "
+                             f"{'; '.join(changed)}")
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
+        self.telemetry.resume(self.step)
         log.info("resumed from %s at step %d", path, self.step)
 
     def close(self) -> None:
