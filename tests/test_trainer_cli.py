@@ -109,3 +109,19 @@ def test_a_corrupt_latest_checkpoint_names_the_file_and_the_way_back(tmp_path, c
     assert f"--resume-from {older}" in err
     rc, stdout, _ = run(capsys, out, rollouts, "--resume-from", str(older), "steps=2")
     assert rc == 0 and "nothing to train" in stdout and "step-000002" in stdout
+
+
+def test_saves_killed_midway_are_removed_by_the_next_run(tmp_path, rollouts):
+    """A killed save leaves its uniquely named .tmp directory; the next run, holding the
+    directory's lock (no other trainer saves there), removes it before it starts."""
+    out = tmp_path / "run"
+    killed = out / "checkpoints" / ".step-000006.k1ll3d.tmp"
+    killed.mkdir(parents=True)
+    (killed / "__0_0.distcp").write_bytes(b"half")
+    cfg = load_config("tiny", None, ["rollout.source=offline", f"rollout.offline_path={rollouts}",
+                                     f"out_dir={out}"])
+    try:
+        train.preflight(cfg, 0, 1)
+    finally:
+        train.release_lock()
+    assert not killed.exists() and os.listdir(out / "checkpoints") == []

@@ -9,7 +9,9 @@ Layout: ``<dir>/step-000042/`` (DCP files, ``trainer_state.pt``, ``rng_rank<r>.p
 it did not make) and renamed once every rank has finished; then ``<dir>/latest`` is replaced
 atomically. A save that fails (disk full, ...) removes its ``.tmp`` directory and raises
 CheckpointSaveError naming it; a process killed mid-save leaves only the ``.tmp`` directory,
-which is never loaded. ``trainer_state.pt`` records the world size and the run's config.
+which is never loaded, and which the next run in that directory removes (it holds the run's
+lock, so no save of another trainer is under way there). ``trainer_state.pt`` records the world
+size and the run's config.
 """
 
 from __future__ import annotations
@@ -69,6 +71,17 @@ class CheckpointSaveError(OSError):
 class CheckpointLoadError(ValueError):
     """A checkpoint that cannot be loaded: the message names the file and the alternatives."""
 
+
+
+def remove_abandoned_saves(root: str) -> list[str]:
+    """Remove the ``.step-*.tmp`` directories of saves killed midway under ``root``; the
+    caller holds the run directory's lock (train.lock_run_dir), so none is being written."""
+    removed = []
+    for path in sorted(glob.glob(os.path.join(root, ".step-*.tmp"))):
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(os.path.basename(path))
+    return removed
 
 def save_checkpoint(root: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     trainer_state: dict[str, Any], rank: int) -> str:

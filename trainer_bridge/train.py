@@ -99,7 +99,8 @@ def previous_run(out_dir: str) -> list[str]:
 def preflight(cfg, rank: int, world_size: int) -> None:
     """Everything that can be refused before a server starts or a model is built (ValueError:
     a bad input; NothingToTrain: a resume at or past cfg.steps)."""
-    from .checkpoint import check_world_size, latest_checkpoint, read_trainer_state
+    from .checkpoint import (check_world_size, latest_checkpoint, read_trainer_state,
+                             remove_abandoned_saves)
     from .config import config_differences
     from .rollout import OfflineRolloutSource
 
@@ -131,6 +132,10 @@ def preflight(cfg, rank: int, world_size: int) -> None:
     check_writable(cfg.out_dir)
     lock_run_dir(cfg.out_dir)
     check_writable(os.path.join(cfg.out_dir, "checkpoints"))
+    removed = remove_abandoned_saves(os.path.join(cfg.out_dir, "checkpoints"))
+    if removed:
+        log.warning("removed %d checkpoint save(s) killed midway: %s", len(removed),
+                    ", ".join(removed))
     found = previous_run(cfg.out_dir)
     if found and not cfg.resume and not cfg.dry_run:
         raise ValueError(f"{cfg.out_dir} holds a previous run ({', '.join(found)}): continue it "
