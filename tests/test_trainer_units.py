@@ -334,6 +334,23 @@ def test_telemetry_resume_keeps_earlier_rows_drops_torn_line_and_plots_all(tmp_p
     assert not path.exists()
 
 
+def test_a_metrics_row_that_cannot_be_written_names_the_file(tmp_path):
+    """Disk full while logging (metrics.jsonl on /dev/full, which answers every write with
+    ENOSPC): an OSError that names the file (train.main prints it as one error line and exits
+    1), not os.write's bare ENOSPC."""
+    import errno
+    import os
+
+    from trainer_bridge.telemetry import Telemetry
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    t = Telemetry(str(tmp_path), True, tensorboard=False)
+    os.symlink("/dev/full", t.path)
+    with pytest.raises(OSError) as err:
+        t.log(0, {"loss": 1.0})
+    assert err.value.filename == t.path and err.value.errno == errno.ENOSPC
+
 def test_resume_config_differences_list_the_keys_that_would_change():
     from trainer_bridge.config import config_differences, config_snapshot
 

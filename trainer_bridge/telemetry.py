@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -93,8 +94,13 @@ class Telemetry:
         data = (json.dumps(row) + "\n").encode()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            if os.write(fd, data) != len(data):  # a short write: the disk filled up mid-row
-                raise OSError(f"{self.path}: short write of the step-{step} metrics row")
+            try:
+                written = os.write(fd, data)
+            except OSError as e:  # os.write names no file: the caller's message needs it
+                raise OSError(e.errno, e.strerror, self.path) from e
+            if written != len(data):  # a short write: the disk filled up mid-row
+                raise OSError(errno.ENOSPC, f"short write of the step-{step} metrics row",
+                              self.path)
         finally:
             os.close(fd)
         if self._tb is not None:

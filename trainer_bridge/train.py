@@ -201,6 +201,12 @@ def main(argv: list[str] | None = None) -> int:
         except CheckpointSaveError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
+        except OSError as e:
+            if e.filename is None:  # not a file the run writes (metrics, plots): a real bug
+                raise
+            print(f"error: writing {e.filename} failed: {e.strerror or e}; the checkpoints "
+                  f"saved before it are intact (--resume)", file=sys.stderr)
+            return 1
         if rank == 0 and history:
             rewards = [round(h["reward_mean"], 3) for h in history]
             print(f"reward per step: {rewards}", flush=True)
