@@ -21,7 +21,7 @@ def test_refusals_name_the_rule(capsys):
 def test_two_node_plan_fits_and_reports_r3(capsys):
     assert main(TWO_NODES) == 0
     out = capsys.readouterr().out
-    per_rank = -(-((9_651_600 + 16) * 960) // 4096) * 4096
+    per_rank = -(-((9_651_456 + 256) * 960) // 4096) * 4096
     assert "PLAN FITS" in out and f"R3 host bytes per node: {8 * per_rank:,}" in out
     assert "--tp-size 16 --dp-size 2 --ep-size 16 --enable-dp-attention" in out
     assert main(TWO_NODES + ["--json"]) == 0
@@ -45,3 +45,16 @@ def test_non_finite_sizes_are_illegal_input(capsys):
             assert main([flag, value]) == 2, (flag, value)
             err = capsys.readouterr().err
             assert f"{flag} must be a finite number" in err, err
+
+
+def test_default_kv_prints_both_terms(capsys):
+    assert main(TWO_NODES[:-4]) == 0
+    out = capsys.readouterr().out
+    assert "KV cache: 1,632.5 B/token per GPU (SGLang 0.5.23 DeepSeek-V4 pools: 1632.5 B" in out
+    assert "+ 7,293,536,256 B per GPU fixed, scaling with max_running_requests" in out
+    assert main(TWO_NODES[:-4] + ["--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["kv_bytes_per_token"] == 1632.5
+    assert plan["requested_max_total_tokens"] == 8_686_336
+    assert main(TWO_NODES[:-4] + ["--page-size", "16"]) == 2
+    assert "multiple of 128" in capsys.readouterr().err

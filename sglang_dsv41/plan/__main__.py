@@ -9,7 +9,8 @@ import argparse
 import json
 import sys
 
-from .memory import ENGRAM_LAYOUTS, HOST_PAGE_BYTES, OPTIMIZER_MODES, PINNED_CAP_ENV_KEY
+from .memory import (ENGRAM_LAYOUTS, GPU_ARCHS, HOST_PAGE_BYTES, KV_CACHE_DTYPES, KV_LAYOUTS,
+                     OPTIMIZER_MODES, PINNED_CAP_ENV_KEY)
 from .planner import PlanInput, make_plan
 from .report import format_plan, plan_json
 from .rules import attn_tp_from_sglang
@@ -26,6 +27,11 @@ Layout convention: --tp is the attention TP size of one DP-attention replica (it
 depth, and tp x dp x pp must equal nnodes x gpus_per_node. SGLang calls the same layout
 --tp-size tp*dp --dp-size dp --enable-dp-attention; pass --sglang-tp-size instead of --tp to
 use that spelling (then tp_size must be a multiple of dp). pp > 1 is refused with R3.
+
+KV: --kv-gib-per-gpu is what SGLang 0.5.23's DeepSeek-V4 pool configurator gets; the planner
+sizes max_total_tokens from it as SGLang does (bytes per token of the compressed caches, after
+the SWA pool and compress-state rings that scale with --max-running-requests); the R3 buffers
+follow max_total_tokens. --kv-bytes-per-token replaces that with a flat figure.
 
 Exit status: 0 fits, 1 does not fit in host memory, 2 illegal layout or input."""
 
@@ -48,13 +54,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=int, default=d.ep, help="expert parallel size (default: tp x dp)")
     p.add_argument("--pp", type=int, default=d.pp)
     p.add_argument("--kv-gib-per-gpu", type=float, default=d.kv_gib_per_gpu,
-                   help="GPU memory given to the KV cache (default: %(default)s)")
+                   help="GPU memory SGLang's pool configurator gets for the KV pools "
+                        "(default: %(default)s)")
     p.add_argument("--kv-bytes-per-token", type=int, default=d.kv_bytes_per_token,
-                   help="KV bytes per token per GPU (default: an upper bound from the config, "
-                        "one K=V latent per token and layer; give the real figure for SGLang's "
-                        "compressed fp8 cache)")
-    p.add_argument("--kv-dtype-bytes", type=int, default=d.kv_dtype_bytes)
-    p.add_argument("--page-size", type=int, default=d.page_size)
+                   help="override: KV bytes per token per GPU, no fixed pools (default: "
+                        "SGLang 0.5.23's DeepSeek-V4 pool sizing from the config and the "
+                        "settings below)")
+    p.add_argument("--gpu", choices=GPU_ARCHS, default=d.gpu,
+                   help="sm90 (H100/H200) or sm100 (B200/GB200): KV layout and SGLang's "
+                        "chunked-prefill default (default: %(default)s)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype)
+    p.add_argument("--kv-layout", choices=KV_LAYOUTS, default=d.kv_layout,
+                   help="SGLANG_DSV4_KV_LAYOUT (auto: as SGLang resolves it unset)")
+    p.add_argument("--max-running-requests", type=int, default=d.max_running_requests,
+                   help="SGLang's (all DP replicas; default: SGLang's DeepSeek-V4 default "
+                        "%(default)s): sizes the SWA pool and the compress-state rings")
+    p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
+                   help="SGLang's (default: its default for --gpu)")
+    p.add_argument("--swa-full-tokens-ratio", type=float, default=d.swa_full_tokens_ratio,
+                   help="SGLang's; given, the SWA pool scales with max_total_tokens instead "
+                        "of the request cap")
+    p.add_argument("--radix-cache", action=argparse.BooleanOptionalAction,
+                   default=d.radix_cache, help="off: SGLang's --disable-radix-cache")
+    p.add_argument("--page-size", type=int, default=d.page_size,
+                   help="SGLang's page size (it sets 256 for DeepSeek V4)")
     p.add_argument("--host-gib-per-node", type=float, default=d.host_gib_per_node)
     p.add_argument("--base-gib-per-rank", type=float, default=d.base_gib_per_rank,
                    help="other host memory per rank process (default: %(default)s)")
@@ -92,7 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         inp = PlanInput(
             model=args.model, nnodes=args.nnodes, gpus_per_node=args.gpus_per_node, tp=tp,
             dp=args.dp, ep=args.ep, pp=args.pp, kv_gib_per_gpu=args.kv_gib_per_gpu,
-            kv_bytes_per_token=args.kv_bytes_per_token, kv_dtype_bytes=args.kv_dtype_bytes,
+            kv_bytes_per_token=args.kv_bytes_per_token, gpu=args.gpu,
+            kv_cache_dtype=args.kv_cache_dtype, kv_layout=args.kv_layout,
+            max_running_requests=args.max_running_requests,
+            chunked_prefill_size=args.chunked_prefill_size,
+            swa_full_tokens_ratio=args.swa_full_tokens_ratio, radix_cache=args.radix_cache,
             page_size=args.page_size, host_gib_per_node=args.host_gib_per_node,
             base_gib_per_rank=args.base_gib_per_rank, r3=args.r3,
             engram_layout=args.engram_layout, hugepage=args.hugepage,

@@ -15,9 +15,10 @@ from dataclasses import asdict, dataclass, field
 from ..model.dsv4.config import DSV4Config
 from ..model.dsv4.presets import load_config
 from ..policies.engram_layout import EngramLayoutError, choose_engram_layout
-from .memory import (DEFAULT_PINNED_CAP_MB, ENGRAM_LAYOUTS, GIB, HOST_PAGE_BYTES,
+from .memory import (DEFAULT_PINNED_CAP_MB, DSV4_MAX_RUNNING_REQUESTS, DSV4_PAGE_SIZE,
+                     ENGRAM_LAYOUTS, GIB, GPU_ARCHS, HOST_PAGE_BYTES, KV_CACHE_DTYPES, KV_LAYOUTS,
                      OPTIMIZER_MODES, OPTIMIZER_PINNED_BYTES_PER_PARAM, PINNED_CAP_ENV_KEY,
-                     engram_host_bytes, kv_bytes_per_token, kv_tokens_for_budget,
+                     dsv4_kv_sizing, engram_host_bytes, kv_tokens_for_budget,
                      optimizer_host_bytes, pinned_alloc_bytes, r3_buffer_bytes,
                      r3_bytes_per_token, r3_host_bytes, r3_largest_tokens)
 from .rules import ParallelLayout, PlanError, validate_parallel_layout
@@ -37,10 +38,17 @@ class PlanInput:
     dp: int = 1
     ep: int | None = None  # None: tp x dp (experts over every rank of a stage)
     pp: int = 1
-    kv_gib_per_gpu: float = 20.0
-    kv_bytes_per_token: int | None = None  # None: memory.kv_bytes_per_token (an upper bound)
-    kv_dtype_bytes: int = 2
-    page_size: int = 16
+    kv_gib_per_gpu: float = 20.0  # what SGLang's pool configurator gets for the KV pools
+    kv_bytes_per_token: int | None = None  # None: memory.dsv4_kv_sizing (SGLang's own pools)
+    # SGLang server settings the KV pools depend on (memory.dsv4_kv_sizing)
+    gpu: str = "sm90"
+    kv_cache_dtype: str = "fp8_e4m3"
+    kv_layout: str = "auto"
+    max_running_requests: int = DSV4_MAX_RUNNING_REQUESTS  # SGLang's, over all DP replicas
+    chunked_prefill_size: int | None = None  # None: SGLang's default for the GPU
+    swa_full_tokens_ratio: float | None = None
+    radix_cache: bool = True
+    page_size: int = DSV4_PAGE_SIZE
     host_gib_per_node: float = 2048.0
     base_gib_per_rank: float = 4.0  # runtime, CUDA context, tokenizer, ... per rank process
     r3: bool = True
@@ -55,7 +63,8 @@ class PlanInput:
             if not cond:
                 raise ValueError(msg)
 
-        for name in ("nnodes", "gpus_per_node", "tp", "dp", "pp", "kv_dtype_bytes", "page_size"):
+        for name in ("nnodes", "gpus_per_node", "tp", "dp", "pp", "page_size",
+                     "max_running_requests"):
             need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1")
         need(self.ep is None or self.ep >= 1, "--ep must be >= 1")
         # inf/nan would pass the comparisons below (or fail them with a misleading reason) and
@@ -66,6 +75,16 @@ class PlanInput:
         need(self.kv_gib_per_gpu > 0, "--kv-gib-per-gpu must be > 0")
         need(self.kv_bytes_per_token is None or self.kv_bytes_per_token >= 1,
              "--kv-bytes-per-token must be >= 1")
+        need(self.gpu in GPU_ARCHS, f"--gpu must be one of {GPU_ARCHS}")
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}")
+        need(self.kv_layout in KV_LAYOUTS, f"--kv-layout must be one of {KV_LAYOUTS}")
+        need(self.chunked_prefill_size is None or self.chunked_prefill_size >= -1,
+             "--chunked-prefill-size must be >= -1 (-1 or 0: chunked prefill off)")
+        need(self.swa_full_tokens_ratio is None
+             or (math.isfinite(self.swa_full_tokens_ratio)
+                 and 0 < self.swa_full_tokens_ratio <= 1),
+             "--swa-full-tokens-ratio must be in (0, 1]")
         need(self.host_gib_per_node > 0, "--host-gib-per-node must be > 0")
         need(self.base_gib_per_rank >= 0, "--base-gib-per-rank must be >= 0")
         need(self.engram_layout in ("auto",) + ENGRAM_LAYOUTS,
@@ -110,8 +129,10 @@ class PlanResult:
     layout: ParallelLayout
     engram_layout: str
     n_params: int
-    kv_bytes_per_token: int
+    kv_bytes_per_token: float  # per token of max_total_tokens, one GPU
     kv_bytes_per_token_source: str
+    kv_fixed_bytes_per_gpu: int  # KV pools that scale with max_running_requests, not tokens
+    kv_fixed_bytes_source: str
     r3_bytes_per_token: int
     r3_buffer_bytes_per_rank: int  # exact request of one scheduler process
     r3_pinned_bytes_per_rank: int  # its mmap + cudaHostRegister mapping (page-rounded only)
@@ -149,20 +170,33 @@ def make_plan(inp: PlanInput, cfg: DSV4Config | None = None) -> PlanResult:
     layout = validate_parallel_layout(cfg, inp.tp, inp.dp, inp.ep, inp.pp, inp.r3, inp.nnodes,
                                       inp.gpus_per_node)
     local, world, page = inp.gpus_per_node, layout.world_size, inp.page_size
+    kv_budget = int(inp.kv_gib_per_gpu * GIB)
     if inp.kv_bytes_per_token is not None:
         kv_bpt, kv_source = inp.kv_bytes_per_token, "given (--kv-bytes-per-token)"
+        kv_fixed, fixed_source = 0, "none (--kv-bytes-per-token given)"
+        requested = kv_tokens_for_budget(kv_budget, kv_bpt, page)
     else:
-        kv_bpt = kv_bytes_per_token(cfg, inp.kv_dtype_bytes, layout.tp)
-        # What kv_bytes_per_token computes: one K=V latent head (K and V are the same tensor,
-        # stored once), replicated over attention TP (not split), every token on every layer.
-        kv_source = ("upper bound from the config: layers x kv_heads x head_dim x "
-                     f"{inp.kv_dtype_bytes} B, one K=V latent per token and layer, not split "
-                     "over attention TP; SGLang's compressed fp8 cache is smaller: pass "
-                     "--kv-bytes-per-token")
-    requested = kv_tokens_for_budget(int(inp.kv_gib_per_gpu * GIB), kv_bpt, page)
+        try:
+            sizing = dsv4_kv_sizing(
+                cfg, page_size=page, kv_layout=inp.kv_layout, gpu=inp.gpu,
+                attn_tp_size=layout.tp, attn_dp_size=layout.dp,
+                kv_cache_dtype=inp.kv_cache_dtype, max_running_requests=inp.max_running_requests,
+                chunked_prefill_size=inp.chunked_prefill_size,
+                swa_full_tokens_ratio=inp.swa_full_tokens_ratio, radix_cache=inp.radix_cache)
+        except ValueError as e:
+            raise PlanError(str(e)) from e
+        kv_bpt, kv_source = sizing.bytes_per_token, sizing.describe()
+        kv_fixed = math.ceil(sizing.fixed_bytes)
+        fixed_source = (f"{sizing.requests_per_worker} requests per DP replica: compress-state "
+                        f"rings {sizing.state_fixed_bytes:,} B")
+        if sizing.swa_mode == "cap":
+            fixed_source += (f", SWA pool {sizing.swa_cap_slots:,} slots x "
+                             f"{sizing.swa_bytes_per_slot:g} B")
+        requested = sizing.max_total_tokens(kv_budget)
     if requested < MIN_PAGES * page:
         raise PlanError(f"--kv-gib-per-gpu {inp.kv_gib_per_gpu} holds {requested} tokens at "
-                        f"{kv_bpt} B/token, fewer than {MIN_PAGES} pages of {page}")
+                        f"{kv_bpt:g} B/token after {_gib(kv_fixed)} of request-slot pools, "
+                        f"fewer than {MIN_PAGES} pages of {page}")
 
     engram_layout = inp.resolved_engram_layout
     # SGLang shards Engram rows over its tp group (= every rank of a pipeline stage); the
@@ -220,6 +254,7 @@ def make_plan(inp: PlanInput, cfg: DSV4Config | None = None) -> PlanResult:
                      f"{PINNED_CAP_ENV_KEY}:{inp.pinned_cap_mb} (plan with --pinned-cap)")
     return PlanResult(inp=inp, layout=layout, engram_layout=engram_layout, n_params=n_params,
                       kv_bytes_per_token=kv_bpt, kv_bytes_per_token_source=kv_source,
+                      kv_fixed_bytes_per_gpu=kv_fixed, kv_fixed_bytes_source=fixed_source,
                       r3_bytes_per_token=r3_bpt if inp.r3 else 0,
                       r3_buffer_bytes_per_rank=r3_exact, r3_pinned_bytes_per_rank=r3_mapped,
                       requested_max_total_tokens=requested, host_limit_max_total_tokens=host_limit,

@@ -25,7 +25,9 @@ def format_plan(res: PlanResult) -> str:
     ]
     lines += [f"  warning: {w}" for w in lay.warnings]
     lines += [
-        f"KV cache: {res.kv_bytes_per_token:,} B/token per GPU ({res.kv_bytes_per_token_source})",
+        f"KV cache: {res.kv_bytes_per_token:,g} B/token per GPU ({res.kv_bytes_per_token_source})",
+        f"  + {res.kv_fixed_bytes_per_gpu:,} B per GPU fixed, scaling with max_running_requests "
+        f"({res.kv_fixed_bytes_source})",
         f"  {inp.kv_gib_per_gpu:g} GiB per GPU holds max_total_tokens="
         f"{res.requested_max_total_tokens:,} (page {inp.page_size})",
     ]
