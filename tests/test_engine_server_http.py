@@ -295,8 +295,11 @@ async def test_stall_report_marks_unhealthy():
                                                  "step 9"))
         r = await poll_until(lambda: http.get("/health_generate"), lambda r: r.status_code != 200)
         assert r.status_code == 503 and "dp_rank 1: rank 3 stuck" in r.text and "step 9" in r.text
-        # DP rank 0 sent no stall report: it is not waiting in the collective, so it is the one
-        # holding it (a leader busy in host code, a skipped idle batch)
+        # DP rank 0 sent no stall report (within the grace its own report would take): it is
+        # not waiting in the collective, so it is the one holding it (a leader busy in host
+        # code, a skipped idle batch)
+        r = await poll_until(lambda: http.get("/health"),
+                             lambda r: "reported no stall" in r.text)
         assert "DP rank 0 reported no stall" in r.text, r.text
         controller.out_queue.put(RankStats(0, 0, 0, 0, 1, 0, 0, 9, healthy=False,
                                            stall="rank 1 stuck in collective 'all_gather' at "

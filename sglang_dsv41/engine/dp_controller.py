@@ -25,6 +25,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,8 @@ from .messages import (AbortReq, ControlOut, ControlReq, GenerateOut, GenerateRe
                        ShutdownReq)
 
 logger = logging.getLogger(__name__)
+# A stall report's wait before /health names the DP ranks that sent none (see _not_stalled_text)
+STALL_HINT_GRACE_S = 2.0
 
 
 def rank_failure_text(dp_rank: int, reason: str) -> str:
@@ -90,6 +93,7 @@ class DPController:
         self.failures: list[str] = []  # sticky: a dead rank or a stall breaks the whole world
         self.rank_failures: dict[int, str] = {}   # dp_rank -> why that DP group cannot serve
         self.stalled_dp_ranks: set[int] = set()   # DP ranks with a rank waiting in a collective
+        self._first_stall_at: float | None = None  # time.monotonic() of the first stall report
         self._stop = threading.Event()
         self._reader = threading.Thread(target=self._read_loop, name="dp-controller-reader",
                                         daemon=True)
@@ -115,8 +119,13 @@ class DPController:
         # The stall reports come from the ranks waiting in a collective; a DP rank that sent
         # none is not waiting in one: it has not reached the collective the others wait in,
         # so it is the one to look at (py-spy dump of its scheduler process).
+        # Ranks waiting in one collective report within a watchdog poll of each other (their
+        # entries differ by the step's skew): name the quiet ones only after a grace period.
+        if self._first_stall_at is None or \
+                time.monotonic() - self._first_stall_at < STALL_HINT_GRACE_S:
+            return ""
         quiet = sorted(set(range(self.dp_size)) - self.stalled_dp_ranks)
-        if not self.stalled_dp_ranks or not quiet:
+        if not quiet:
             return ""
         return (f"; DP rank{'s' if len(quiet) > 1 else ''} {','.join(map(str, quiet))} "
                 f"reported no stall: not waiting in a collective, so the likely cause (it "
@@ -305,6 +314,8 @@ class DPController:
             # a stalled collective holds every rank (see the module docstring)
             if stats.stall:
                 self.stalled_dp_ranks.add(stats.dp_rank)
+                if self._first_stall_at is None:
+                    self._first_stall_at = time.monotonic()
             self.fail_engine(stats.stall or "reported unhealthy", stats.dp_rank)
             return
         self.stats[stats.dp_rank] = stats
