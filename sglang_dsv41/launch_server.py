@@ -42,6 +42,36 @@ def parse_server_args(argv: list[str] | None = None,
         raise  # unreachable: parser.error exits
 
 
+# What launch_server itself reads for --backend sglang; SGLang parses and checks the rest (its
+# flags share names with the embedded engine's, whose choices and checks are the engine's own).
+SGLANG_MODE_FLAGS = ("--backend", "--stall-timeout", "--engram-layout",
+                     "--health-check-timeout", "--log-level")
+
+
+def requested_backend(argv: list[str]) -> str:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--backend", default=ServerArgs.backend)
+    ns, _ = p.parse_known_args(argv)
+    return ns.backend
+
+
+def parse_sglang_mode_args(argv: list[str]) -> ServerArgs:
+    """--backend sglang: our settings from SGLANG_MODE_FLAGS (the rest at their defaults); every
+    other flag goes to SGLang unchanged, for SGLang's own parser to accept or refuse."""
+    full = build_parser()
+    parser = argparse.ArgumentParser(prog=full.prog, add_help=False)
+    for action in full._actions:
+        if set(action.option_strings) & set(SGLANG_MODE_FLAGS):
+            parser._add_action(action)
+    ns, _ = parser.parse_known_args(argv)
+    values = {a.dest: getattr(ns, a.dest) for a in parser._actions}
+    try:
+        return ServerArgs(**values)
+    except ValueError as e:
+        parser.error(str(e))
+        raise  # unreachable: parser.error exits
+
+
 def sglang_available() -> bool:
     try:
         import sglang  # noqa: F401
@@ -81,6 +111,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
+        # Listening now: with SO_REUSEADDR a second bind of a port nobody listens on yet
+        # succeeds on Linux, so two servers started together both loaded their engines and
+        # the second failed only in uvicorn. uvicorn listens again (a no-op) when it serves.
+        sock.listen(2048)
     except OSError as e:
         sock.close()
         raise OSError(f"cannot bind {host}:{port}: {e}") from e
@@ -167,7 +201,7 @@ def run_embedded(server_args: ServerArgs) -> int:
         if engine.fatal_reason is not None:
             logger.error("exiting: %s", engine.fatal_reason)
             return 1
-    except (EngineStartError, ValueError) as e:
+    except (EngineStartError, ValueError, OSError) as e:
         logger.error("cannot start the embedded engine: %s", e)
         return 1
     except (KeyboardInterrupt, _Terminated):
@@ -180,15 +214,26 @@ def run_embedded(server_args: ServerArgs) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    server_args, unknown = parse_server_args(argv, allow_unknown=True)
+def _setup_logging(server_args: ServerArgs) -> None:
     logging.basicConfig(level=server_args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    backend = resolve_backend(server_args.backend)
-    logger.info("backend %s (requested %s), pid %d", backend, server_args.backend, os.getpid())
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    wants_help = any(a in ("-h", "--help") for a in argv)
+    requested = requested_backend(argv)
+    if requested not in ("auto", "embedded") and not wants_help:
+        build_parser().parse_known_args(["--backend", requested])  # an unknown one: exits 2
+    backend = "embedded" if wants_help else resolve_backend(requested)
     if backend == "sglang":
+        server_args = parse_sglang_mode_args(argv)
+        _setup_logging(server_args)
+        logger.info("backend sglang (requested %s), pid %d", requested, os.getpid())
         return run_sglang(server_args, argv)  # SGLang's own flags pass through to it
+    server_args, unknown = parse_server_args(argv, allow_unknown=True)
+    _setup_logging(server_args)
+    logger.info("backend %s (requested %s), pid %d", backend, requested, os.getpid())
     if unknown:
         build_parser().error(f"unrecognized arguments for the embedded backend: "
                              f"{' '.join(unknown)}")

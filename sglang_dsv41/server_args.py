@@ -127,6 +127,9 @@ class ServerArgs:
         need(self.shutdown_grace > 0, "--shutdown-grace must be > 0")
         need(self.dist_init_port is None or 0 < self.dist_init_port < 65536,
              "--dist-init-port must be in 1..65535")
+        need(self.dist_init_port != self.port,
+             f"--dist-init-port {self.dist_init_port} is --port: the ranks' rendezvous store and "
+             "the HTTP server need two ports")
 
     # ---- derived ----------------------------------------------------------------------------
     @property

@@ -108,3 +108,63 @@ def test_backend_choice_and_missing_sglang_backend_exits_nonzero():
                            "embedded", "--mem-fraction-static", "0.8"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--mem-fraction-static" in proc.stderr
+
+
+def test_sglang_backend_leaves_sglangs_flags_to_sglang(monkeypatch):
+    """Flags both parsers know (--dp-size, --load-format, --dtype, ...) mean SGLang's thing
+    under --backend sglang: the embedded engine's choices and checks refused valid SGLang
+    0.5.23 launches (--dp-size 2 without DP attention: replicas there)."""
+    from sglang_dsv41 import launch_server
+
+    seen = {}
+    monkeypatch.setattr(launch_server, "run_sglang",
+                        lambda args, argv: seen.update(args=args, argv=argv) or 0)
+    argv = ["--backend", "sglang", "--model-path", "m", "--tp-size", "2", "--dp-size", "2",
+            "--load-format", "safetensors", "--dtype", "half", "--stall-timeout", "7",
+            "--load-balance-method", "total_requests"]
+    assert launch_server.main(argv) == 0
+    assert seen["argv"] == argv and seen["args"].stall_timeout == 7
+    assert seen["args"].backend == "sglang"
+
+
+def test_two_servers_cannot_bind_one_port_and_the_store_needs_its_own():
+    """bind_socket listens at once: a second server on the port fails there, in a second (with
+    SO_REUSEADDR a second bind of a port nobody listened on yet succeeded, and the second
+    server loaded its whole engine before uvicorn failed)."""
+    from sglang_dsv41.engine.launcher import EngineStartError, host_rendezvous_store
+    from sglang_dsv41.launch_server import bind_socket
+    from sglang_dsv41.ports import free_port
+
+    port = free_port()
+    first = bind_socket("127.0.0.1", port)
+    try:
+        with pytest.raises(OSError, match=f"cannot bind 127.0.0.1:{port}"):
+            bind_socket("127.0.0.1", port)
+        with pytest.raises(EngineStartError, match=f"--dist-init-port {port}"):
+            host_rendezvous_store(port)
+    finally:
+        first.close()
+    with pytest.raises(ValueError, match="need two ports"):
+        ServerArgs(port=port, dist_init_port=port)
+
+
+def test_checkpoints_the_engine_cannot_serve_are_refused_before_spawning(tmp_path):
+    """A release checkpoint's config nests the model under text_config: read flat, every size
+    took V4.1-Flash's default and a full-size model was built on random weights, silently; an
+    attention TP that does not divide o_groups failed only inside the ranks."""
+    import json
+
+    from sglang_dsv41.engine.launcher import launch_engine
+    from sglang_dsv41.tools.make_checkpoint import main as make_checkpoint
+
+    release = tmp_path / "release"
+    assert make_checkpoint([str(release), "--preset", "tiny", "--layout", "release"]) == 0
+    with pytest.raises(ValueError, match="is a release checkpoint .*sglang_dsv41.convert"):
+        launch_engine(ServerArgs(model_path=str(release), device="cpu"))
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    (flat / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
+    with pytest.raises(ValueError, match="lacks .*hidden_size"):
+        launch_engine(ServerArgs(model_path=str(flat), device="cpu"))
+    with pytest.raises(ValueError, match="must divide o_groups"):
+        launch_engine(ServerArgs(model_path="tiny", device="cpu", tp_size=4))

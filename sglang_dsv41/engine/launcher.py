@@ -60,8 +60,14 @@ def host_rendezvous_store(port: int | None) -> RendezvousStore:
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((LOOPBACK, port or 0))
-    sock.listen(128)
+    try:
+        sock.bind((LOOPBACK, port or 0))
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise EngineStartError(f"--dist-init-port {port}: cannot listen on {LOOPBACK}:{port} for "
+                               f"the ranks' rendezvous ({e.strerror or e}); pick a free port or "
+                               "leave the flag out") from None
     store = dist.TCPStore(LOOPBACK, sock.getsockname()[1], None, is_master=True,
                           timeout=timedelta(minutes=30), wait_for_workers=False,
                           master_listen_fd=sock.fileno())
@@ -235,10 +241,12 @@ def _kill_all(processes: list[mp.Process]) -> None:
 
 def launch_engine(server_args: ServerArgs, echo_logs: bool = True) -> Engine:
     from ..loader.serving import load_serving_config
+    from .model_runner import check_attention_split
 
     model_dir = resolve_model_dir(server_args)
     config = load_serving_config(model_dir)
     context_length_for(server_args, config)  # fail before spawning anything
+    check_attention_split(server_args.attn_tp_size, config, server_args)
     ctx = mp.get_context("spawn")
     a = server_args
     req_queues = [ctx.Queue() for _ in range(a.effective_dp_size)]
@@ -246,6 +254,8 @@ def launch_engine(server_args: ServerArgs, echo_logs: bool = True) -> Engine:
     store = host_rendezvous_store(a.dist_init_port)
     dist_port = store.port
     log_dir = tempfile.mkdtemp(prefix="sglang_dsv41_ranks_")
+    logger.info("starting %d scheduler rank(s); their logs, while they load: %s", a.tp_size,
+                log_dir)
     processes = []
     for rank in range(a.tp_size):
         dp_rank, attn_rank = a.rank_to_dp(rank)
@@ -257,11 +267,17 @@ def launch_engine(server_args: ServerArgs, echo_logs: bool = True) -> Engine:
         processes.append(p)
     try:
         ready_info = _wait_ready(a, processes, ready_queue, log_dir)
-    except BaseException:
+    except EngineStartError as e:
         _kill_all(processes)
         store.close()
         if not echo_logs:
             shutil.rmtree(log_dir, ignore_errors=True)
+            raise
+        raise EngineStartError(f"{e} (every rank's log: {log_dir})") from None
+    except BaseException:
+        _kill_all(processes)
+        store.close()
+        shutil.rmtree(log_dir, ignore_errors=True)  # interrupted: nothing to look at
         raise
     controller = DPController(req_queues, out_queue, list(range(a.tp_size)),
                               a.load_balance_method)

@@ -53,6 +53,14 @@ def node_namespace(dist_port: int) -> str:
     return f"srv{os.getppid()}_{dist_port}"
 
 
+
+def check_attention_split(attn_tp_size: int, cfg, args: ServerArgs) -> None:
+    """The embedded engine splits wo_b's o_groups over attention TP evenly (the launcher checks
+    it before spawning, each rank again with its own group size)."""
+    if cfg.o_groups % attn_tp_size:
+        raise ValueError(f"attention TP size {attn_tp_size} must divide o_groups={cfg.o_groups} "
+                         f"(tp_size {args.tp_size} / dp_size {args.effective_dp_size})")
+
 class ModelRunner:
     def __init__(self, args: "ServerArgs", groups: "DistGroups | None", model_dir: str,
                  device: torch.device, shm_namespace: str | None = None):
@@ -63,10 +71,7 @@ class ModelRunner:
         self.model_dir = model_dir
         self.dtype = resolve_dtype(args, device)
         cfg = load_serving_config(model_dir)
-        a = self.info.attn_tp_size if self.info else 1
-        if cfg.o_groups % a:
-            raise ValueError(f"attention TP size {a} must divide o_groups={cfg.o_groups} "
-                             f"(tp_size {args.tp_size} / dp_size {args.effective_dp_size})")
+        check_attention_split(self.info.attn_tp_size if self.info else 1, cfg, args)
         self.model = load_serving_model(model_dir, self.dtype, device, args.load_format)
         self.cfg = cfg
         self.serving_numerics = serving_numerics_for(model_dir)

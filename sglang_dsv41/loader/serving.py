@@ -35,6 +35,13 @@ LAYOUTS = ("preset", "flat", "transformers")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
+# Keys only a release (multimodal, quantized) config.json has at its top level.
+RELEASE_ONLY_KEYS = ("text_config", "vision_config", "quantization_config")
+# The sizes a flat config must name (DSV4Config's defaults are V4.1-Flash's, never a guess).
+FLAT_SIZE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                  "head_dim", "n_routed_experts")
+
+
 def model_layout(model_path: str) -> str:
     if model_path in PRESETS and not os.path.exists(model_path):
         return "preset"
@@ -42,7 +49,21 @@ def model_layout(model_path: str) -> str:
         raise ValueError(f"--model-path {model_path!r} is neither a preset ({sorted(PRESETS)}) "
                          f"nor a directory with a {CONFIG_FILE}")
     raw = read_json_object(os.path.join(model_path, CONFIG_FILE), "model config")
-    return "transformers" if "layer_types" in raw else "flat"
+    release = sorted(k for k in RELEASE_ONLY_KEYS if k in raw)
+    if release:
+        # A release config nests the text model under text_config: read flat, every size
+        # took its default and a full-size model was built on random weights, silently.
+        raise ValueError(f"--model-path {model_path!r} is a release checkpoint (its config.json "
+                         f"has {', '.join(release)}): convert it first with `python -m "
+                         f"sglang_dsv41.convert {model_path} DST` and serve DST")
+    if "layer_types" in raw:
+        return "transformers"
+    missing = [k for k in FLAT_SIZE_KEYS if k not in raw]
+    if missing:
+        raise ValueError(f"--model-path {model_path!r}: its config.json lacks {missing}; a "
+                         f"DeepSeek V4/V4.1 text config (SGLang's flat schema, as "
+                         f"sglang_dsv41.convert writes it) names every size")
+    return "flat"
 
 
 def config_from_transformers(raw: dict) -> DSV4Config:

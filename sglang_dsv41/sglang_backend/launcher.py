@@ -109,6 +109,11 @@ def set_plugin_environment(ns: argparse.Namespace, server_args, disabled: set[st
 
 def launch(server_args, argv: list[str]) -> int:
     """Start SGLang with the plugins (blocks while the server runs); returns an exit code."""
+    from ..loader.torchvision_shim import install_torchvision_shim
+
+    # SGLang's import reaches torchvision; where its operators cannot load (a CPU machine with
+    # SGLang's CUDA pin) the import dies on "torchvision::nms", which says nothing useful.
+    install_torchvision_shim()
     root = sglang_source_root()
     ns, _ = dsv41_parser().parse_known_args(argv)
     disabled = {n.strip() for n in ns.dsv41_disable_plugins.split(",") if n.strip()}
@@ -138,6 +143,11 @@ def launch(server_args, argv: list[str]) -> int:
     layout = guards.apply_engram_layout(resolving_view(sglang_args).nnodes)
     print(f"sglang-dsv41: plugins {INSTALLED} on SGLang {version}; Engram layout {layout}; "
           f"stall reports in {run_dir}", file=sys.stderr)
+    import torch
+
+    if getattr(sglang_args, "device", None) in (None, "cuda") and not torch.cuda.is_available():
+        raise RuntimeError("SGLang 0.5.23 serves DeepSeek V4/V4.1 on CUDA GPUs and none is "
+                           "visible here: use --backend embedded on this machine")
     from sglang.launch_server import run_server
     from sglang.srt.utils import kill_process_tree
 
