@@ -291,6 +291,34 @@ def test_an_engine_that_missed_a_weight_update_stays_dead(engines):
     assert router.engine_urls() == sorted([a.url, b.url])
 
 
+def test_a_live_engine_serving_another_weight_version_is_out_until_a_push(engines):
+    # A live engine restarted on its base weights (or left half-pushed) reports another
+    # weight_version: taken out like one that missed an update; the trainer's push to it
+    # (weights_updated) brings it back at once, whatever revive_interval.
+    a, b = engines(dp_size=1), engines(dp_size=1)
+    a.weight_version = b.weight_version = "step-1"
+    router = StickyRouter([a.url, b.url], revive_interval=60.0, refresh_interval=0.0)
+    router.weights_updated("step-1", [a.url, b.url])
+    a.weight_version = "default"
+    for sid in ("s1", "s2", "s3"):
+        assert turn(router, sid)["meta_info"]["route"][0] == b.url
+    reason = router.dead_slots()[Route(a.url, 0)]
+    assert "weight_version default" in reason and "step-1" in reason
+    a.weight_version = "step-1"  # what the push does, then:
+    router.weights_updated("step-1", [a.url, b.url])
+    assert router.engine_urls() == sorted([a.url, b.url]) and not router.dead_slots()
+    # Without a push the majority decides; paused (a push relabelling the engines one by
+    # one) nobody is taken out.
+    c = engines(dp_size=1)
+    plain = StickyRouter([a.url, b.url, c.url], refresh_interval=0.0)
+    with plain.paused():
+        c.weight_version = "step-2"
+        plain.refresh()
+        assert not plain.dead_slots()
+    plain.refresh()
+    assert list(plain.dead_slots()) == [Route(c.url, 0)]
+
+
 def stream(router, sid):
     async def run():
         try:

@@ -139,6 +139,92 @@ def test_tensor_weight_sync_round_trip(server, tmp_path, one_rank, mini_batches)
                             "weight_sync_transport=tensor", f"model.one_rank={one_rank}",
                             f"loss.mini_batches={mini_batches}"), 240)
     assert rc == 0 and "dry run: OK" in out, out[-3000:]
-    rows = metrics(out_dir)
-    assert all(r["mismatch_abs_logp"] <= 1e-5 and r["weight_sync_s"] > 0 for r in rows)
+    rows = metrics(os.path.join(out_dir, "dry_run"))  # a dry run's rows (train.preflight)
+    assert rows and all(r["mismatch_abs_logp"] <= 1e-5 and r["weight_sync_s"] > 0 for r in rows)
+    assert all(r["weight_resyncs"] == 0 for r in rows)
     assert all(r["routing_agreement_min_layer"] == 1.0 and r["train_tokens"] > 0 for r in rows)
+
+
+def resync_worker(out_dir: str, queue) -> None:
+    """One rank, its own tp=1 server (restarted on the same port): a push refused half-way,
+    a restart between two steps, then a restart the re-push does not fix."""
+    import traceback
+
+    import sglang_dsv41.server_process as sp
+    import trainer_bridge.weight_sync as ws
+    from trainer_bridge.config import load_config
+    from trainer_bridge.trainer import Trainer, WeightVersionError
+
+    torch.set_num_threads(1)
+    port = free_port()
+    sp.free_port = lambda: port  # a restarted server comes back on the same URL
+    args = ["--model-path", "tiny", "--enable-return-routed-experts"]
+    server, res = sp.ServerProcess(args, startup_timeout=240), {}
+    try:
+        cfg = load_config("tiny", None, [
+            f"rollout.server_urls=[{server.url}]", f"out_dir={out_dir}", "plots=false",
+            "tensorboard=false", "steps=3", "weight_sync_transport=tensor",
+            "rollout.prompts_per_step=1", "rollout.group_size=2", "loss.mini_batches=1"])
+        tr = Trainer(cfg)
+
+        def version():
+            return httpx.get(server.url + "/get_weight_version").json()["weight_version"]
+
+        tr.sync_weights("step-0")
+        # A push whose last float tensor the server refuses (scale check): earlier buckets
+        # were applied, so the engine must not claim the new version.
+        tr.syncer.bucket_bytes = 1 << 16
+        real = ws.pushed_tensors
+
+        def refused_last(state):
+            named = real(state)
+            i = max(j for j, (_, t) in enumerate(named) if t.is_floating_point())
+            named[i] = (named[i][0], named[i][1] * 1e7)
+            return named
+
+        ws.pushed_tensors = refused_last
+        try:
+            tr.sync_weights("step-1")
+            res["half"] = "pushed"
+        except ws.WeightSyncError as e:
+            res["half"] = str(e)
+        ws.pushed_tensors = real
+        res["after_half"] = version()
+        m = tr.train_step(0)  # its rollouts came from the half-pushed engine: re-push, again
+        res["resyncs0"], res["after0"] = m["weight_resyncs"], version()
+        server.stop()
+        server = sp.ServerProcess(args, startup_timeout=240)  # back on its base weights
+        res["restarted"] = version()
+        m = tr.train_step(1)
+        res["resyncs1"], res["after1"] = m["weight_resyncs"], version()
+        server.stop()
+        server = sp.ServerProcess(args, startup_timeout=240)
+        tr.syncer._push = lambda *a: {}  # a re-push that does not reach the engine
+        try:
+            tr.train_step(2)
+            res["stuck"] = "trained"
+        except WeightVersionError as e:
+            res["stuck"] = str(e)
+        tr.close(failed=False)
+    except Exception:
+        res["error"] = traceback.format_exc()
+    finally:
+        server.stop()
+    queue.put(res)
+
+
+def test_rollouts_from_other_weights_are_not_trained_on(tmp_path):
+    """A push refused half-way leaves the engine labelled '<version>.partial', never the new
+    version; rollouts from it, or from an engine restarted on its base weights ('default'),
+    are dropped, the weights pushed again and the step collected again (weight_resyncs 1);
+    when the re-push does not help, the step fails naming the engine and both versions."""
+    from trainer_bridge.dist import run_spawned
+
+    (res,) = run_spawned(resync_worker, [(str(tmp_path / "run"),)], timeout=540)
+    assert "error" not in res, res["error"]
+    assert res["half"] != "pushed" and res["after_half"] == "step-1.partial", res
+    assert res["resyncs0"] == 1 and res["after0"] == "step-1", res
+    assert res["restarted"] == "default"
+    assert res["resyncs1"] == 1 and res["after1"] == "step-2", res
+    assert "serves weight_version 'default', expected 'step-2'" in res["stuck"], res
+    assert "not trained on" in res["stuck"]

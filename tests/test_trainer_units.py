@@ -394,3 +394,152 @@ def test_checkpoint_read_errors_name_the_file_and_the_older_checkpoint(tmp_path)
         for r in (0, 1):
             (older / f"rng_rank{r}.pt").write_bytes(b"")
         check_world_size(str(older), {"step": 2}, 1)
+
+
+class _Episode:
+    prompt = [1, 2, 3]
+
+    def step(self, out):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(done=True, reward=1.0, observation=[])
+
+
+class _OneTurnEnv:
+    name, max_turns = "one-turn", 1
+
+    def new_episode(self, prompt_index):
+        return _Episode()
+
+
+class _VersionedRouter:
+    """Answers every turn from engine e0 with the weight_version ``versions`` gives the
+    session (default ``version``)."""
+
+    def __init__(self, version):
+        self.version, self.versions = version, {}
+
+    def generate(self, session_id, payload, expected_tokens=0):
+        return {"output_ids": [7, 8], "meta_info": {
+            "output_token_logprobs": [[-1.0, 7], [-2.0, 8]], "route": ["http://e0", 0],
+            "weight_version": self.versions.get(session_id, self.version)}}
+
+    def end_session(self, session_id):
+        pass
+
+
+def test_rollouts_check_every_responses_weight_version():
+    """Before any push the first response's version (the server's own) is expected from then
+    on; after a push the pushed one; a response from other weights fails the step's collect
+    naming the engine, the served and the expected version."""
+    from trainer_bridge.config import RolloutConfig
+    from trainer_bridge.rollout import ServerRolloutSource, WeightVersionMismatch
+
+    router = _VersionedRouter("default")
+    src = ServerRolloutSource(router, _OneTurnEnv(), RolloutConfig(prompts_per_step=1,
+                              group_size=3, max_new_tokens=2, concurrency=2), False)
+    try:
+        assert len(src.collect(0)) == 3 and src.expected_version == "default"
+        router.versions["step1-p1-g2"] = "step-7.partial"
+        with pytest.raises(WeightVersionMismatch) as e:
+            src.collect(1)
+        assert (e.value.engine, e.value.served, e.value.expected) == (
+            "http://e0 dp_rank 0", "step-7.partial", "default")
+        assert "engine http://e0 dp_rank 0 served weight_version 'step-7.partial'" in str(e.value)
+        src.expected_version, router.version, router.versions = "step-7", "step-7", {}
+        assert len(src.collect(2)) == 3
+        router.version = "default"  # restarted on its base weights
+        with pytest.raises(WeightVersionMismatch, match="'default', expected 'step-7'"):
+            src.collect(3)
+    finally:
+        src.close()
+
+
+def test_r3_routing_is_checked_where_rank_0_collects():
+    from trainer_bridge.rollout import check_routing_present
+
+    good = np.zeros((5, 4, 2), np.int32)
+    check_routing_present([sample(routed=good)], [0, 3], top_k=2)
+    check_routing_present([sample()], [], top_k=2)  # nothing routed: nothing to check
+    with pytest.raises(ValueError, match="sample 1 .* no routed experts"):
+        check_routing_present([sample(routed=good), sample()], [0, 3], top_k=2)
+    with pytest.raises(ValueError, match="shape \\(5, 4, 2\\)"):
+        check_routing_present([sample(routed=good)], [4], top_k=2)  # layer 4 of 4
+    with pytest.raises(ValueError, match="shape"):
+        check_routing_present([sample(routed=good)], [0], top_k=3)
+    bad = good.copy()
+    bad[2, 3] = -1
+    with pytest.raises(ValueError, match="-1 rows in layer\\(s\\) \\[3\\]"):
+        check_routing_present([sample(routed=bad)], [0, 3], top_k=2)
+
+
+ONE_RANK_FAILS = """
+import os, sys
+import torch.distributed as dist
+import trainer_bridge.trainer as t
+from trainer_bridge import train
+real = t.pack
+def pack(*a, **k):
+    if os.environ.get("FAIL_RANK_1") and dist.get_rank() == 1:
+        raise ValueError("injected: rank 1 alone fails in pack")
+    return real(*a, **k)
+t.pack = pack
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ["rank_1_alone_raises", "sample_without_routing"])
+def test_an_error_on_one_rank_ends_a_two_rank_job_with_its_message(tmp_path, case):
+    """2 FSDP ranks (gloo, torchrun). An error raised on rank 1 alone (in pack) while rank 0
+    waits in a collective ends the job with that error, never a barrier-in-close hang; a
+    sample without the server's routing (R3) is refused where rank 0 collects the step, so
+    both ranks fail with the reason."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from sglang_dsv41.ports import free_port
+
+    rng = np.random.default_rng(0)
+    samples = []
+    for i in range(4):
+        n = 12
+        ids = np.stack([(np.arange(2) + i + j) % 8 for j in range(8)])  # [layers, top_k]
+        ids = np.broadcast_to(ids, (n - 1, 8, 2)).astype(np.int32)
+        broken = case == "sample_without_routing" and i == 1
+        s = Sample(rng.integers(0, 256, n).tolist(), [0] * 8 + [1] * 4,
+                   [0.0] * 8 + [-1.0] * 4, float(i % 2), 0,
+                   routed_experts=None if broken else ids,
+                   routed_weights=None if broken else np.full(ids.shape, 0.5, np.float32))
+        samples.append(s.to_json())
+    record = tmp_path / "rollouts.jsonl"
+    record.write_text(json.dumps({"step": 0, "samples": samples}) + "\n")
+    script = tmp_path / "one_rank_fails.py"
+    script.write_text(ONE_RANK_FAILS)
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               **({"FAIL_RANK_1": "1"} if case == "rank_1_alone_raises" else {}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(free_port()), str(script), "--preset", "tiny",
+           "rollout.source=offline", f"rollout.offline_path={record}",
+           f"out_dir={tmp_path / 'out'}", "steps=1", "plots=false", "tensorboard=false",
+           "loss.mini_batches=1"]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True, text=True)
+    try:
+        out, _ = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"the job hung:\n{out[-3000:]}") from None
+    assert proc.returncode != 0, out[-3000:]
+    if case == "rank_1_alone_raises":
+        assert "injected: rank 1 alone fails in pack" in out, out[-3000:]
+    else:
+        assert "sample 1" in out and "no routed experts" in out, out[-3000:]
+        assert "[rank0]" in out and "[rank1]" in out  # both ranks raise the reason
+    print(f"{case}: ended after {time.monotonic() - t0:.1f}s")

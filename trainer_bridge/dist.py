@@ -35,9 +35,13 @@ def init_distributed(device: torch.device) -> DistInfo:
     return DistInfo(dist.get_rank(), world, mesh)
 
 
-def close_distributed() -> None:
+def close_distributed(barrier: bool = True) -> None:
+    """``barrier``: wait for every rank first (a clean end). Never on an error path: a rank
+    that failed alone would wait there for ranks that wait in another collective (an FSDP
+    all-gather) for it, and the job would hang instead of ending with its error."""
     if dist.is_initialized():
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
 
 

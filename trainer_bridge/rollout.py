@@ -50,15 +50,56 @@ def sampling_seed(seed: int, session_id: str, turn: int) -> int:
     return int.from_bytes(digest, "little") >> 1  # non-negative int64
 
 
+class WeightVersionMismatch(RuntimeError):
+    """A rollout came from weights other than the ones the trainer pushed last (a restarted
+    engine serving its base weights, a half-pushed one): it must not be trained on."""
+
+    def __init__(self, engine: str, served: str | None, expected: str,
+                 secondary: bool = False):
+        super().__init__(f"engine {engine} served weight_version {served!r}, expected "
+                         f"{expected!r}")
+        self.engine, self.served, self.expected = engine, served, expected
+        self.secondary = secondary  # an episode stopped because another one mismatched
+
+
+class VersionCheck:
+    """The weight_version every response of a step must carry: ``expected`` (the trainer's
+    last push), or before any push the first response's (the server's own initial weights),
+    kept from then on. ``stop`` is set at the first mismatch: the step's other episodes end
+    at their next turn."""
+
+    def __init__(self, expected: str | None):
+        self.expected = expected
+        self.stop = threading.Event()
+        self._lock = threading.Lock()
+
+    def check(self, resp: dict[str, Any]) -> None:
+        meta = resp.get("meta_info") or {}
+        served = meta.get("weight_version")
+        served = None if served is None else str(served)
+        with self._lock:
+            if self.expected is None and served is not None:
+                self.expected = served
+            expected = self.expected
+        if served != expected:
+            route = meta.get("route")
+            engine = f"{route[0]} dp_rank {route[1]}" if route else "?"
+            self.stop.set()
+            raise WeightVersionMismatch(engine, served, str(expected))
+
+
 def run_episode(router: SessionRouter, env: Environment, prompt_index: int, group_id: int,
                 session_id: str, cfg: RolloutConfig, routed_experts: bool,
-                seed: int = 0) -> Sample:
+                seed: int = 0, versions: VersionCheck | None = None) -> Sample:
     episode = env.new_episode(prompt_index)
     tokens = list(episode.prompt)
     mask, lps = [0] * len(tokens), [0.0] * len(tokens)
     prompt_tokens = cached = 0
     try:
         for turn in range(env.max_turns):
+            if versions is not None and versions.stop.is_set():
+                raise WeightVersionMismatch("(stopped: another episode's)", None,
+                                            str(versions.expected), secondary=True)
             resp = router.generate(session_id, {
                 "input_ids": tokens,
                 "sampling_params": {"max_new_tokens": cfg.max_new_tokens,
@@ -66,6 +107,8 @@ def run_episode(router: SessionRouter, env: Environment, prompt_index: int, grou
                                     "sampling_seed": sampling_seed(seed, session_id, turn)},
                 "return_logprob": True, "return_routed_experts": routed_experts,
             }, expected_tokens=len(tokens) + cfg.max_new_tokens)
+            if versions is not None:
+                versions.check(resp)
             meta, out = resp["meta_info"], list(resp["output_ids"])
             out_lps = [float(x[0]) for x in meta.get("output_token_logprobs") or []]
             if not out or len(out_lps) != len(out):
@@ -103,9 +146,15 @@ class ServerRolloutSource(RolloutSource):
         self.routed_experts, self.record_path = routed_experts, record_path
         self._pool = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="rollout")
         self._lock = threading.Lock()
+        # The weight_version every response must carry: the trainer sets it after each push;
+        # None before the first: the first response's (the server's initial weights) is kept.
+        self.expected_version: str | None = None
 
     def collect(self, step: int) -> list[Sample]:
+        """Every episode of the step; raises WeightVersionMismatch (after every episode ended)
+        when a response came from other weights than ``expected_version``."""
         cfg = self.cfg
+        versions = VersionCheck(self.expected_version)
         futures = []
         for p in range(cfg.prompts_per_step):
             prompt_index = step * cfg.prompts_per_step + p
@@ -113,8 +162,18 @@ class ServerRolloutSource(RolloutSource):
                 sid = f"step{step}-p{prompt_index}-g{g}"
                 futures.append(self._pool.submit(run_episode, self.router, self.env,
                                                  prompt_index, prompt_index, sid, cfg,
-                                                 self.routed_experts, self.seed))
-        samples = [f.result() for f in futures]
+                                                 self.routed_experts, self.seed, versions))
+        samples, errors = [], []
+        for f in futures:  # wait for all: no episode of this step runs on into the next
+            try:
+                samples.append(f.result())
+            except Exception as e:  # noqa: BLE001 - re-raised below, a mismatch first
+                errors.append(e)
+        self.expected_version = versions.expected
+        mismatch = [e for e in errors if isinstance(e, WeightVersionMismatch)]
+        first = [e for e in mismatch if not e.secondary] or mismatch or errors
+        if first:
+            raise first[0]
         if self.record_path:
             append_record(self.record_path, step, samples)
         return samples
@@ -127,6 +186,30 @@ def append_record(path: str, step: int, samples: list[Sample]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "a") as f:
         f.write(json.dumps({"step": step, "samples": [s.to_json() for s in samples]}) + "\n")
+
+
+def check_routing_present(samples: list[Sample], routed_layers: list[int], top_k: int) -> None:
+    """R3: every sample must carry the server's routing for every routed layer, ids and
+    weights [len(tokens) - 1, > max(routed_layers), top_k] without -1 rows. Checked where rank 0
+    collects the step, before the samples are scattered, so every rank fails with the reason
+    (one rank failing alone in ``pack`` would leave the others in a collective)."""
+    if not routed_layers:
+        return
+    for i, s in enumerate(samples):
+        where = f"sample {i} (group {s.group_id}, route {s.route})"
+        if s.routed_experts is None or s.routed_weights is None:
+            raise ValueError(f"R3 is on but {where} has no routed experts/weights from the "
+                             "server (was the server started with --enable-return-routed-"
+                             "experts?)")
+        e, w = s.routed_experts, s.routed_weights
+        if (e.ndim != 3 or e.shape[0] != len(s.tokens) - 1 or e.shape[1] <= max(routed_layers)
+                or e.shape[2] != top_k or w.shape != e.shape):
+            raise ValueError(f"{where}: the server's routing has shape {tuple(e.shape)} (weights "
+                             f"{tuple(w.shape)}); expected [{len(s.tokens) - 1}, "
+                             f">{max(routed_layers)} layers, {top_k}] for both")
+        bad = [layer for layer in routed_layers if (e[:, layer] < 0).any()]
+        if bad:
+            raise ValueError(f"{where}: the server's routing has -1 rows in layer(s) {bad}")
 
 
 class OfflineRolloutSource(RolloutSource):

@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         server = ServerProcess(server_argv(cfg), startup_timeout=300.0,
                                log_path=os.path.join(cfg.out_dir, "server.log"))
     trainer = None
+    finished = False  # every rank got to the end together: close with a barrier
     try:
         try:
             trainer = Trainer(cfg, server_url=server.url if server else None)
@@ -195,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                 log.error("dry run: %s", f)
             if rank == 0:
                 print("dry run: " + ("FAILED" if failures else "OK"), flush=True)
+            finished = True
             return 1 if failures else 0
         try:
             history = trainer.train()
@@ -210,12 +212,14 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0 and history:
             rewards = [round(h["reward_mean"], 3) for h in history]
             print(f"reward per step: {rewards}", flush=True)
+        finished = True
         return 0
     finally:
         if server is not None:
             server.begin_stop()  # the server winds down while the trainer closes
         if trainer is not None:
-            trainer.close()
+            # After an error (maybe this rank's alone) no barrier: the job ends with it.
+            trainer.close(failed=not finished)
         if server is not None:
             server.stop()
         release_lock()

@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import random
+import sys
 import time
 from typing import Any, Callable
 
@@ -15,6 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from sglang_dsv41.model.dsv4.context import host_to_device
+from sglang_dsv41.router import RouterError
 from sglang_dsv41.tokenizer import ByteTokenizer
 
 from .batch import MicroBatch, Sample, pack, split_by_token_budget
@@ -30,7 +32,8 @@ from .micro_batch_graphs import MicroBatchGraphs
 from .optimizer_offload import offload_optimizer
 from .parallelize import is_sink_param
 from .policy import Policy, build_policy, resolve_device
-from .rollout import OfflineRolloutSource, RolloutSource, ServerRolloutSource
+from .rollout import (OfflineRolloutSource, RolloutSource, ServerRolloutSource,
+                      WeightVersionMismatch, check_routing_present)
 from .schedule import build_optimizer
 from .telemetry import Telemetry, memory_metrics, rollout_metrics
 from .weight_sync import WeightSyncer
@@ -38,6 +41,13 @@ from .weight_sync import WeightSyncer
 log = logging.getLogger("trainer_bridge")
 # forward_backward's vector (LossTerms.sums)
 STEP_SUMS = ("loss", "pg", "kl", "clip", "tis", "mismatch_abs", "mismatch_k3")
+# How often one step re-pushes the weights after rollouts came from other weights (a restarted
+# or half-pushed engine) before it fails.
+MAX_WEIGHT_RESYNCS = 1
+
+
+class WeightVersionError(RuntimeError):
+    """The engines kept serving other weights than the trainer pushed (every rank raises)."""
 
 
 class Trainer:
@@ -65,6 +75,7 @@ class Trainer:
             cfg.optim.offload_chunk_mb)
         self.checkpointing = self.plan_checkpointing()
         self.step = 0
+        self.weight_resyncs = 0
         self.router = self.rollouts = None
         self.syncer: WeightSyncer | None = None
         # Rank 0 talks to the engines; a bad URL must fail every rank, not strand them.
@@ -134,9 +145,63 @@ class Trainer:
 
     # ---- one step -------------------------------------------------------------------------
     def collect_rollouts(self, step: int) -> list[Sample]:
-        samples = on_primary(lambda: self.rollouts.collect(step))
+        """The step's rollouts (collected on rank 0, handed to every rank). Every response must
+        come from the weights pushed last (its meta_info.weight_version): otherwise none of
+        the step's rollouts is trained on, the weights are pushed again (to the dead engines
+        that answer too: a restarted one) and the step collected again, at most
+        MAX_WEIGHT_RESYNCS times, then WeightVersionError names the engine and both
+        versions. ``self.weight_resyncs``: this step's re-pushes (metric weight_resyncs)."""
+        self.weight_resyncs = 0
+        while True:
+            samples, mismatch = on_primary(self._collect_checked, step)
+            if mismatch is None:
+                break
+            if self.syncer is None or self.weight_resyncs >= MAX_WEIGHT_RESYNCS:
+                why = ("weight_sync is off" if self.syncer is None else
+                       f"still after {self.weight_resyncs} re-push(es) of the weights")
+                raise WeightVersionError(f"step {step}: {mismatch} ({why}); the step's "
+                                         "rollouts were not trained on")
+            version = self.syncer.version or f"step-{step}"
+            if self.dist.is_primary:
+                log.warning("step %d: %s; its rollouts are dropped, the weights pushed again "
+                            "as %s and the step collected again", step, mismatch, version)
+            self.sync_weights(version)
+            self.weight_resyncs += 1
         compute_advantages(samples, self.cfg.loss)
         return samples
+
+    def _collect_checked(self, step: int) -> tuple[list[Sample] | None, str | None]:
+        """Rank 0: (samples, None), or (None, why) when they came from other weights than the
+        last push's; the R3 routing of every sample checked (check_routing_present)."""
+        src = self.rollouts
+        if isinstance(src, ServerRolloutSource):
+            if self.syncer is not None and self.syncer.version is not None:
+                src.expected_version = self.syncer.version
+            try:
+                samples = src.collect(step)
+            except WeightVersionMismatch as e:
+                return None, str(e)
+            except RouterError as e:
+                # The router may have taken a restarted engine out for its version (with one
+                # engine: none left); a version mismatch is what a re-push fixes.
+                mismatch = self._served_version_mismatch(src.expected_version)
+                if mismatch is None:
+                    raise
+                return None, f"{mismatch} ({type(e).__name__}: {e})"
+        else:
+            samples = src.collect(step)
+        if self.cfg.model.r3:
+            check_routing_present(samples, self.policy.routed_layers,
+                                  self.policy.config.num_experts_per_tok)
+        return samples, None
+
+    def _served_version_mismatch(self, expected: str | None) -> str | None:
+        if expected is None or self.syncer is None:
+            return None
+        for url, served in self.syncer.served_versions().items():
+            if served != expected:
+                return f"engine {url} serves weight_version {served!r}, expected {expected!r}"
+        return None
 
     def build_mini_batches(self, samples: list[Sample]) -> list[list[MicroBatch]]:
         """This rank's share, cut into mini-batches and token-budget micro-batches; every rank
@@ -241,7 +306,8 @@ class Trainer:
                    "train_tokens": tokens}
         metrics.update(routing_metrics(totals[len(STEP_SUMS):].view_as(agree)))
         metrics.update(rollout_metrics(samples), grad_norm=grad_norm, sink_grad_norm=sink_norm,
-                       lr=lr, sink_lr=sink_lr, rollout_s=t_rollout)
+                       lr=lr, sink_lr=sink_lr, rollout_s=t_rollout,
+                       weight_resyncs=float(self.weight_resyncs))
         if self.syncer is not None:
             metrics["weight_sync_s"] = self.sync_weights(f"step-{step + 1}")
         metrics.update(memory_metrics(self.device), step_s=time.perf_counter() - t0)
@@ -312,12 +378,19 @@ class Trainer:
         self.telemetry.resume(self.step)
         log.info("resumed from %s at step %d", path, self.step)
 
-    def close(self) -> None:
-        self.telemetry.close(plots=self.cfg.plots)
-        for obj in (self.rollouts, self.syncer, self.router):
-            if obj is not None:
-                obj.close()
-        close_distributed()
+    def close(self, failed: bool | None = None) -> None:
+        """``failed`` (default: whether an exception is being handled, as in a ``finally``
+        after an error): no barrier with the other ranks, which may be in another collective
+        (close_distributed)."""
+        if failed is None:
+            failed = sys.exc_info()[0] is not None
+        try:
+            self.telemetry.close(plots=self.cfg.plots)
+            for obj in (self.rollouts, self.syncer, self.router):
+                if obj is not None:
+                    obj.close()
+        finally:
+            close_distributed(barrier=not failed)
 
 
 def byte_tokenizer(cfg) -> ByteTokenizer:

@@ -8,11 +8,21 @@ tables (Engram ``engram.embed.*``, ``tid2eid``) are never sent, and each engine'
 
 All ranks call ``sync`` (gathering the full state dict is a collective); rank 0 talks HTTP and
 broadcasts the outcome so every rank raises the same error.
+
+Versions: only a complete update labels an engine with the push's ``version``. The tensor
+transport's buckets before the last carry ``partial_version(version)`` (each bucket relabels
+the engine), so an engine a push left half-updated reports a version that differs from the
+trainer's (the trainer's check of every rollout's weight_version catches it); the distributed
+transport is one request per engine, applied and labelled only once every tensor arrived.
+A push goes to the router's live engines and to its dead ones that answer /health (a restarted
+engine is dead to the router until a push brings it back to the current weights); a dead
+engine's failed update is logged and leaves it dead, a live one's fails the sync.
 """
 
 from __future__ import annotations
 
 import base64
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -32,9 +42,17 @@ from sglang_dsv41.router import SessionRouter
 from .dist import broadcast_object
 from .parallelize import server_param_name
 
+log = logging.getLogger("trainer_bridge")
+
 
 class WeightSyncError(RuntimeError):
     pass
+
+
+def partial_version(version: str) -> str:
+    """The label of an engine a push has begun but not finished (no trailing number: None
+    would make the engine bump one)."""
+    return f"{version}.partial"
 
 
 def served_dtypes(model: DSV4ForCausalLM, served_dtype: torch.dtype) -> dict[str, torch.dtype]:
@@ -73,6 +91,8 @@ class WeightSyncer:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(timeout=timeout, headers=headers) if router else None
         self._dtypes: dict[str, torch.dtype] | None = None
+        # The version of the last complete push (every rank): what the engines must serve.
+        self.version: str | None = None
 
     def sync(self, model: DSV4ForCausalLM, version: str, is_primary: bool) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -87,40 +107,106 @@ class WeightSyncer:
         if "error" in outcome:
             raise WeightSyncError(outcome["error"])
         outcome["weight_sync_s"] = time.perf_counter() - t0
+        self.version = version
         return outcome
+
+    def served_versions(self) -> dict[str, str]:
+        """Rank 0: every engine's weight_version (GET /get_weight_version), live or dead to the
+        router; an engine that does not answer is left out (the router deals with it)."""
+        assert self.router is not None and self.client is not None
+        out = {}
+        for url in all_engine_urls(self.router):
+            try:
+                out[url] = str(self._get(url, "/get_weight_version")["weight_version"])
+            except (httpx.HTTPError, WeightSyncError, KeyError, ValueError):
+                continue
+        return out
 
     # ---- rank 0 ---------------------------------------------------------------------------
     def _push(self, model, state: dict[str, torch.Tensor], version: str) -> dict[str, Any]:
         assert self.router is not None and self.client is not None
-        urls = self.router.engine_urls()
-        if not urls:
-            raise WeightSyncError("no live engine to update")
+        live = self.router.engine_urls()
         named = pushed_tensors(state)
+        skipped: dict[str, str] = {}
         with self.router.paused():
-            before = {u: self._get(u, "/engram_checksum") for u in urls}
+            # Dead engines that answer again (a restarted one) take the push too: the router
+            # revives an engine only once it serves the pushed version.
+            urls = live + [u for u in all_engine_urls(self.router)
+                           if u not in live and self._answers(u)]
+            if not urls:
+                raise WeightSyncError("no engine to update: every engine is dead and none "
+                                      "answers /health")
+            before = {}
+            for u in urls:
+                self._attempt(u, live, skipped,
+                              lambda u=u: before.__setitem__(u, self._get(u, "/engram_checksum")))
+            urls = [u for u in urls if u not in skipped]
+            if not urls:
+                raise WeightSyncError(f"no engine took the update: {skipped}")
             dtypes = self._served_dtypes(model, urls[0])
             plan = _bucket_plan(named, dtypes, self.bucket_bytes)
             num_bytes = 0
             if self.transport == "distributed":
+                served = self.served_versions() if self._groups else {}
+                for u in [u for u in urls if u in self._groups]:
+                    if u not in live or served.get(u) != self.version:
+                        # dead to the router, or not serving our last push (a restarted
+                        # engine): its side of our process group may be gone, make a new one
+                        group, _ = self._groups.pop(u)
+                        group.close()
                 for u in urls:
-                    num_bytes += self._push_distributed(u, named, dtypes, version)
+                    sent: list[int] = []
+                    self._attempt(u, live, skipped, lambda u=u: sent.append(
+                        self._push_distributed(u, named, dtypes, version)))
+                    num_bytes += sum(sent)
             # One bucket at a time: only a bucket's casts exist at once besides the state.
             for i, indices in enumerate(plan if self.transport == "tensor" else []):
                 bucket = storable_state({named[j][0]: named[j][1] for j in indices},
                                         lambda n, _: dtypes[n])
                 payload = base64.b64encode(save(bucket)).decode()
                 num_bytes += len(payload)
-                body = {"serialized_named_tensors": payload, "weight_version": version,
-                        "flush_cache": i == len(plan) - 1}
-                for u in urls:
-                    self._post(u, "/update_weights_from_tensor", body)
+                last = i == len(plan) - 1
+                # Only the last bucket labels the engine with the version: an engine a failed
+                # push left half-updated never claims it.
+                body = {"serialized_named_tensors": payload, "flush_cache": last,
+                        "weight_version": version if last else partial_version(version)}
+                for u in [u for u in urls if u not in skipped]:
+                    self._attempt(u, live, skipped, lambda u=u: self._post(
+                        u, "/update_weights_from_tensor", body))
+            urls = [u for u in urls if u not in skipped]
+            if not urls:
+                raise WeightSyncError(f"no engine took the update: {skipped}")
             after = {u: self._get(u, "/engram_checksum") for u in urls}
         for u in urls:
             if _checksums(before[u]) != _checksums(after[u]):
                 raise WeightSyncError(f"{u}: Engram checksum changed by the weight update: "
                                       f"{_checksums(before[u])} -> {_checksums(after[u])}")
-        return {"num_tensors": len(named), "num_buckets": len(plan), "payload_bytes": num_bytes,
-                "engram_checksum": _checksums(after[urls[0]]), "engines": urls}
+        updated = getattr(self.router, "weights_updated", None)
+        if updated is not None:
+            updated(version, urls)
+        out = {"num_tensors": len(named), "num_buckets": len(plan), "payload_bytes": num_bytes,
+               "engram_checksum": _checksums(after[urls[0]]), "engines": urls}
+        if skipped:
+            out["skipped_engines"] = skipped
+        return out
+
+    def _answers(self, url: str) -> bool:
+        try:
+            return self.client.get(url + "/health", timeout=10.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _attempt(self, url: str, live: list[str], skipped: dict[str, str], fn) -> None:
+        """``fn()`` for one engine: a live engine's failure fails the push; a dead engine's
+        (the router has it out of rotation) is logged and the engine left out of the rest."""
+        try:
+            fn()
+        except Exception as e:
+            if url in live:
+                raise
+            skipped[url] = f"{type(e).__name__}: {e}"
+            log.warning("weight push to %s (dead to the router) failed, it stays out of "
+                        "rotation: %s", url, skipped[url])
 
     def _push_distributed(self, url: str, named: list[tuple[str, torch.Tensor]],
                           dtypes: dict[str, torch.dtype], version: str) -> int:
@@ -188,6 +274,14 @@ class WeightSyncer:
             group.close()
         if self.client is not None:
             self.client.close()
+
+
+def all_engine_urls(router: SessionRouter) -> list[str]:
+    """Every engine of the router, live or dead (a StickyRouter lists its slots)."""
+    slots = getattr(router, "slot_states", None)
+    if slots is None:
+        return router.engine_urls()
+    return sorted({s.route.url for s in slots()})
 
 
 def _checksums(reply: dict[str, Any]) -> Any:

@@ -16,10 +16,13 @@ and the engine stays live). Dead is not for good: an engine with dead slots has 
 ``/health`` probed again at most every ``revive_interval`` seconds, when a turn starts or the
 gateway checks its health, and once it answers, its slots live again except the ranks its
 /get_server_info still reports unhealthy (and none while it serves another weight_version than
-the live engines: it missed a weight update). A moved session is re-pinned on its next turn (a turn
-boundary), with its whole history in that turn's prompt (the prefix is recomputed there). With
-``max_in_flight``, a session whose slot already has that many turns in flight is moved, at its
-turn boundary, to the best live slot when that one has fewer.
+the expected one: the last weight update's, ``weights_updated``, else the live engines'
+majority); a live engine seen serving another one (restarted on its base weights, or half
+pushed) is marked dead the same way, until a push brings it up to date. A moved session is
+re-pinned on its next turn (a turn boundary), with its whole history in that turn's prompt
+(the prefix is recomputed there). With ``max_in_flight``, a session whose slot already has
+that many turns in flight is moved, at its turn boundary, to the best live slot when that one
+has fewer.
 
 The placement, retry and health policy of a turn is one generator of HTTP calls (``_turn``);
 ``generate`` drives it with a blocking httpx client (the trainer), ``agenerate``/``astream``
@@ -33,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Generator
 
@@ -143,6 +147,10 @@ class StickyRouter(SessionRouter):
         self._paused = False
         self._last_refresh: dict[str, float] = {}
         self._last_probe: dict[str, float] = {}  # url -> when its dead slots were last probed
+        # The weight_version every engine should serve: the last weight update's
+        # (weights_updated), else None: the version most live engines report.
+        self._expected_version: str | None = None
+        self._versions: dict[str, str] = {}      # url -> weight_version it last reported
         for url in engine_urls:
             url = url.rstrip("/")
             try:
@@ -152,6 +160,8 @@ class StickyRouter(SessionRouter):
             for dp in range(dp_size_of(info)):
                 self._slots[Route(url, dp)] = SlotState(Route(url, dp))
             self._apply_server_info(url, info)
+            if info.get("weight_version") is not None:
+                self._versions[url] = str(info["weight_version"])
             self._last_refresh[url] = time.monotonic()
 
     # ---- SessionRouter ----------------------------------------------------------------------
@@ -391,8 +401,11 @@ class StickyRouter(SessionRouter):
         """Re-reads /get_server_info of live engines older than ``refresh_interval``, and
         probes the /health of engines with dead slots not probed for ``revive_interval``: one
         that answers has its slots revived, but for the ranks its info reports unhealthy, and
-        only if it serves the live engines' weight_version (a weight update skips dead
-        engines: revived on older weights, it would roll out with another policy)."""
+        only if it serves the expected weight_version (``_reference_versions``: revived on
+        older weights, it would roll out with another policy). A live engine whose re-read
+        info reports another weight_version (it restarted on its base weights, or a push to it
+        failed half-way) is marked dead the same way; not while the router is paused (a
+        weight update in progress relabels the engines one after the other)."""
         stale, due = self._due_engines()
         answered = []
         for url in due:
@@ -411,19 +424,62 @@ class StickyRouter(SessionRouter):
                 self._apply_server_info(url, infos[url])
             else:
                 infos[url] = orjson.loads(resp.body)
-        live = {str(infos[u]["weight_version"]) for u in self.engine_urls()
-                if infos.get(u, {}).get("weight_version") is not None}
+        with self._cond:
+            for url, info in infos.items():
+                if info.get("weight_version") is not None:
+                    self._versions[url] = str(info["weight_version"])
+            paused = self._paused
+        expected = self._reference_versions()
+        if expected and not paused:
+            for url in infos:
+                version = infos[url].get("weight_version")
+                if url in answered or version is None or str(version) in expected:
+                    continue
+                self._mark_dead(url, None, self._version_reason(version, expected))
         for url in answered:
             if url not in infos:
                 continue
             version = infos[url].get("weight_version")
-            if live and version is not None and str(version) not in live:
+            if expected and version is not None and str(version) not in expected:
                 with self._cond:
                     for route in [r for r in self._dead if r.url == url]:
-                        self._dead[route] = (f"weight_version {version}, the live engines "
-                                             f"serve {sorted(live)}: it missed a weight update")
+                        self._dead[route] = self._version_reason(version, expected)
             else:
                 self._apply_server_info(url, infos[url], revive=True)
+
+    def weights_updated(self, version: str, urls: list[str]) -> None:
+        """A weight update labelled ``version`` reached ``urls`` (the trainer's push, which
+        every scheduler rank of an engine takes part in): every engine must serve ``version``
+        from now on, and the dead slots of ``urls`` (a restarted engine the push brought up to
+        date) live again at once; their info is re-read on the next turn (a rank it reports
+        unhealthy is dead again)."""
+        with self._cond:
+            self._expected_version = str(version)
+            for url in urls:
+                url = url.rstrip("/")
+                self._versions[url] = str(version)
+                self._last_refresh[url] = float("-inf")
+                for route in [r for r in self._dead if r.url == url]:
+                    del self._dead[route]
+            self._cond.notify_all()
+
+    def _reference_versions(self) -> set[str]:
+        """The weight_version(s) an engine may serve and stay live: the last weight update's,
+        else the one most live engines last reported (none when they tie)."""
+        with self._cond:
+            if self._expected_version is not None:
+                return {self._expected_version}
+            live = [self._versions[u] for u in self.engine_urls() if u in self._versions]
+        counts = Counter(live).most_common()
+        if not counts:
+            return set()
+        if len(counts) > 1 and counts[0][1] == counts[1][1]:
+            return set(live)  # no majority: none of them is singled out
+        return {counts[0][0]}
+
+    def _version_reason(self, version: Any, expected: set[str]) -> str:
+        return (f"weight_version {version}, the engines should serve {sorted(expected)}: it "
+                "restarted or missed a weight update")
 
     def _output(self, route: Route, content: bytes) -> dict[str, Any]:
         out = orjson.loads(content)
