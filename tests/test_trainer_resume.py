@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 
 import pytest
 import torch
+from jobs import run_job
 
 from sglang_dsv41.ports import free_port
 from trainer_bridge.dist import run_spawned
@@ -82,16 +82,8 @@ def torchrun(out_dir: str, rollouts: str, *extra: str) -> None:
            # the baseline was recorded with (the tiny recipe's until it moved to 5e-3)
            "optim.sink_frozen_frac=0.5", "optim.sink_ramp_frac=0.25", "optim.lr=1e-2",
            "optim.sink_lr=1e-2", *extra]
-    env = dict(os.environ, **CANONICAL_CPU_NUMERICS)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True, text=True)
-    try:
-        out, _ = proc.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"torchrun timed out:\n{out[-3000:]}") from None
-    assert proc.returncode == 0, out[-3000:]
+    rc, out = run_job(cmd, 150, dict(os.environ, **CANONICAL_CPU_NUMERICS))
+    assert rc == 0, out[-3000:]
 
 
 def losses(out_dir: str) -> dict[int, float]:

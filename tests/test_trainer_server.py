@@ -15,14 +15,13 @@ import base64
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 
 import httpx
 import numpy as np
 import pytest
 import torch
+from jobs import run_job
 from safetensors.torch import save
 
 from sglang_dsv41.ports import free_port
@@ -34,16 +33,7 @@ SERVER_ARGS = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention",
 
 
 def run(cmd: list[str], timeout: float) -> tuple[int, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True, text=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"{cmd[:6]} timed out:\n{out[-3000:]}") from None
-    return proc.returncode, out
+    return run_job(cmd, timeout, dict(os.environ, OMP_NUM_THREADS="1"))
 
 
 def metrics(out_dir: str) -> list[dict]:

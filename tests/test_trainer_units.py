@@ -497,10 +497,10 @@ def test_an_error_on_one_rank_ends_a_two_rank_job_with_its_message(tmp_path, cas
     both ranks fail with the reason."""
     import json
     import os
-    import signal
-    import subprocess
     import sys
     import time
+
+    from jobs import run_job
 
     from sglang_dsv41.ports import free_port
 
@@ -528,15 +528,8 @@ def test_an_error_on_one_rank_ends_a_two_rank_job_with_its_message(tmp_path, cas
            f"out_dir={tmp_path / 'out'}", "steps=1", "plots=false", "tensorboard=false",
            "loss.mini_batches=1"]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True, text=True)
-    try:
-        out, _ = proc.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"the job hung:\n{out[-3000:]}") from None
-    assert proc.returncode != 0, out[-3000:]
+    rc, out = run_job(cmd, 150, env)
+    assert rc != 0, out[-3000:]
     if case == "rank_1_alone_raises":
         assert "injected: rank 1 alone fails in pack" in out, out[-3000:]
     else:
