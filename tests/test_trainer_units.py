@@ -536,3 +536,30 @@ def test_an_error_on_one_rank_ends_a_two_rank_job_with_its_message(tmp_path, cas
         assert "sample 1" in out and "no routed experts" in out, out[-3000:]
         assert "[rank0]" in out and "[rank1]" in out  # both ranks raise the reason
     print(f"{case}: ended after {time.monotonic() - t0:.1f}s")
+
+
+def _wait_forever(queue) -> None:
+    import time
+
+    time.sleep(3600)
+
+
+def test_a_failed_spawned_run_kills_its_workers_at_once():
+    """run_spawned's workers of a run that timed out (or was interrupted) may wait in a
+    collective for good: they are killed at once, not joined first (pytest-timeout cut the
+    join short and left them running)."""
+    import time
+
+    import psutil
+
+    from trainer_bridge.dist import run_spawned
+
+    before = {c.pid for c in psutil.Process().children()}
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="timed out after 1 s"):
+        run_spawned(_wait_forever, [(), ()], timeout=1, join_timeout=30)
+    assert time.monotonic() - t0 < 20  # a join first would wait 30 s a worker
+    left = [c for c in psutil.Process().children() if c.pid not in before and c.is_running()
+            and c.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in
+            " ".join(c.cmdline())]
+    assert left == [], left

@@ -103,7 +103,7 @@ def run_spawned(target, args_per_worker: list[tuple], timeout: float,
     procs = [ctx.Process(target=target, args=(*args, results)) for args in args_per_worker]
     for p in procs:
         p.start()
-    out, deadline = [], time.monotonic() + timeout
+    out, deadline, failed = [], time.monotonic() + timeout, True
     try:
         while len(out) < len(procs):
             try:
@@ -113,7 +113,13 @@ def run_spawned(target, args_per_worker: list[tuple], timeout: float,
                 if dead or time.monotonic() > deadline:
                     raise RuntimeError(f"workers died (exit codes {dead}) or timed out "
                                        f"after {timeout:.0f} s") from None
+        failed = False
     finally:
+        # A failed (or interrupted: pytest-timeout) run's workers may wait in a collective
+        # for good: killed at once, not after a join that the interruption may cut short.
+        for p in procs:
+            if failed and p.is_alive():
+                p.kill()
         for p in procs:
             p.join(join_timeout)
             if p.is_alive():
