@@ -14,10 +14,14 @@ receives and answers as a scheduler does, with a ``BatchTokenIDOutput`` to the d
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
+import types
 from array import array
+from types import SimpleNamespace
 
+import torch
 import zmq
 
 from sglang_cpu import import_sglang, write_tiny_model
@@ -86,8 +90,14 @@ class SchedulerStandIn:
                 placeholder_tokens_val=None, retraction_counts=[0], dp_ranks=[rank])
             io.sock_send(self.to_detokenizer, out)
         elif isinstance(req, io.UpdateWeightsFromDistributedReqInput):
+            # what the scheduler does: receive the broadcast (stand-in: no collective here, the
+            # received tensors are filled with 3), then the model-runner WeightUpdater loads it
+            weights = [(name, torch.full(shape, 3.0, dtype=getattr(torch, dtype)))
+                       for name, dtype, shape in zip(req.names, req.dtypes, req.shapes)]
+            with self.rc.get_parallel().override(tp_rank=0):
+                ok, message = self.weight_updater.load_weights_from_distributed(weights)
             self._reply_to_control(io.UpdateWeightsFromDistributedReqOutput(
-                success=True, message="stand-in scheduler: no collective to receive from"), req)
+                success=ok, message=message), req)
         elif isinstance(req, io.UpdateWeightsFromTensorReqInput):
             # what the scheduler's weight updater does: its rank's payload, SGLang's serializer,
             # then SGLang's model-runner WeightUpdater (on a CPU model)
@@ -131,13 +141,20 @@ DENSE_NAME = "model.layers.0.self_attn.wo_a.weight"
 ENGRAM_NAME = "model.layers.1.engram.embed.weight"
 
 
+class TinyRunnerModel(torch.nn.Module):
+    """A CPU model with a model's ``load_weights``: each (name, tensor) into its parameter."""
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        for name, tensor in weights:
+            params[name].data.copy_(tensor)
+
+
 def cpu_runner_weight_updater():
     """SGLang's model-runner WeightUpdater over a CPU module holding one dense weight and one
     Engram table under SGLang's parameter names. -> (updater, module)."""
-    import torch
-
     wu = import_sglang("sglang.srt.model_executor.model_runner_components.weight_updater")
-    model = torch.nn.Module()
+    model = TinyRunnerModel()
     for name, shape in ((DENSE_NAME, (4, 4)), (ENGRAM_NAME, (8, 4))):
         *path, leaf = name.split(".")
         module = model
@@ -150,8 +167,37 @@ def cpu_runner_weight_updater():
     updater = wu.WeightUpdater(
         tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
         get_model=lambda: model, update_model_fields=lambda **_: None,
-        recapture_cuda_graph=lambda: None, get_model_runner=lambda: None)
+        recapture_cuda_graph=lambda: None, get_model_runner=lambda: SimpleNamespace(model=model))
     return updater, model
+
+
+def ipc_update(updater, buckets) -> tuple[bool, str]:
+    """SGLang's model-runner ``update_weights_from_ipc`` with checkpoint-engine's worker as the
+    stand-in (a CUDA-IPC package): it hands each bucket of (name, tensor) to the loader SGLang
+    gives it, as the real worker does with the buckets its parameter server sends."""
+    worker = sys.modules.get("checkpoint_engine.worker")
+    if worker is None:  # SGLang binds the worker's function once, at its first import
+        worker = types.ModuleType("checkpoint_engine.worker")
+
+        def update_weights_from_ipc(zmq_ctx, zmq_handle, device_id, *, run, post_hook=None):
+            for bucket in worker.buckets:
+                run(iter(bucket))
+            if post_hook is not None:
+                post_hook()
+
+        worker.update_weights_from_ipc = update_weights_from_ipc
+        sys.modules.update({"checkpoint_engine": types.ModuleType("checkpoint_engine"),
+                            "checkpoint_engine.worker": worker})
+    worker.buckets = buckets
+    impl = import_sglang("sglang.srt.checkpoint_engine.checkpoint_engine_worker"
+                         ).SGLangCheckpointEngineWorkerExtensionImpl
+    impl.get_device_uuid = lambda self: "GPU-stand-in"  # the GPU's identity: none on CPU
+    impl.get_device_id = lambda self: 0
+    io = import_sglang("sglang.srt.managers.io_struct")
+    rc = import_sglang("sglang.srt.runtime_context")
+    with rc.get_parallel().override(tp_rank=0):
+        return updater.update_weights_from_ipc(
+            io.UpdateWeightsFromIPCReqInput(zmq_handles={"GPU-stand-in": "ipc://stand-in"}))
 
 
 def serve_request_path(model_dir: str, free_port, weight_updater):
@@ -281,15 +327,20 @@ def request_path_case(work_dir: str, run_dir: str) -> dict:
         out["health"] = [r.status_code, r.json()]
         out["health_generate"] = requests.get(f"{url}/health_generate", timeout=20).status_code
 
-        upd = {"dtypes": ["float8_e4m3fn"], "shapes": [[8, 4]], "group_name": "g"}
-        n = len(schedulers.received)
-        r = requests.post(f"{url}/update_weights_from_distributed",
-                          json={**upd, "names": [ENGRAM_NAME]}, timeout=20)
-        out["engram_distributed"] = [r.status_code, r.json()["message"],
-                                     len(schedulers.received) - n]
-        r = requests.post(f"{url}/update_weights_from_distributed",
-                          json={**upd, "names": [DENSE_NAME]}, timeout=20)
-        out["dense_distributed"] = [r.status_code, type(schedulers.received[-1][1]).__name__]
+        def push_distributed(names, shapes):
+            n = len(schedulers.received)
+            r = requests.post(f"{url}/update_weights_from_distributed", json={
+                "names": names, "dtypes": ["float32"] * len(names), "shapes": shapes,
+                "group_name": "g"}, timeout=20)
+            return [r.status_code, r.json()["message"],
+                    [type(req).__name__ for _, req in schedulers.received[n:]]]
+
+        out["engram_distributed"] = push_distributed([DENSE_NAME, ENGRAM_NAME], [[4, 4], [8, 4]])
+        out["engram_distributed_nothing_loaded"] = bool(
+            (runner_model.get_parameter(DENSE_NAME) == 0).all()
+            and (runner_model.get_parameter(ENGRAM_NAME) == 0).all())
+        out["dense_distributed"] = push_distributed([DENSE_NAME], [[4, 4]])
+        out["dense_distributed_loaded"] = bool((runner_model.get_parameter(DENSE_NAME) == 3).all())
 
         def push_tensor(name, value, load_format="direct"):
             named = [(name, value)]
@@ -308,6 +359,14 @@ def request_path_case(work_dir: str, run_dir: str) -> dict:
         out["engram_table_untouched"] = bool((runner_model.get_parameter(ENGRAM_NAME) == 0).all())
         out["dense_tensor"] = push_tensor(DENSE_NAME, torch.full((4, 4), 2.0))
         out["dense_loaded"] = bool((runner_model.get_parameter(DENSE_NAME) == 2).all())
+        # from IPC (checkpoint-engine): each bucket checked before the model loads it
+        out["engram_ipc"] = list(ipc_update(updater, [[(DENSE_NAME, torch.full((4, 4), 5.0))],
+                                                      [(ENGRAM_NAME, torch.ones(8, 4))]]))
+        out["engram_ipc_loaded"] = [runner_model.get_parameter(DENSE_NAME)[0, 0].item(),
+                                    runner_model.get_parameter(ENGRAM_NAME).abs().sum().item()]
+        out["dense_ipc"] = list(ipc_update(updater, [[(DENSE_NAME, torch.full((4, 4), 6.0))]]))
+        out["dense_ipc_loaded"] = runner_model.get_parameter(DENSE_NAME)[0, 0].item()
+        out["loader_restored"] = "load_weights" not in vars(runner_model)
     finally:
         close()
     out["scheduler_errors"] = schedulers.errors

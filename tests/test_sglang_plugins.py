@@ -210,15 +210,26 @@ def test_health_answers_503_naming_the_stalled_rank(in_process):
 
 def test_weight_updates_naming_an_engram_table_get_400(in_process):
     facts = case_facts(in_process, "http")
+    # from distributed: the scheduler is reached (it receives the broadcast, so the sender is
+    # not left in a collective), SGLang's model-runner WeightUpdater refuses before loading any
     status, message, reached = facts["engram_distributed"]
-    assert status == 400 and "frozen Engram table" in message and reached == 0
-    assert facts["dense_distributed"] == [200, "UpdateWeightsFromDistributedReqInput"]
+    assert status == 400 and "frozen Engram table" in message, facts["engram_distributed"]
+    assert reached == ["UpdateWeightsFromDistributedReqInput"]
+    assert facts["engram_distributed_nothing_loaded"] is True
+    assert facts["dense_distributed"][0] == 200 and facts["dense_distributed_loaded"] is True
     # from tensor: refused by SGLang's model-runner WeightUpdater, before any tensor is loaded
     for label in ("engram_tensor", "engram_bucket"):  # (name, tensor) pairs; flattened bucket
         status, message = facts[label]
         assert status == 400 and "frozen Engram table" in message, facts[label]
     assert facts["engram_table_untouched"] is True
     assert facts["dense_tensor"][0] == 200 and facts["dense_loaded"] is True
+    # from IPC: the bucket naming the table refused before the model loads it, the earlier
+    # bucket loaded (the message says so); the model's own loader back in place afterwards
+    ok, message = facts["engram_ipc"]
+    assert not ok and "frozen Engram table" in message and "buckets before" in message
+    assert facts["engram_ipc_loaded"] == [5.0, 0.0]
+    assert facts["dense_ipc"][0] is True and facts["dense_ipc_loaded"] == 6.0, facts["dense_ipc"]
+    assert facts["loader_restored"] is True
 
 
 def test_r3_rows_of_hash_layers_come_from_tid2eid(in_process):

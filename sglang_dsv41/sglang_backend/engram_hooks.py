@@ -1,5 +1,5 @@
 """Engram plugins: a dummy load that still loads the frozen Engram tables and ``tid2eid``, and
-weight updates that would overwrite an Engram table refused (from distributed and from tensor).
+weight updates that would overwrite an Engram table refused (from distributed, tensor and IPC).
 
 SGLang 0.5.23's ``DummyModelLoader.load_model`` (model_loader/loader.py) never reads the
 checkpoint, so the Engram tables stay uninitialised and ``tid2eid`` keeps HashTopK's
@@ -141,13 +141,15 @@ def engram_update_refusal(names) -> str | None:
             f"--dsv41-allow-engram-update")
 
 
-async def around_update_weights_from_distributed(original, self, obj, request=None):
-    """TokenizerControlMixin.update_weights_from_distributed: the names travel in the request,
-    so the refusal is the HTTP process's (HTTP 400), before any scheduler is reached."""
-    refusal = engram_update_refusal(obj.names or [])
+def around_load_weights_from_distributed(original, self, named_tensors):
+    """Model runner WeightUpdater.load_weights_from_distributed: refused after SGLang has
+    received the broadcast, not before (a refusal in the HTTP process left the sender, which
+    broadcasts while its HTTP call runs, waiting in a collective no scheduler joined); the
+    scheduler's reply is success False (HTTP 400) and nothing is loaded."""
+    refusal = engram_update_refusal([name for name, _ in named_tensors])
     if refusal:
         return False, refusal
-    return await original(self, obj, request)
+    return original(self, named_tensors)
 
 
 def tensor_update_names(named_tensors, load_format: str | None) -> list[str]:
@@ -167,3 +169,26 @@ def around_update_weights_from_tensor(original, self, named_tensors, load_format
     if refusal:
         return False, refusal
     return original(self, named_tensors=named_tensors, load_format=load_format)
+
+
+def around_update_weights_from_ipc(original, self, recv_req):
+    """Model runner WeightUpdater.update_weights_from_ipc (checkpoint-engine): the names arrive
+    bucket by bucket inside the call, so each bucket is checked before the model loads it; a
+    refused bucket ends the call with success False (SGLang's own except) and the message says
+    that earlier buckets were loaded."""
+    model = self.get_model()
+    load_weights = model.load_weights
+
+    def checked_load_weights(weights):
+        weights = list(weights)
+        refusal = engram_update_refusal([name for name, _ in weights])
+        if refusal:
+            raise ValueError(f"{refusal} (buckets before this one are loaded: push the full "
+                             f"weights again)")
+        return load_weights(weights)
+
+    model.load_weights = checked_load_weights  # what checkpoint-engine's worker calls
+    try:
+        return original(self, recv_req)
+    finally:
+        del model.load_weights

@@ -58,6 +58,7 @@ LOADER, WEIGHT_UTILS = "sglang.srt.model_loader.loader", "sglang.srt.model_loade
 ENGRAM, SERVER_ARGS = "sglang.srt.layers.engram", "sglang.srt.server_args"
 HTTP, SCHEDULER = "sglang.srt.entrypoints.http_server", "sglang.srt.managers.scheduler"
 DP_ATTN = "sglang.srt.managers.scheduler_components.dp_attn"
+RUNNER_WEIGHTS = "sglang.srt.model_executor.model_runner_components.weight_updater"
 DP_CONTROLLER = "sglang.srt.managers.data_parallel_controller"
 
 PLUGINS = (
@@ -113,15 +114,15 @@ PLUGINS = (
                    ("self", "layer_id", "topk_indices"), "check"))),
     Plugin("engram_update_guard",
            "weight updates naming an Engram table refused with 400 unless allowed",
-           (Target("sglang.srt.managers.tokenizer_control_mixin",
-                   "TokenizerControlMixin.update_weights_from_distributed",
-                   ("self", "obj", "request"), "around",
-                   "engram_hooks:around_update_weights_from_distributed"),
-            Target("sglang.srt.model_executor.model_runner_components.weight_updater",
-                   "WeightUpdater.update_weights_from_tensor",
+           (Target(RUNNER_WEIGHTS, "WeightUpdater.load_weights_from_distributed",
+                   ("self", "named_tensors"), "around",
+                   "engram_hooks:around_load_weights_from_distributed"),
+            Target(RUNNER_WEIGHTS, "WeightUpdater.update_weights_from_tensor",
                    ("self", "named_tensors", "load_format"), "around",
-                   "engram_hooks:around_update_weights_from_tensor")),
-           http_side=True),
+                   "engram_hooks:around_update_weights_from_tensor"),
+            Target(RUNNER_WEIGHTS, "WeightUpdater.update_weights_from_ipc",
+                   ("self", "recv_req"), "around",
+                   "engram_hooks:around_update_weights_from_ipc"))),
     Plugin("routing_key_dispatch",
            "session-sticky DP dispatch keyed by routing_key, for users without a router",
            (Target(DP_CONTROLLER, "DataParallelController.maybe_external_dp_rank_routing",
