@@ -59,11 +59,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 class CheckpointSaveError(OSError):
     """A save failed on some rank; its temporary directory is gone, earlier checkpoints stay."""
 
@@ -109,7 +104,7 @@ def save_checkpoint(root: str, step: int, model: torch.nn.Module, optimizer: tor
                         **trainer_state}, os.path.join(tmp, "trainer_state.pt"))
     except (Exception, CheckpointException) as e:  # every rank learns of it: none waits
         failed = _os_error(e)
-    if all_reduce_scalar(float(bool(failed)), "max", _collective_device()) > 0:
+    if all_reduce_scalar(float(bool(failed)), "max") > 0:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         where = f"rank {rank}: {failed}" if failed else "on another rank"
@@ -130,12 +125,6 @@ def save_checkpoint(root: str, step: int, model: torch.nn.Module, optimizer: tor
         raise CheckpointSaveError(f"publishing the step-{step} checkpoint as {final} failed: "
                                   f"{failed}")
     return final
-
-
-def _collective_device() -> torch.device | None:
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return None
 
 
 def _os_error(e: BaseException) -> str:

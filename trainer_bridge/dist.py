@@ -45,19 +45,28 @@ def close_distributed(barrier: bool = True) -> None:
         dist.destroy_process_group()
 
 
-def all_reduce_scalar(value: float, op: str = "sum", device: torch.device | None = None) -> float:
-    t = torch.tensor([float(value)], dtype=torch.float64, device=device or "cpu")
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-                               "min": dist.ReduceOp.MIN}[op])
+def _collective_device() -> torch.device:
+    """Where a collective's tensor must live: NCCL reduces device tensors only."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_scalar(value: float, op: str = "sum") -> float:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return float(value)
+    t = torch.tensor([float(value)], dtype=torch.float64, device=_collective_device())
+    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+                           "min": dist.ReduceOp.MIN}[op])
     return float(t.item())
 
 
 def all_reduce_tensor(t: torch.Tensor) -> torch.Tensor:
-    """Sum of a small CPU tensor over ranks (metrics only)."""
-    t = t.clone()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
+    """Sum of a small tensor over ranks (metrics only), on the collective's device."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return t.clone()
+    t = t.to(_collective_device(), copy=True)
+    dist.all_reduce(t)
     return t
 
 
