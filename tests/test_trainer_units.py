@@ -359,6 +359,10 @@ def test_resume_config_differences_list_the_keys_that_would_change():
     diff = config_differences(saved, load_config("tiny", None, ["optim.lr=0.1",
                                                                  "optim.warmup_steps=2"]))
     assert diff == ["optim.lr: 0.005 -> 0.1", "optim.warmup_steps: 0 -> 2"]
+    # a checkpoint saved before a key existed (or with a key since dropped) still resumes
+    older = {k: v for k, v in saved.items() if k != "model.serving_numerics"}
+    assert config_differences({**older, "loss.dropped_key": 1},
+                              load_config("tiny", None, [])) == []
 
 
 def _fake_checkpoint(root, step, world_size=1, **extra):

@@ -340,8 +340,9 @@ def config_snapshot(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def config_differences(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
-    """``key: saved -> now`` for each key that differs and a resume may not change."""
+    """``key: saved -> now`` for each key that differs and a resume may not change. Only keys
+    both configs have are compared: a key added to (or dropped from) the code since the save
+    has no recorded value to keep, and would otherwise refuse every older checkpoint."""
     now = config_snapshot(cfg)
-    return [f"{k}: {saved.get(k, '<absent>')!r} -> {now.get(k, '<absent>')!r}"
-            for k in sorted(set(saved) | set(now))
-            if k not in RESUME_MAY_CHANGE and saved.get(k) != now.get(k)]
+    return [f"{k}: {saved[k]!r} -> {now[k]!r}" for k in sorted(set(saved) & set(now))
+            if k not in RESUME_MAY_CHANGE and saved[k] != now[k]]
