@@ -256,8 +256,5 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
     unexpected = [k for k in missing if not is_frozen_table(k)]
     if unexpected:
         raise ValueError(f"{path}: the model state lacks {unexpected[:5]}")
-    rng_file = os.path.join(path, f"rng_rank{rank}.pt")
-    if not os.path.isfile(rng_file):
-        raise ValueError(f"{path} has no RNG state for rank {rank} (saved with fewer ranks?)")
     set_rng_state(_read(path, f"rng_rank{rank}.pt", lambda f: torch.load(f, weights_only=False)))
     return trainer_state

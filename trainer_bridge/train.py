@@ -117,6 +117,7 @@ def preflight(cfg, rank: int, world_size: int) -> None:
         if path is None:
             raise ValueError(f"--resume: no complete checkpoint under {root} (start without "
                              f"--resume, or point out_dir at the run to continue)")
+        cfg.resume_from = path  # what Trainer.load_latest loads
         state = read_trainer_state(path)
         check_world_size(path, state, world_size)
         changed = config_differences(state["config"], cfg) if "config" in state else []

@@ -7,7 +7,6 @@ import logging
 import math
 import os
 import random
-import sys
 import time
 from typing import Any, Callable
 
@@ -20,8 +19,8 @@ from sglang_dsv41.router import RouterError
 from sglang_dsv41.tokenizer import ByteTokenizer
 
 from .batch import MicroBatch, Sample, pack, split_by_token_budget
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import TrainConfig, config_differences, config_snapshot
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import TrainConfig, config_snapshot
 from .dist import (all_reduce_scalar, all_reduce_tensor, close_distributed, init_distributed,
                    on_primary)
 from .envs import make_env
@@ -356,34 +355,22 @@ class Trainer:
                                {"scheduler": self.scheduler.state_dict(),
                                 "config": config_snapshot(self.cfg)}, self.dist.rank)
 
-    def checkpoint_to_resume(self) -> str:
-        """cfg.resume_from, else the latest complete checkpoint of out_dir."""
-        if self.cfg.resume_from:
-            return self.cfg.resume_from
-        path = latest_checkpoint(os.path.join(self.cfg.out_dir, "checkpoints"))
-        if path is None:
-            raise ValueError(f"--resume: no complete checkpoint under {self.cfg.out_dir}")
-        return path
-
     def load_latest(self) -> None:
-        path = self.checkpoint_to_resume()
+        """Loads cfg.resume_from, which train.preflight resolved (the latest complete checkpoint
+        unless --resume-from) and checked against this config and world size."""
+        path = self.cfg.resume_from
+        if path is None:
+            raise ValueError("resume: cfg.resume_from is unset; train.preflight resolves it")
         state = load_checkpoint(path, self.policy.model, self.optimizer, self.dist.rank,
                                 self.dist.world_size)
-        changed = config_differences(state["config"], self.cfg) if "config" in state else []
-        if changed:
-            raise ValueError(f"{path} was trained with another config; a resume keeps it: "
-                             f"{'; '.join(changed)}")
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         self.telemetry.resume(self.step)
         log.info("resumed from %s at step %d", path, self.step)
 
-    def close(self, failed: bool | None = None) -> None:
-        """``failed`` (default: whether an exception is being handled, as in a ``finally``
-        after an error): no barrier with the other ranks, which may be in another collective
+    def close(self, failed: bool = False) -> None:
+        """``failed``: no barrier with the other ranks, which may be in another collective
         (close_distributed)."""
-        if failed is None:
-            failed = sys.exc_info()[0] is not None
         try:
             self.telemetry.close(plots=self.cfg.plots)
             for obj in (self.rollouts, self.syncer, self.router):
