@@ -4,12 +4,14 @@ packing, environments."""
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import pytest
 import torch
 
 from sglang_dsv41.model.dsv4.names import is_frozen_table
+from sglang_dsv41.router.base import SessionRouter
 from sglang_dsv41.tokenizer import ByteTokenizer
 from trainer_bridge.batch import Sample, pack, split_by_token_budget
 from trainer_bridge.config import LossConfig, load_config
@@ -567,3 +569,72 @@ def test_a_failed_spawned_run_kills_its_workers_at_once():
             and c.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in
             " ".join(c.cmdline())]
     assert left == [], left
+
+
+class TwoEngineRouter(SessionRouter):
+    """The router's view a push reads: engine ``live`` in rotation, ``dead`` out of it."""
+
+    def __init__(self, live: str, dead: str):
+        self.live, self.dead, self.updated = live, dead, []
+        self._cond, self._paused = threading.Condition(), False
+
+    def engine_urls(self):
+        return [self.live]
+
+    def all_engine_urls(self):
+        return [self.live, self.dead]
+
+    def drain(self, timeout):
+        return True
+
+    def weights_updated(self, version, urls):
+        self.updated.append((version, urls))
+
+    def generate(self, session_id, payload, expected_tokens=0):
+        raise NotImplementedError  # a push sends no turns
+
+    route_of = end_session = generate
+
+
+def checksum_engine(checksums):
+    """An engine on loopback that takes every tensor update and reports the next of
+    ``checksums`` on each GET /engram_checksum (an engine whose Engram table an update
+    changed: none of ours does, so the engine is a stand-in)."""
+    from fastapi import FastAPI
+
+    app, answers = FastAPI(), iter(checksums)
+    app.get("/health")(lambda: {})
+    app.get("/engram_checksum")(lambda: {"result": next(answers)})
+    app.post("/update_weights_from_tensor")(lambda: {"success": True})
+    return app
+
+
+def test_a_dead_engine_failing_after_the_push_stays_out_and_a_live_one_fails_it():
+    """A restarted engine (dead to the router) that takes the push but then reports another
+    Engram checksum is left out of rotation; the same on a live engine fails the push."""
+    from engine_server_fakes import serve
+    from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM
+    from sglang_dsv41.model.dsv4.presets import get_preset
+    from trainer_bridge.weight_sync import WeightSyncError, WeightSyncer
+
+    with torch.device("meta"):
+        model = DSV4ForCausalLM(get_preset("tiny"))
+    state = {n: torch.zeros(t.shape, dtype=t.dtype) for n, t in model.state_dict().items()}
+    servers = []
+    try:
+        servers.append(serve(checksum_engine(["a", "a", "a", "a"])))
+        servers.append(serve(checksum_engine(["a", "b", "a", "b"])))
+        (_, good), (_, bad) = servers
+        router = TwoEngineRouter(live=good, dead=bad)
+        syncer = WeightSyncer(router, served_dtype="bfloat16")
+        out = syncer._push(model, state, "step-1")
+        assert out["engines"] == [good] and list(out["skipped_engines"]) == [bad]
+        assert "Engram checksum changed" in out["skipped_engines"][bad]
+        assert router.updated == [("step-1", [good])]
+        router.live, router.dead = bad, good  # the same engine in rotation: the push fails
+        with pytest.raises(WeightSyncError, match="Engram checksum changed"):
+            syncer._push(model, state, "step-2")
+        syncer.close()
+    finally:
+        for server, _ in servers:
+            server.should_exit = True

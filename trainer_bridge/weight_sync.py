@@ -115,7 +115,7 @@ class WeightSyncer:
         router; an engine that does not answer is left out (the router deals with it)."""
         assert self.router is not None and self.client is not None
         out = {}
-        for url in all_engine_urls(self.router):
+        for url in self.router.all_engine_urls():
             try:
                 out[url] = str(self._get(url, "/get_weight_version")["weight_version"])
             except (httpx.HTTPError, WeightSyncError, KeyError, ValueError):
@@ -131,18 +131,14 @@ class WeightSyncer:
         with self.router.paused():
             # Dead engines that answer again (a restarted one) take the push too: the router
             # revives an engine only once it serves the pushed version.
-            urls = live + [u for u in all_engine_urls(self.router)
+            urls = live + [u for u in self.router.all_engine_urls()
                            if u not in live and self._answers(u)]
             if not urls:
                 raise WeightSyncError("no engine to update: every engine is dead and none "
                                       "answers /health")
-            before = {}
-            for u in urls:
-                self._attempt(u, live, skipped,
-                              lambda u=u: before.__setitem__(u, self._get(u, "/engram_checksum")))
-            urls = [u for u in urls if u not in skipped]
-            if not urls:
-                raise WeightSyncError(f"no engine took the update: {skipped}")
+            before = {u: self._attempt(u, live, skipped, self._get, u, "/engram_checksum")
+                      for u in urls}
+            urls = self._taking(urls, skipped)
             dtypes = self._served_dtypes(model, urls[0])
             plan = _bucket_plan(named, dtypes, self.bucket_bytes)
             num_bytes = 0
@@ -155,10 +151,8 @@ class WeightSyncer:
                         group, _ = self._groups.pop(u)
                         group.close()
                 for u in urls:
-                    sent: list[int] = []
-                    self._attempt(u, live, skipped, lambda u=u: sent.append(
-                        self._push_distributed(u, named, dtypes, version)))
-                    num_bytes += sum(sent)
+                    num_bytes += self._attempt(u, live, skipped, self._push_distributed,
+                                               u, named, dtypes, version) or 0
             # One bucket at a time: only a bucket's casts exist at once besides the state.
             for i, indices in enumerate(plan if self.transport == "tensor" else []):
                 bucket = storable_state({named[j][0]: named[j][1] for j in indices},
@@ -171,19 +165,12 @@ class WeightSyncer:
                 body = {"serialized_named_tensors": payload, "flush_cache": last,
                         "weight_version": version if last else partial_version(version)}
                 for u in [u for u in urls if u not in skipped]:
-                    self._attempt(u, live, skipped, lambda u=u: self._post(
-                        u, "/update_weights_from_tensor", body))
-            urls = [u for u in urls if u not in skipped]
-            if not urls:
-                raise WeightSyncError(f"no engine took the update: {skipped}")
-            after = {u: self._get(u, "/engram_checksum") for u in urls}
-        for u in urls:
-            if _checksums(before[u]) != _checksums(after[u]):
-                raise WeightSyncError(f"{u}: Engram checksum changed by the weight update: "
-                                      f"{_checksums(before[u])} -> {_checksums(after[u])}")
-        updated = getattr(self.router, "weights_updated", None)
-        if updated is not None:
-            updated(version, urls)
+                    self._attempt(u, live, skipped, self._post,
+                                  u, "/update_weights_from_tensor", body)
+            after = {u: self._attempt(u, live, skipped, self._unchanged_checksum, u, before[u])
+                     for u in self._taking(urls, skipped)}
+            urls = self._taking(urls, skipped)
+        self.router.weights_updated(version, urls)
         out = {"num_tensors": len(named), "num_buckets": len(plan), "payload_bytes": num_bytes,
                "engram_checksum": _checksums(after[urls[0]]), "engines": urls}
         if skipped:
@@ -196,17 +183,34 @@ class WeightSyncer:
         except httpx.HTTPError:
             return False
 
-    def _attempt(self, url: str, live: list[str], skipped: dict[str, str], fn) -> None:
-        """``fn()`` for one engine: a live engine's failure fails the push; a dead engine's
-        (the router has it out of rotation) is logged and the engine left out of the rest."""
+    def _attempt(self, url: str, live: list[str], skipped: dict[str, str], fn, *args):
+        """``fn(*args)`` for one engine, its result: a live engine's failure fails the push; a
+        dead engine's (the router has it out of rotation) is logged, the engine left out of
+        the rest (None)."""
         try:
-            fn()
+            return fn(*args)
         except Exception as e:
             if url in live:
                 raise
             skipped[url] = f"{type(e).__name__}: {e}"
             log.warning("weight push to %s (dead to the router) failed, it stays out of "
                         "rotation: %s", url, skipped[url])
+            return None
+
+    @staticmethod
+    def _taking(urls: list[str], skipped: dict[str, str]) -> list[str]:
+        """The engines still taking the push; none left fails it."""
+        urls = [u for u in urls if u not in skipped]
+        if not urls:
+            raise WeightSyncError(f"no engine took the update: {skipped}")
+        return urls
+
+    def _unchanged_checksum(self, url: str, before: dict[str, Any]) -> dict[str, Any]:
+        after = self._get(url, "/engram_checksum")
+        if _checksums(before) != _checksums(after):
+            raise WeightSyncError(f"{url}: Engram checksum changed by the weight update: "
+                                  f"{_checksums(before)} -> {_checksums(after)}")
+        return after
 
     def _push_distributed(self, url: str, named: list[tuple[str, torch.Tensor]],
                           dtypes: dict[str, torch.dtype], version: str) -> int:
@@ -274,14 +278,6 @@ class WeightSyncer:
             group.close()
         if self.client is not None:
             self.client.close()
-
-
-def all_engine_urls(router: SessionRouter) -> list[str]:
-    """Every engine of the router, live or dead (a StickyRouter lists its slots)."""
-    slots = getattr(router, "slot_states", None)
-    if slots is None:
-        return router.engine_urls()
-    return sorted({s.route.url for s in slots()})
 
 
 def _checksums(reply: dict[str, Any]) -> Any:

@@ -73,6 +73,14 @@ class SessionRouter(ABC):
     def engine_urls(self) -> list[str]:
         """The engines that are alive (weight updates go to each of them)."""
 
+    def all_engine_urls(self) -> list[str]:
+        """Every engine the router knows, alive or dead (a weight push also reaches the dead
+        ones that answer again). Default: the live ones, for routers that forget the dead."""
+        return self.engine_urls()
+
+    def weights_updated(self, version: str, urls: list[str]) -> None:
+        """A weight update labelled ``version`` reached ``urls``. Default: nothing to do."""
+
     @contextlib.contextmanager
     def paused(self, drain_timeout: float = 300.0) -> Iterator[None]:
         """Pause, drain, run the body (e.g. a weight update), resume, even on error."""

@@ -267,6 +267,10 @@ class StickyRouter(SessionRouter):
         with self._cond:
             return sorted({r.url for r in self._slots if r not in self._dead})
 
+    def all_engine_urls(self) -> list[str]:
+        with self._cond:
+            return sorted({r.url for r in self._slots})
+
     def refresh(self) -> None:
         """What a turn does first: re-read stale engines' stats and probe the dead ones due
         for it (a health check that must see a revived engine even while no turn comes)."""
