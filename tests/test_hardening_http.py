@@ -234,6 +234,13 @@ def test_a_stop_regex_that_backtracks_ends_its_request_not_the_rank():
     p = SamplingParams(max_new_tokens=200, stop_regex=[r"b\d+;"])
     assert checker.check(tok.encode("xx b12;"), p, 200) == {"type": "stop", "matched": "b12;"}
     assert checker.check(tok.encode("xx b12;y"), p, 200) is None
+    # many patterns, each under the limit alone (about 10-20 ms here): the limit is the
+    # whole check's, so a request cannot hold its rank for 64 x 2 searches a step
+    p = SamplingParams(max_new_tokens=4096, stop_regex=[r"a.*a.*a.*a.*c"] * 64)
+    start = time.monotonic()
+    reason = checker.check(tok.encode("a" * 150), p, 4096)
+    assert time.monotonic() - start < 1.0
+    assert reason["type"] == "abort" and "all patterns together" in reason["message"], reason
 
 
 @pytest.mark.asyncio

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,11 +22,14 @@ import torch
 
 from .messages import SamplingParams
 
-STOP_REGEX_WINDOW = 256  # characters of output a stop_regex is matched against
-# One stop_regex search's time limit. The leader matches between steps, so a pattern that
-# backtracks exponentially ("(a|aa)+$") would hold every request of its DP rank, and the ranks
-# waiting on it in the step's collectives; the `regex` engine stops such a search, and the
-# request ends (finish_reason abort, with the reason) instead.
+# Characters a stop_regex match may span: the decoded tail it is matched against holds at least
+# twice this (more with multi-character tokens).
+STOP_REGEX_WINDOW = 256
+# The time limit of one step's stop_regex check, all of a request's patterns together. The
+# leader matches between steps, so a pattern that backtracks exponentially ("(a|aa)+$"), or many
+# slow ones, would hold every request of its DP rank, and the ranks waiting on it in the step's
+# collectives; the `regex` engine stops such a search, and the request ends (finish_reason
+# abort, with the reason) instead.
 STOP_REGEX_TIMEOUT_S = 0.05
 
 
@@ -163,9 +167,10 @@ class StopChecker:
                     matched = self._match_text(output_ids, p)
                 except StopRegexTimeout as e:
                     return {"type": "abort", "message": (
-                        f"stop_regex {e.args[0]!r} took over {STOP_REGEX_TIMEOUT_S * 1e3:.0f} ms "
-                        f"on the output's last {STOP_REGEX_WINDOW} characters (a pattern that "
-                        f"backtracks exponentially); the request was stopped")}
+                        f"stop_regex {e.args[0]!r} ran past the "
+                        f"{STOP_REGEX_TIMEOUT_S * 1e3:.0f} ms a step's stop_regex check may take "
+                        f"(all patterns together) on the output's tail (a pattern that "
+                        f"backtracks exponentially, or many slow ones); the request was stopped")}
                 if matched is not None:
                     return {"type": "stop", "matched": matched}
         if len(output_ids) >= max_new_tokens:
@@ -187,11 +192,15 @@ class StopChecker:
         for s in p.stop:
             if s in text and s not in before:
                 return s
+        deadline = time.monotonic() + STOP_REGEX_TIMEOUT_S  # for all of them, not each
+
+        def search(pattern, string):
+            return regex.search(pattern, string, timeout=max(0.0, deadline - time.monotonic()))
+
         for pattern in p.stop_regex:
             try:
-                m = regex.search(pattern, text, timeout=STOP_REGEX_TIMEOUT_S)
-                if m is not None and regex.search(pattern, before,
-                                                  timeout=STOP_REGEX_TIMEOUT_S) is None:
+                m = search(pattern, text)
+                if m is not None and search(pattern, before) is None:
                     return m.group(0)
             except TimeoutError as e:
                 raise StopRegexTimeout(pattern) from e
