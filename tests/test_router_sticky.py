@@ -317,6 +317,17 @@ def test_a_live_engine_serving_another_weight_version_is_out_until_a_push(engine
         assert not plain.dead_slots()
     plain.refresh()
     assert list(plain.dead_slots()) == [Route(c.url, 0)]
+    # An engine with a dead rank due for its revival probe: its live rank on another version
+    # is taken out all the same (it stayed live while the probe ran)
+    d = engines(dp_size=2)
+    d.weight_version = "step-1"
+    mixed = StickyRouter([d.url, b.url], revive_interval=0.0, refresh_interval=0.0)
+    mixed.weights_updated("step-1", [d.url, b.url])
+    mixed._mark_dead(d.url, 1, "rank 1 failed a turn")
+    d.weight_version = "default"
+    mixed.refresh()
+    assert mixed.engine_urls() == [b.url]
+    assert "weight_version default" in mixed.dead_slots()[Route(d.url, 0)]
 
 
 def stream(router, sid):

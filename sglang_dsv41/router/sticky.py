@@ -232,13 +232,7 @@ class StickyRouter(SessionRouter):
                 resp.close()
             self._release(route)
         # The stream broke off: the engine is dead only if it does not answer /health either.
-        health = await self._adrive(_single(Call(
-            "GET", f"{route.url}/health?dp_rank={route.dp_rank}", timeout=PROBE_TIMEOUT_S)))
-        if isinstance(health, TransportFailure):
-            self._mark_dead(route.url, None, failure)
-        elif health.status_code != 200:
-            self._mark_dead(route.url, route.dp_rank, f"/health: {_describe(health)}")
-        else:
+        if await self._adrive(self._answers_health(route, failure)):
             raise RouterError(f"{where}: {failure} (the engine answers /health)",
                               504 if timed_out else 502)
         raise NoEngineAvailable(f"{where} failed mid-stream: {failure}")
@@ -327,21 +321,32 @@ class StickyRouter(SessionRouter):
             # down. Up, a 5xx is this request's fault, a timeout a turn slower than the
             # router's timeout (retried elsewhere it would be as slow), and a dropped
             # connection was the connection's (tried again).
-            health = yield Call("GET", f"{route.url}/health?dp_rank={route.dp_rank}",
-                                timeout=PROBE_TIMEOUT_S)
-            if isinstance(health, TransportFailure):
-                self._mark_dead(route.url, None, _describe(resp if broken else health))
-            elif health.status_code != 200:
-                self._mark_dead(route.url, route.dp_rank, f"/health: {_describe(health)}")
-            elif broken and resp.timed_out:
+            if not (yield from self._answers_health(route, _describe(resp) if broken else None)):
+                continue
+            if broken and resp.timed_out:
                 raise RouterError(f"{route.url} dp_rank {route.dp_rank}: no answer in "
                                   f"{self._timeout:g}s ({resp}); the engine answers /health, "
                                   "so the turn failed, not the engine", 504)
-            elif not broken:
+            if not broken:
                 raise RouterError(f"{route.url}/generate answered {resp.status_code}: "
                                   f"{resp.text}", resp.status_code, _engine_message(resp))
         raise NoEngineAvailable(f"session {session_id}: no engine answered after "
                                 f"{self._max_attempts} attempts (last error: {last_error})")
+
+    def _answers_health(self, route: Route, failure: str | None
+                        ) -> Generator[Call, Any, bool]:
+        """After a failed call on ``route``: True when its /health?dp_rank answers 200; else
+        its slot (another status) or its whole engine (no answer: ``failure``, or the probe's
+        own error) is marked dead."""
+        health = yield Call("GET", f"{route.url}/health?dp_rank={route.dp_rank}",
+                            timeout=PROBE_TIMEOUT_S)
+        if isinstance(health, TransportFailure):
+            self._mark_dead(route.url, None, failure or _describe(health))
+            return False
+        if health.status_code != 200:
+            self._mark_dead(route.url, route.dp_rank, f"/health: {_describe(health)}")
+            return False
+        return True
 
     def _aio_session(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
@@ -423,33 +428,23 @@ class StickyRouter(SessionRouter):
             resp = yield Call("GET", url + "/get_server_info", timeout=PROBE_TIMEOUT_S)
             if isinstance(resp, TransportFailure) or resp.status_code != 200:
                 self._mark_dead(url, None, f"/get_server_info failed: {_describe(resp)}")
-            elif url not in answered:
-                infos[url] = orjson.loads(resp.body)
+                continue
+            infos[url] = orjson.loads(resp.body)
+            if url not in answered:
                 self._apply_server_info(url, infos[url])
-            else:
-                infos[url] = orjson.loads(resp.body)
         with self._cond:
             for url, info in infos.items():
                 if info.get("weight_version") is not None:
                     self._versions[url] = str(info["weight_version"])
             paused = self._paused
         expected = self._reference_versions()
-        if expected and not paused:
-            for url in infos:
-                version = infos[url].get("weight_version")
-                if url in answered or version is None or str(version) in expected:
-                    continue
-                self._mark_dead(url, None, self._version_reason(version, expected))
-        for url in answered:
-            if url not in infos:
-                continue
-            version = infos[url].get("weight_version")
-            if expected and version is not None and str(version) not in expected:
-                with self._cond:
-                    for route in [r for r in self._dead if r.url == url]:
-                        self._dead[route] = self._version_reason(version, expected)
-            else:
-                self._apply_server_info(url, infos[url], revive=True)
+        for url, info in infos.items():
+            version = info.get("weight_version")
+            wrong = bool(expected) and version is not None and str(version) not in expected
+            if wrong and not paused:
+                self._mark_dead(url, None, self._version_reason(version, expected), replace=True)
+            elif url in answered and not wrong:
+                self._apply_server_info(url, info, revive=True)
 
     def weights_updated(self, version: str, urls: list[str]) -> None:
         """A weight update labelled ``version`` reached ``urls`` (the trainer's push, which
@@ -568,7 +563,8 @@ class StickyRouter(SessionRouter):
         for dp, reason in unhealthy.items():
             self._mark_dead(url, dp, reason)
 
-    def _mark_dead(self, url: str, dp_rank: int | None, reason: str) -> None:
+    def _mark_dead(self, url: str, dp_rank: int | None, reason: str,
+                   replace: bool = False) -> None:
         """One slot (``dp_rank``) or, for None, every slot of the engine; probed again for
         revival after ``revive_interval``."""
         with self._cond:
@@ -576,7 +572,10 @@ class StickyRouter(SessionRouter):
                 if route.url == url and dp_rank in (None, route.dp_rank):
                     if route not in self._dead:
                         self._last_probe[url] = time.monotonic()
-                    self._dead.setdefault(route, reason)
+                    if replace:
+                        self._dead[route] = reason
+                    else:
+                        self._dead.setdefault(route, reason)
             self._cond.notify_all()
 
     def _get_json(self, url: str, path: str) -> dict[str, Any]:
@@ -602,11 +601,6 @@ def _engine_message(resp: Reply) -> str:
     except (orjson.JSONDecodeError, AttributeError):
         pass
     return resp.text[:500]
-
-
-def _single(call: Call) -> Generator[Call, Any, Reply | TransportFailure]:
-    """One call as a generator a driver runs: its Reply or TransportFailure."""
-    return (yield call)
 
 
 async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
