@@ -241,12 +241,12 @@ def _kill_all(processes: list[mp.Process]) -> None:
 
 def launch_engine(server_args: ServerArgs, echo_logs: bool = True) -> Engine:
     from ..loader.serving import load_serving_config
-    from .model_runner import check_attention_split
+    from ..policies.launch_guards import check_attention_tp
 
     model_dir = resolve_model_dir(server_args)
     config = load_serving_config(model_dir)
     context_length_for(server_args, config)  # fail before spawning anything
-    check_attention_split(server_args.attn_tp_size, config, server_args)
+    check_attention_tp(server_args.attn_tp_size, config.o_groups)
     ctx = mp.get_context("spawn")
     a = server_args
     req_queues = [ctx.Queue() for _ in range(a.effective_dp_size)]

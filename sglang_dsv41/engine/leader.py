@@ -41,7 +41,8 @@ class LeaderScheduler:
         self.cache_epoch = 0   # bumped by a flush: older requests' K/V must not be cached
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
-        # Stop strings match the text the HTTP side decodes: the same tokenizer, loaded the same way.
+        # Stop strings match the text the HTTP side decodes: the same tokenizer, loaded the
+        # same way.
         tokenizer = load_model_tokenizer(runner.model_dir, self.cfg)
         self.stop_checker = StopChecker(self.cfg.eos_token_id, tokenizer.decode)
         self.original_logprobs = return_original_logprob()  # SGLang's env switch, read once

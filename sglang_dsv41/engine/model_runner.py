@@ -17,6 +17,7 @@ import torch
 from ..loader.engram_layouts import install_engram_layout
 from ..loader.serving import load_serving_config, load_serving_model, serving_numerics_for
 from ..loader.weight_sync_group import parse_dtype
+from ..policies.launch_guards import check_attention_tp
 from .batch import ForwardPlan
 from .forward_context import EngineForwardContext, cu_of
 from .kv_cache import TokenRowPool, default_max_total_tokens, row_bytes_per_token
@@ -53,14 +54,6 @@ def node_namespace(dist_port: int) -> str:
     return f"srv{os.getppid()}_{dist_port}"
 
 
-
-def check_attention_split(attn_tp_size: int, cfg, args: ServerArgs) -> None:
-    """The embedded engine splits wo_b's o_groups over attention TP evenly (the launcher checks
-    it before spawning, each rank again with its own group size)."""
-    if cfg.o_groups % attn_tp_size:
-        raise ValueError(f"attention TP size {attn_tp_size} must divide o_groups={cfg.o_groups} "
-                         f"(tp_size {args.tp_size} / dp_size {args.effective_dp_size})")
-
 class ModelRunner:
     def __init__(self, args: "ServerArgs", groups: "DistGroups | None", model_dir: str,
                  device: torch.device, shm_namespace: str | None = None):
@@ -71,7 +64,8 @@ class ModelRunner:
         self.model_dir = model_dir
         self.dtype = resolve_dtype(args, device)
         cfg = load_serving_config(model_dir)
-        check_attention_split(self.info.attn_tp_size if self.info else 1, cfg, args)
+        # each rank again with its own group size (the launcher checked before spawning)
+        check_attention_tp(self.info.attn_tp_size if self.info else 1, cfg.o_groups)
         self.model = load_serving_model(model_dir, self.dtype, device, args.load_format)
         self.cfg = cfg
         self.serving_numerics = serving_numerics_for(model_dir)

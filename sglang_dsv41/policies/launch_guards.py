@@ -23,7 +23,8 @@ def check_attention_tp(attn_tp_size: int, o_groups: int) -> None:
             f"projection cannot be split more than o_groups ways (SGLang would compute "
             f"{o_groups} // {attn_tp_size} = 0 local groups). Keep attention TP <= {o_groups} "
             f"and split attention into more DP-attention groups (SGLang 0.5.23: --attn-dp-size "
-            f"{-(-attn_tp_size // o_groups)} or more)")
+            f"{-(-attn_tp_size // o_groups)} or more; the embedded engine: --dp-size with "
+            f"--enable-dp-attention)")
     if o_groups % attn_tp_size:
         raise DeploymentRefused(f"attention TP size {attn_tp_size} must divide "
                                 f"o_groups={o_groups}")
