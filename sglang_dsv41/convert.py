@@ -32,7 +32,7 @@ from typing import Iterator
 import torch
 from tqdm import tqdm
 
-from .loader.atomic_dir import StagedDir, check_output_dir, os_error_text
+from .loader.atomic_dir import os_error_text, staged_output
 from .loader.fp4 import dequantize_fp4
 from .loader.fp8 import CHUNK_BYTES, iter_dequantized_rows
 from .loader.release_layout import (RELEASE_SCALE_SUFFIX, ConversionPlan, PlanEntry,
@@ -159,35 +159,30 @@ def convert(src: str, dst: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     src = os.path.abspath(src)
     if not os.path.isdir(src):
         raise ValueError(f"source checkpoint {src} is not a directory")
-    check_output_dir(dst, [src], force)  # refuse before the (long) planning and conversion
-    plan = plan_conversion(src)
-    staged = StagedDir(dst, [src], force)
-    try:
+    # DST is refused (StagedDir) before the (long) planning and conversion
+    with staged_output(dst, sources=[src], force=force) as out:
+        plan = plan_conversion(src)
         total = sum(e.dst_bytes for e in plan.entries)
-        weight_map = _write_shards(plan, staged.path, max_shard_bytes, progress)
-        write_index(staged.path, weight_map, total)
-        with open(os.path.join(staged.path, CONFIG_FILE), "w") as f:
+        weight_map = _write_shards(plan, out, max_shard_bytes, progress)
+        write_index(out, weight_map, total)
+        with open(os.path.join(out, CONFIG_FILE), "w") as f:
             json.dump(plan.config, f, indent=2, sort_keys=True)
         for name in plan.tokenizer_files:
-            shutil.copy2(os.path.join(src, name), os.path.join(staged.path, name))
+            shutil.copy2(os.path.join(src, name), os.path.join(out, name))
         summary = {"dst": os.path.abspath(dst), "tensors": len(plan.entries),
                    "shards": len(set(weight_map.values())), "dropped": plan.dropped,
                    "total_size": total}
         if verify:
-            differ = verify_tensors(plan, staged.path)
+            differ = verify_tensors(plan, out)
             summary["verify"] = {"tensors_checked": len(plan.entries), "differ": differ}
             if differ:
                 raise ValueError(f"verification failed: {len(differ)} tensors differ from the "
                                  f"dequantized source, e.g. {differ[:3]}")
-            logits = verify_logits(plan, staged.path)
+            logits = verify_logits(plan, out)
             summary["verify"]["logits"] = logits
             if not logits.get("ok", True):
                 raise ValueError(f"verification failed: logits of DST differ from the "
                                  f"dequantized source's: {logits}")
-        staged.publish(replace=True)
-    except BaseException:
-        staged.discard()
-        raise
     return summary
 
 

@@ -357,6 +357,32 @@ staged.publish()
     unsealed.mkdir()  # killed while writing: junk
     assert atomic_dir.clean_stale_siblings(str(dst)) == [unsealed.name]
     assert (dst / OUTPUT_MARKER).is_file() and sorted(os.listdir(tmp_path)) == ["dst"]
+    # Another host's siblings (a shared filesystem): its writer may be alive, whatever pid
+    # runs here; neither restored nor removed
+    shutil.rmtree(dst)
+    remote = tmp_path / f".dst{atomic_dir.STAGING_TAG}{_dead_pid()}@elsewhere-host-0002"
+    remote.mkdir()
+    (remote / OUTPUT_MARKER).write_text("{}")
+    assert atomic_dir.clean_stale_siblings(str(dst)) == [] and not dst.exists()
+    assert remote.is_dir()
+
+
+def test_every_file_reaches_the_disk_before_the_marker(tmp_path, monkeypatch):
+    """The marker vouches for the whole output: config.json, the index and the shards are
+    synced before it is written (a power loss must not leave a marked, empty config.json)."""
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(atomic_dir.os, "fsync", fsync)
+    make_checkpoint(str(tmp_path / "out"), get_preset("tiny"), "bf16", num_shards=2)
+    marker = synced.index(OUTPUT_MARKER)
+    for name in ("config.json", INDEX_FILE, *os.listdir(tmp_path / "out")):
+        if name != OUTPUT_MARKER:
+            assert name in synced[:marker], (name, synced)
 
 
 def _rewrite(ckpt, name, fn):

@@ -1,8 +1,9 @@
 """Write a directory atomically: build it in a hidden sibling, swap it into place when done.
 
-A process killed midway leaves only the hidden sibling (``.<name>.tmp-<pid>-<id>``), never a
-half-written ``<name>``; the next writer of the same output removes siblings whose process is
-gone. Publishing is one atomic exchange of the two directories (renameat2 RENAME_EXCHANGE on
+A process killed midway leaves only the hidden sibling (``.<name>.tmp-<pid>@<host>-<id>``),
+never a half-written ``<name>``; the next writer of the same output removes siblings whose
+process is gone (only its own host's: on a shared filesystem another host's writer may be
+alive). Publishing is one atomic exchange of the two directories (renameat2 RENAME_EXCHANGE on
 Linux). Where the filesystem cannot exchange, it is two renames (``<name>`` to
 ``.<name>.old-...``, then the staged copy to ``<name>``); a writer killed between them leaves no
 ``<name>``, and the next writer puts the complete copy back before it cleans anything
@@ -20,6 +21,7 @@ import errno
 import json
 import os
 import shutil
+import socket
 import sys
 import time
 import uuid
@@ -36,11 +38,12 @@ TRASH_TAG = ".del-"
 OUTPUT_MARKER = ".sglang_dsv41_output"
 _RENAME_EXCHANGE = 2  # linux/fs.h
 _AT_FDCWD = -100
+_HOST = socket.gethostname()
 
 
 def _sibling(out_dir: str, tag: str) -> str:
     parent, base = os.path.split(os.path.abspath(out_dir))
-    return os.path.join(parent, f".{base}{tag}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    return os.path.join(parent, f".{base}{tag}{os.getpid()}@{_HOST}-{uuid.uuid4().hex[:8]}")
 
 
 def pid_alive(pid: int) -> bool:
@@ -54,7 +57,8 @@ def pid_alive(pid: int) -> bool:
 
 
 def _dead_siblings(out_dir: str, tag: str) -> list[str]:
-    """Siblings of ``out_dir`` with ``tag`` whose writing process no longer runs."""
+    """Siblings of ``out_dir`` with ``tag`` whose writing process, on this host, no longer
+    runs (a sibling without a host is taken as this host's)."""
     parent, base = os.path.split(os.path.abspath(out_dir))
     if not os.path.isdir(parent):
         return []
@@ -62,7 +66,9 @@ def _dead_siblings(out_dir: str, tag: str) -> list[str]:
     out = []
     for entry in os.listdir(parent):
         if entry.startswith(prefix):
-            pid = entry[len(prefix):].split("-", 1)[0]
+            pid, _, host = entry[len(prefix):].rsplit("-", 1)[0].partition("@")
+            if host not in ("", _HOST):
+                continue  # another host's writer: whether it runs cannot be told from here
             if pid.isdigit() and not pid_alive(int(pid)):
                 out.append(os.path.join(parent, entry))
     return out
@@ -100,7 +106,7 @@ def clean_stale_siblings(out_dir: str) -> list[str]:
     return removed
 
 
-def _fsync_dir(path: str) -> None:
+def _fsync_path(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -210,31 +216,31 @@ class StagedDir:
         self.path = _sibling(self.out_dir, STAGING_TAG)
         os.makedirs(self.path)
 
-    def publish(self, replace: bool = True) -> bool:
-        """Move the staged directory into place. With ``replace=False`` an existing non-empty
-        ``out_dir`` wins (another process got there first): the staged copy is discarded and
-        False is returned. On any error the staged copy is discarded and ``out_dir`` is left
-        as it was."""
+    def publish(self) -> None:
+        """Move the staged directory into place, replacing ``out_dir``. On any error the staged
+        copy is discarded and ``out_dir`` is left as it was."""
         try:
-            return self._publish(replace)
+            self._publish()
         except BaseException:
             self.discard()
             raise
 
-    def _publish(self, replace: bool) -> bool:
+    def _publish(self) -> None:
+        # The marker vouches for every file: each reaches the disk before it does (a writer
+        # may not have synced its own, e.g. config.json or what save_pretrained wrote).
+        for root, _, files in os.walk(self.path):
+            for name in files:
+                _fsync_path(os.path.join(root, name))
         with open(os.path.join(self.path, OUTPUT_MARKER), "w") as f:
             json.dump({"writer": "sglang_dsv41", "pid": os.getpid(), "time": time.time()}, f)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(self.path)
+        _fsync_path(self.path)
         try:
             os.rename(self.path, self.out_dir)  # succeeds when out_dir is absent or empty
         except OSError as e:
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
-            if not replace:
-                self.discard()
-                return False
             # Checked again: the directory may have been filled while the output was written.
             if not self.force and not is_replaceable(self.out_dir):
                 raise _foreign(self.out_dir) from None
@@ -249,15 +255,15 @@ class StagedDir:
                     os.rename(old, self.out_dir)
                     raise
                 _delete_dir(old, self.out_dir)
-        _fsync_dir(os.path.dirname(self.out_dir))
-        return True
+        _fsync_path(os.path.dirname(self.out_dir))
 
     def discard(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
+        # Through the trash: a sealed copy half deleted must not be restored by recovery.
+        _delete_dir(self.path, self.out_dir)
 
 
 @contextmanager
-def staged_output(out_dir: str, replace: bool = True, sources: Iterable[str] = (),
+def staged_output(out_dir: str, sources: Iterable[str] = (),
                   force: bool = False) -> Iterator[str]:
     """``with staged_output(d) as tmp:`` write into tmp; on success tmp becomes d, on an
     exception tmp is removed and d is left as it was."""
@@ -267,4 +273,4 @@ def staged_output(out_dir: str, replace: bool = True, sources: Iterable[str] = (
     except BaseException:
         staged.discard()
         raise
-    staged.publish(replace=replace)
+    staged.publish()

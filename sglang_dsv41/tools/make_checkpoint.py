@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from ..loader.atomic_dir import check_output_dir, os_error_text, staged_output
+from ..loader.atomic_dir import os_error_text, staged_output
 from ..loader.fp4 import quantize_fp4
 from ..loader.fp8 import quantize_fp8_blocks
 from ..loader.release_layout import RELEASE_SCALE_SUFFIX
@@ -162,24 +162,23 @@ def make_checkpoint(out_dir: str, cfg: DSV4Config, layout: str = "release", seed
     did not write is replaced only with ``force``."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    check_output_dir(out_dir, force=force)  # refuse before building anything
-    if layout == "hf":
-        to_transformers_config(cfg)  # refuse V4.1 before building anything
-    text = random_text_tensors(cfg, seed)
-    if layout == "hf":
-        with staged_output(out_dir, force=force) as tmp:
-            write_hf(tmp, cfg, text, num_shards)
-        return out_dir
-    if layout == "release":
-        block = list(block or V41_BLOCK)
-        tensors = release_tensors(cfg, text, block, expert_dtype, seed)
-        config = release_config(cfg, block, expert_dtype)
-    else:
-        from ..loader.release_layout import text_config_from_release
-
-        tensors = text
-        config = text_config_from_release(release_config(cfg, V41_BLOCK, expert_dtype))
+    # out_dir is refused (StagedDir) before anything is built
     with staged_output(out_dir, force=force) as tmp:
+        if layout == "hf":
+            to_transformers_config(cfg)  # V4.1 refused
+        text = random_text_tensors(cfg, seed)
+        if layout == "hf":
+            write_hf(tmp, cfg, text, num_shards)
+            return out_dir
+        if layout == "release":
+            block = list(block or V41_BLOCK)
+            tensors = release_tensors(cfg, text, block, expert_dtype, seed)
+            config = release_config(cfg, block, expert_dtype)
+        else:
+            from ..loader.release_layout import text_config_from_release
+
+            tensors = text
+            config = text_config_from_release(release_config(cfg, V41_BLOCK, expert_dtype))
         write_tensors(tmp, tensors, config, num_shards)
     return out_dir
 
