@@ -40,12 +40,11 @@ from .loader.release_layout import (RELEASE_SCALE_SUFFIX, ConversionPlan, PlanEn
 from .loader.conversion_logits import verify_logits
 from .loader.shards import (CONFIG_FILE, RawShardReader, StreamingShardWriter, plan_shards,
                             shard_file_name, tensor_nbytes, write_index)
+from .tools import help_description
 
 # Test hook: seconds to sleep after each finished output shard (to kill a conversion midway).
 SHARD_DELAY_ENV = "SGLANG_DSV41_CONVERT_SHARD_DELAY_S"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
-# --help: the docstring's first paragraph (what it does) and its last (DST rules, exit status).
-DESCRIPTION = " ".join(__doc__.split("\n\n")[0].split() + __doc__.split("\n\n")[-1].split())
 
 
 def parse_size(text: str) -> int:
@@ -211,7 +210,8 @@ def verify_tensors(plan: ConversionPlan, dst: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sglang_dsv41.convert", description=DESCRIPTION)
+    p = argparse.ArgumentParser(prog="python -m sglang_dsv41.convert",
+                                description=help_description(__doc__))
     p.add_argument("src", help="release checkpoint directory")
     p.add_argument("dst", help="output directory (written atomically; an existing one is "
                    "replaced only if this tool wrote it, or with --force)")

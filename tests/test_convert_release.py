@@ -495,3 +495,8 @@ def test_help_describes_the_tool_in_whole_sentences(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "to the text-only bf16 one SGLang 0.5.23 and our trainer load." in out
     assert "--force" in out and "Exit status: 0 written, 1 refused or failed" in out
+    # python -OO strips docstrings: the tools still import and run (no description)
+    for module in ("sglang_dsv41.convert", "sglang_dsv41.tools.make_checkpoint"):
+        p = subprocess.run([sys.executable, "-OO", "-m", module, "--help"], capture_output=True,
+                           text=True, timeout=120)
+        assert p.returncode == 0 and "usage:" in p.stdout, p.stderr

@@ -36,10 +36,9 @@ from ..model.dsv4.config import DSV4Config
 from ..model.dsv4.names import storable_state
 from ..model.dsv4.presets import get_preset
 from ..plan.shapes import checkpoint_dtype
+from . import help_description
 
 LAYOUTS = ("release", "bf16", "hf")
-# --help: the docstring's first paragraph (what it writes) and its last (OUT, exit status).
-DESCRIPTION = " ".join(__doc__.split("\n\n")[0].split() + __doc__.split("\n\n")[-1].split())
 V41_BLOCK = [32, 32]  # V4.1-Flash's weight_block_size (the converter reads it from the config)
 # FP8 block-quantized in the release (SGLang maps their ".scale" to weight_scale_inv); the
 # compressor/indexer-compressor projections, weights_proj, norms and the Engram table are not.
@@ -185,7 +184,7 @@ def make_checkpoint(out_dir: str, cfg: DSV4Config, layout: str = "release", seed
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sglang_dsv41.tools.make_checkpoint",
-                                description=DESCRIPTION)
+                                description=help_description(__doc__))
     p.add_argument("out", help="output directory (written atomically)")
     p.add_argument("--preset", default="tiny")
     p.add_argument("--layout", choices=LAYOUTS, default="release")
