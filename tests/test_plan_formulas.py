@@ -171,7 +171,10 @@ def test_kv_sizing_settings():
     assert mega.layout == "v41" and mega.swa_bytes_per_slot == 528 * 40
     assert mega.per_ratio == ((1, 1, 288 + 68), (2, 3, (288 + 68) / 2))
     assert dsv4_kv_sizing(FLASH, gpu="sm100", attn_tp_size=8).layout == "v4"
-    assert resolve_dsv4_kv_layout(FLASH, "auto", "sm100", 1, "fp8_e4m3") == "v41"
+    assert resolve_dsv4_kv_layout(FLASH, "unset", "sm100", 1) == "v41"
+    # SGLANG_DSV4_KV_LAYOUT=auto set explicitly: v41 on any SM100 GPU, attention tp too
+    assert resolve_dsv4_kv_layout(FLASH, "auto", "sm100", 8) == "v41"
+    assert resolve_dsv4_kv_layout(FLASH, "auto", "sm90", 1) == "v4"
     # An explicit ratio puts the SWA pool back on the per-token side.
     ratio = dsv4_kv_sizing(FLASH, swa_full_tokens_ratio=0.1)
     assert ratio.swa_mode == "ratio" and ratio.swa_fixed_bytes == 0
@@ -180,8 +183,6 @@ def test_kv_sizing_settings():
     assert dsv4_kv_sizing(FLASH, radix_cache=False).swa_cap_slots < base.swa_cap_slots
     with pytest.raises(ValueError, match="multiple of 128"):
         dsv4_kv_sizing(FLASH, page_size=16)
-    with pytest.raises(ValueError, match="fp8"):
-        dsv4_kv_sizing(FLASH, kv_cache_dtype="bfloat16")
     with pytest.raises(ValueError, match="SM100"):
         dsv4_kv_sizing(FLASH, kv_layout="v41", gpu="sm90")
 
@@ -292,3 +293,20 @@ def test_default_plan_uses_sglangs_pools_and_r3_binds():
     tight = make_plan(replace(inp, host_gib_per_node=160))
     assert not tight.fits and tight.largest_safe_max_total_tokens < 8_686_336
     assert res.fits
+
+
+@pytest.mark.parametrize("env,gpu,attn_tp", [("auto", "sm100", 8), ("auto", "sm90", 8),
+                                             ("v41", "sm100", 8), ("v4", "sm100", 8)])
+def test_kv_layout_set_explicitly_is_sglangs_choice(monkeypatch, env, gpu, attn_tp):
+    """SGLang's own select_dsv4_kv_layout with SGLANG_DSV4_KV_LAYOUT set (attention tp > 1:
+    the flashmla backend, deepseek_v4_hook.py), on a stub of the GPU it asks torch about."""
+    mp = import_sglang("sglang.srt.mem_cache.deepseek_v4_memory_pool")
+    ns = SimpleNamespace
+    monkeypatch.setattr(mp, "get_exec", lambda: ns(kernel=ns(dsv4_attn_backend="flashmla")))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability",
+                        lambda *a: (10, 0) if gpu == "sm100" else (9, 0))
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setenv("SGLANG_DSV4_KV_LAYOUT", env)
+    layout, _ = mp.select_dsv4_kv_layout()
+    assert resolve_dsv4_kv_layout(FLASH, env, gpu, attn_tp) == layout.value

@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from .memory import (ENGRAM_LAYOUTS, GPU_ARCHS, HOST_PAGE_BYTES, KV_CACHE_DTYPES, KV_LAYOUTS,
+from .memory import (ENGRAM_LAYOUTS, GPU_ARCHS, HOST_PAGE_BYTES, KV_LAYOUTS,
                      OPTIMIZER_MODES, PINNED_CAP_ENV_KEY)
 from .planner import PlanInput, make_plan
 from .report import format_plan, plan_json
@@ -63,9 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", choices=GPU_ARCHS, default=d.gpu,
                    help="sm90 (H100/H200) or sm100 (B200/GB200): KV layout and SGLang's "
                         "chunked-prefill default (default: %(default)s)")
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype)
     p.add_argument("--kv-layout", choices=KV_LAYOUTS, default=d.kv_layout,
-                   help="SGLANG_DSV4_KV_LAYOUT (auto: as SGLang resolves it unset)")
+                   help="SGLANG_DSV4_KV_LAYOUT as set for SGLang (default: unset; the KV "
+                        "cache is fp8, the CUDA pool's only store)")
     p.add_argument("--max-running-requests", type=int, default=d.max_running_requests,
                    help="SGLang's (all DP replicas; default: SGLang's DeepSeek-V4 default "
                         "%(default)s): sizes the SWA pool and the compress-state rings")
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             model=args.model, nnodes=args.nnodes, gpus_per_node=args.gpus_per_node, tp=tp,
             dp=args.dp, ep=args.ep, pp=args.pp, kv_gib_per_gpu=args.kv_gib_per_gpu,
             kv_bytes_per_token=args.kv_bytes_per_token, gpu=args.gpu,
-            kv_cache_dtype=args.kv_cache_dtype, kv_layout=args.kv_layout,
+            kv_layout=args.kv_layout,
             max_running_requests=args.max_running_requests,
             chunked_prefill_size=args.chunked_prefill_size,
             swa_full_tokens_ratio=args.swa_full_tokens_ratio, radix_cache=args.radix_cache,

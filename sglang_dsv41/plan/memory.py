@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 from ..model.dsv4.config import DSV4Config
 from ..policies.engram_layout import LAYOUTS as ENGRAM_LAYOUTS
-from ..policies.r3_buffer import (R3_EXPERT_ID_BYTES, r3_buffer_bytes,  # noqa: F401 (re-export)
-                                  r3_bytes_per_token)
+from ..policies.r3_buffer import r3_buffer_bytes, r3_bytes_per_token  # noqa: F401 (re-export)
 from .shapes import ENGRAM_SCALE_BLOCK, engram_columns
 
 GIB = 1 << 30
@@ -97,7 +96,8 @@ def r3_largest_tokens(budget_bytes: int, bytes_per_token: int, page_size: int,
 # pool_configurator.py:1067-1712, "PC" below) and the pools it sizes (mem_cache/
 # deepseek_v4_memory_pool.py, "MP" below) for a CUDA run with speculative decoding, HiSparse,
 # encoder SWA replay, online c128 compression, PD disaggregation and pipeline parallelism off,
-# kv_cache_dtype fp8_e4m3 and the float32 compress state (environ.py:1832).
+# kv_cache_dtype fp8_e4m3 (the CUDA pool's only store: deepseek_v4_memory_pool.py create_buffer
+# asserts uint8; bfloat16 is the NPU pool) and the float32 compress state (environ.py:1832).
 DSV4_PAGE_SIZE = 256  # model_overrides/deepseek_v4.py:51 (CUDA); PC:1642 wants a multiple of 128
 DSV4_MAX_RUNNING_REQUESTS = 256  # arg_groups/deepseek_v4_hook.py:142, when not given
 GPU_ARCHS = ("sm90", "sm100")  # Hopper (H100/H200) / Blackwell (B200/GB200)
@@ -106,8 +106,8 @@ DSV4_CHUNKED_PREFILL = {"sm90": 8192, "sm100": 16384}
 # MP:532-542: the ratio-1/2 indexer page is 128 slots with DeepGEMM's paged sparse MQA logits
 # (Blackwell only, layers/deep_gemm_wrapper/configurer.py:64-78), else 64.
 DSV4_INDEX_PAGE = {"sm90": 64, "sm100": 128}
-KV_CACHE_DTYPES = ("fp8_e4m3", "bfloat16")
-KV_LAYOUTS = ("auto", "v4", "v41", "v41_new")  # SGLANG_DSV4_KV_LAYOUT (auto: SGLang's default)
+# SGLANG_DSV4_KV_LAYOUT: unset (SGLang's default) or one of its values
+KV_LAYOUTS = ("unset", "auto", "v4", "v41", "v41_new")
 # kernels/ops/attention/dsv4/kv_layout.py:50-100: (data + scale bytes per entry, page alignment).
 # v4: 448 fp8 nope + 64 bf16 rope + 7 ue8m0 scales + 1 pad = 584 B in 576-byte-aligned pages.
 _LAYOUT_BYTES = {"v4": (584, 576), "v41": (528, 512), "v41_new": (528, 528),
@@ -124,18 +124,19 @@ def dsv4_page_bytes(layout: str, page_size: int) -> int:
     return -(-(page_size * entry) // align) * align
 
 
-def resolve_dsv4_kv_layout(cfg: DSV4Config, kv_layout: str = "auto", gpu: str = "sm90",
-                           attn_tp_size: int = 1, kv_cache_dtype: str = "fp8_e4m3") -> str:
-    """The main-cache layout SGLang picks. auto (SGLANG_DSV4_KV_LAYOUT unset): the attention
-    backend defaults to flashmla_mega for V4.1 on SM100 with fp8 KV and attention tp 1
-    (deepseek_v4_hook.py:45-60), which forces the v41 layout (MP:198-235); every other case keeps
-    the env default v4 (environ.py:1754). v41 / v41_new need SM100 (MP:233)."""
+def resolve_dsv4_kv_layout(cfg: DSV4Config, kv_layout: str = "unset", gpu: str = "sm90",
+                           attn_tp_size: int = 1) -> str:
+    """The main-cache layout SGLang picks (select_dsv4_kv_layout, MP:198-235). unset: the
+    attention backend defaults to flashmla_mega for V4.1 on SM100 with attention tp 1
+    (deepseek_v4_hook.py:45-60), which forces the v41 layout; every other case keeps the env
+    default v4 (environ.py:1754). auto (set explicitly): v41 on any SM100 GPU, else v4.
+    v41 / v41_new need SM100 (MP:233)."""
     _need(kv_layout in KV_LAYOUTS, f"kv layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
     _need(gpu in GPU_ARCHS, f"gpu must be one of {GPU_ARCHS}, got {gpu!r}")
+    if kv_layout == "unset":
+        return "v41" if cfg.is_v41 and gpu == "sm100" and attn_tp_size == 1 else "v4"
     if kv_layout == "auto":
-        mega = (cfg.is_v41 and gpu == "sm100" and kv_cache_dtype == "fp8_e4m3"
-                and attn_tp_size == 1)
-        return "v41" if mega else "v4"
+        return "v41" if gpu == "sm100" else "v4"
     _need(kv_layout == "v4" or gpu == "sm100",
           f"SGLang's {kv_layout} KV layout needs an SM100 / SM103 GPU "
           "(deepseek_v4_memory_pool.py select_dsv4_kv_layout)")
@@ -229,10 +230,9 @@ class DSV4KVSizing:
                 f"owning them ({kinds}); {swa}")
 
 
-def dsv4_kv_sizing(cfg: DSV4Config, *, page_size: int = DSV4_PAGE_SIZE, kv_layout: str = "auto",
-                   gpu: str = "sm90", attn_tp_size: int = 1, attn_dp_size: int = 1,
-                   kv_cache_dtype: str = "fp8_e4m3",
-                   max_running_requests: int = DSV4_MAX_RUNNING_REQUESTS,
+def dsv4_kv_sizing(cfg: DSV4Config, *, page_size: int = DSV4_PAGE_SIZE,
+                   kv_layout: str = "unset", gpu: str = "sm90", attn_tp_size: int = 1,
+                   attn_dp_size: int = 1, max_running_requests: int = DSV4_MAX_RUNNING_REQUESTS,
                    chunked_prefill_size: int | None = None,
                    swa_full_tokens_ratio: float | None = None,
                    radix_cache: bool = True) -> DSV4KVSizing:
@@ -241,17 +241,12 @@ def dsv4_kv_sizing(cfg: DSV4Config, *, page_size: int = DSV4_PAGE_SIZE, kv_layou
     _need(page_size >= 1 and page_size % 128 == 0,
           f"SGLang's DeepSeek-V4 pools need page_size a multiple of 128 (pool_configurator.py "
           f"calculate_pool_sizes; it sets {DSV4_PAGE_SIZE}), got {page_size}")
-    _need(kv_cache_dtype in KV_CACHE_DTYPES,
-          f"kv cache dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-    _need(kv_cache_dtype == "fp8_e4m3",
-          "SGLang 0.5.23's CUDA DeepSeek-V4 pool stores fp8 entries only (bfloat16 is the NPU "
-          "pool; deepseek_v4_memory_pool.py create_buffer asserts a uint8 store)")
     _need(attn_tp_size >= 1 and attn_dp_size >= 1 and max_running_requests >= 1,
           "attn_tp_size, attn_dp_size and max_running_requests must be >= 1")
     _need(swa_full_tokens_ratio is None or 0 < swa_full_tokens_ratio <= 1,
           f"swa_full_tokens_ratio must be in (0, 1], got {swa_full_tokens_ratio}")
     chunk = DSV4_CHUNKED_PREFILL[gpu] if chunked_prefill_size is None else chunked_prefill_size
-    layout = resolve_dsv4_kv_layout(cfg, kv_layout, gpu, attn_tp_size, kv_cache_dtype)
+    layout = resolve_dsv4_kv_layout(cfg, kv_layout, gpu, attn_tp_size)
     ratios, n_layers, window = cfg.compress_ratios, cfg.num_hidden_layers, cfg.window_size
     attn_dim, index_dim = cfg.head_dim, cfg.index_head_dim  # qk_nope + qk_rope = head_dim
 

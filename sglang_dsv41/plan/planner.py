@@ -16,7 +16,7 @@ from ..model.dsv4.config import DSV4Config
 from ..model.dsv4.presets import load_config
 from ..policies.engram_layout import EngramLayoutError, choose_engram_layout
 from .memory import (DEFAULT_PINNED_CAP_MB, DSV4_MAX_RUNNING_REQUESTS, DSV4_PAGE_SIZE,
-                     ENGRAM_LAYOUTS, GIB, GPU_ARCHS, HOST_PAGE_BYTES, KV_CACHE_DTYPES, KV_LAYOUTS,
+                     ENGRAM_LAYOUTS, GIB, GPU_ARCHS, HOST_PAGE_BYTES, KV_LAYOUTS,
                      OPTIMIZER_MODES, OPTIMIZER_PINNED_BYTES_PER_PARAM, PINNED_CAP_ENV_KEY,
                      dsv4_kv_sizing, engram_host_bytes, kv_tokens_for_budget,
                      optimizer_host_bytes, pinned_alloc_bytes, r3_buffer_bytes,
@@ -42,8 +42,7 @@ class PlanInput:
     kv_bytes_per_token: int | None = None  # None: memory.dsv4_kv_sizing (SGLang's own pools)
     # SGLang server settings the KV pools depend on (memory.dsv4_kv_sizing)
     gpu: str = "sm90"
-    kv_cache_dtype: str = "fp8_e4m3"
-    kv_layout: str = "auto"
+    kv_layout: str = "unset"
     max_running_requests: int = DSV4_MAX_RUNNING_REQUESTS  # SGLang's, over all DP replicas
     chunked_prefill_size: int | None = None  # None: SGLang's default for the GPU
     swa_full_tokens_ratio: float | None = None
@@ -76,8 +75,6 @@ class PlanInput:
         need(self.kv_bytes_per_token is None or self.kv_bytes_per_token >= 1,
              "--kv-bytes-per-token must be >= 1")
         need(self.gpu in GPU_ARCHS, f"--gpu must be one of {GPU_ARCHS}")
-        need(self.kv_cache_dtype in KV_CACHE_DTYPES,
-             f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}")
         need(self.kv_layout in KV_LAYOUTS, f"--kv-layout must be one of {KV_LAYOUTS}")
         need(self.chunked_prefill_size is None or self.chunked_prefill_size >= -1,
              "--chunked-prefill-size must be >= -1 (-1 or 0: chunked prefill off)")
@@ -180,7 +177,7 @@ def make_plan(inp: PlanInput, cfg: DSV4Config | None = None) -> PlanResult:
             sizing = dsv4_kv_sizing(
                 cfg, page_size=page, kv_layout=inp.kv_layout, gpu=inp.gpu,
                 attn_tp_size=layout.tp, attn_dp_size=layout.dp,
-                kv_cache_dtype=inp.kv_cache_dtype, max_running_requests=inp.max_running_requests,
+                max_running_requests=inp.max_running_requests,
                 chunked_prefill_size=inp.chunked_prefill_size,
                 swa_full_tokens_ratio=inp.swa_full_tokens_ratio, radix_cache=inp.radix_cache)
         except ValueError as e:
