@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -112,10 +114,13 @@ def test_a_corrupt_latest_checkpoint_names_the_file_and_the_way_back(tmp_path, c
 
 
 def test_saves_killed_midway_are_removed_by_the_next_run(tmp_path, rollouts):
-    """A killed save leaves its uniquely named .tmp directory; the next run, holding the
-    directory's lock (no other trainer saves there), removes it before it starts."""
+    """A killed save leaves its uniquely named staged directory; the next run removes it
+    before it starts (its writer no longer runs), and puts back a step a save killed between
+    its two renames had moved aside."""
     out = tmp_path / "run"
-    killed = out / "checkpoints" / ".step-000006.k1ll3d.tmp"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    killed = out / "checkpoints" / f".step-000006.tmp-{dead}-k1ll3d"
     killed.mkdir(parents=True)
     (killed / "__0_0.distcp").write_bytes(b"half")
     cfg = load_config("tiny", None, ["rollout.source=offline", f"rollout.offline_path={rollouts}",
@@ -125,3 +130,12 @@ def test_saves_killed_midway_are_removed_by_the_next_run(tmp_path, rollouts):
     finally:
         train.release_lock()
     assert not killed.exists() and os.listdir(out / "checkpoints") == []
+    # a save killed between its two renames (no atomic exchange): the step is put back
+    from trainer_bridge.checkpoint import remove_abandoned_saves
+
+    moved_aside = out / "checkpoints" / f".step-000004.old-{dead}-k1ll3d"
+    moved_aside.mkdir()
+    (moved_aside / "trainer_state.pt").write_bytes(b"complete")
+    assert remove_abandoned_saves(str(out / "checkpoints")) == []
+    assert os.listdir(out / "checkpoints") == ["step-000004"]
+    assert (out / "checkpoints" / "step-000004" / "trainer_state.pt").read_bytes() == b"complete"

@@ -183,7 +183,7 @@ def crash_worker(out_dir: str, rollouts: str, queue) -> None:
             message = str(e)
         ckpt.torch.save = real_save
         latest = ckpt.latest_checkpoint(root)
-        left = sorted(n for n in os.listdir(root) if n.endswith(".tmp"))
+        left = sorted(n for n in os.listdir(root) if n.startswith("."))  # staged, trash
         state = ckpt.load_checkpoint(latest, trainer.policy.model, trainer.optimizer, 0)
         # another world size is refused before anything is loaded
         try:

@@ -4,14 +4,14 @@ torch.distributed.checkpoint, plus the LR schedule, the data position and every 
 The frozen tables (Engram, tid2eid) are not written: they come from the base checkpoint, and a
 V4.1-Flash Engram table alone is ~95 GiB.
 
-Layout: ``<dir>/step-000042/`` (DCP files, ``trainer_state.pt``, ``rng_rank<r>.pt``) written as
-``<dir>/.step-000042.<unique>.tmp`` (a name of this save's own: a save never deletes a directory
-it did not make) and renamed once every rank has finished; then ``<dir>/latest`` is replaced
-atomically. A save that fails (disk full, ...) removes its ``.tmp`` directory and raises
-CheckpointSaveError naming it; a process killed mid-save leaves only the ``.tmp`` directory,
-which is never loaded, and which the next run in that directory removes (it holds the run's
-lock, so no save of another trainer is under way there). ``trainer_state.pt`` records the world
-size and the run's config.
+Layout: ``<dir>/step-000042/`` (DCP files, ``trainer_state.pt``, ``rng_rank<r>.pt``) written
+into a staged sibling (sglang_dsv41.loader.atomic_dir.StagedDir: a name of this save's own, so a
+save never deletes a directory it did not make) and swapped into place atomically once every
+rank has finished, replacing an earlier save of the same step whole; then ``<dir>/latest`` is
+replaced atomically. A save that fails (disk full, ...) removes its staged directory and raises
+CheckpointSaveError naming it; a process killed mid-save leaves only the staged directory, which
+is never loaded, and which the next run in that directory removes (remove_abandoned_saves).
+``trainer_state.pt`` records the world size and the run's config.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from __future__ import annotations
 import glob
 import os
 import random
-import shutil
-import tempfile
+import re
 from typing import Any
 
 import numpy as np
@@ -31,6 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
+from sglang_dsv41.loader.atomic_dir import StagedDir, clean_stale_siblings
 from sglang_dsv41.model.dsv4.names import is_frozen_table
 
 from .dist import all_reduce_scalar, broadcast_object
@@ -69,14 +69,14 @@ class CheckpointLoadError(ValueError):
 
 
 def remove_abandoned_saves(root: str) -> list[str]:
-    """Remove the ``.step-*.tmp`` directories of saves killed midway under ``root``; the
-    caller holds the run directory's lock (train.lock_run_dir), so none is being written."""
-    removed = []
-    for path in sorted(glob.glob(os.path.join(root, ".step-*.tmp"))):
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(os.path.basename(path))
-    return removed
+    """Remove the staged directories of saves killed midway under ``root`` (those of processes
+    that no longer run), after putting back a step a killed save had moved aside
+    (atomic_dir.clean_stale_siblings). The caller holds the run directory's lock."""
+    if not os.path.isdir(root):
+        return []
+    steps = sorted({m.group(1) for name in os.listdir(root)
+                    if (m := re.match(r"\.(step-\d+)\.(tmp|old|del)-", name))})
+    return [n for step in steps for n in clean_stale_siblings(os.path.join(root, step))]
 
 def save_checkpoint(root: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     trainer_state: dict[str, Any], rank: int) -> str:
@@ -84,12 +84,14 @@ def save_checkpoint(root: str, step: int, model: torch.nn.Module, optimizer: tor
     the step and the world size."""
     final = step_dir(root, step)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    tmp, error = None, None
+    staged, tmp, error = None, None, None
     if rank == 0:
         try:
             os.makedirs(root, exist_ok=True)
-            tmp = tempfile.mkdtemp(prefix=f".step-{step:06d}.", suffix=".tmp", dir=root)
-        except OSError as e:
+            # force: the run's own step directory (a resume from an older step saves it again)
+            staged = StagedDir(final, force=True)
+            tmp = staged.path
+        except (OSError, ValueError) as e:
             error = f"cannot create a checkpoint directory under {root}: {_os_error(e)}"
     tmp, error = broadcast_object((tmp, error))
     if error:
@@ -106,20 +108,17 @@ def save_checkpoint(root: str, step: int, model: torch.nn.Module, optimizer: tor
         failed = _os_error(e)
     if all_reduce_scalar(float(bool(failed)), "max") > 0:
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            staged.discard()
         where = f"rank {rank}: {failed}" if failed else "on another rank"
         raise CheckpointSaveError(f"saving the step-{step} checkpoint into {tmp} failed ({where});"
                                   f" its temporary directory was removed, earlier checkpoints "
                                   f"are kept")
     if rank == 0:
         try:
-            if os.path.isdir(final):
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            staged.publish()  # discards the staged copy itself on failure
             _write_latest(root, os.path.basename(final))
         except OSError as e:
             failed = _os_error(e)
-            shutil.rmtree(tmp, ignore_errors=True)
     failed = broadcast_object(failed)
     if failed:
         raise CheckpointSaveError(f"publishing the step-{step} checkpoint as {final} failed: "
