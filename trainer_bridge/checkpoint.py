@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
-from sglang_dsv41.loader.atomic_dir import StagedDir, clean_stale_siblings
+from sglang_dsv41.loader.atomic_dir import StagedDir, clean_stale_siblings, os_error_text
 from sglang_dsv41.model.dsv4.names import is_frozen_table
 
 from .dist import all_reduce_scalar, broadcast_object
@@ -136,7 +136,7 @@ def _os_error(e: BaseException) -> str:
         else:
             break
     if isinstance(e, OSError) and e.strerror:
-        return f"{e.strerror}" + (f": {e.filename}" if e.filename else "")
+        return os_error_text(e)
     text = " ".join(str(e).split())
     return f"{type(e).__name__}: {text[:300]}"
 
