@@ -54,6 +54,24 @@ def test_resume_without_checkpoint_or_rollouts_creates_nothing(tmp_path, capsys,
     assert not out.exists()
 
 
+def test_every_rank_gets_a_sample_in_every_mini_batch():
+    """One rule for both rollout sources, counting the ranks: 4 engine samples a step give 2
+    ranks 2 each, too few for 4 mini-batches (two of them would step without a gradient)."""
+    server = ["rollout.source=server", "rollout.server_urls=[http://127.0.0.1:9]",
+              "rollout.prompts_per_step=2", "rollout.group_size=2"]
+    train.preflight(load_config("tiny", None, [*server, "loss.mini_batches=2"]), 1, 2)
+    with pytest.raises(ValueError, match=r"loss.mini_batches=4 x 2 rank\(s\) .* = 4"):
+        train.preflight(load_config("tiny", None, [*server, "loss.mini_batches=4"]), 1, 2)
+
+
+def test_mini_batches_split_a_ranks_share_evenly():
+    from trainer_bridge.batch import split_evenly
+
+    # a rank's 5 samples in 4 mini-batches: none empty (a ceil-sized cut gave 2, 2, 1, 0)
+    assert split_evenly([0, 2, 4, 6, 8], 4) == [[0], [2], [4], [6, 8]]
+    assert split_evenly(list(range(8)), 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
 def test_a_previous_run_is_refused_without_resume(tmp_path, capsys, rollouts):
     out = tmp_path / "run"
     fake_checkpoint(out, 2)

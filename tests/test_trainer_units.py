@@ -286,7 +286,7 @@ def test_the_policy_forwards_before_the_update_only_where_a_step_needs_it(
     ("optim.weight_decay=-0.1", "optim.weight_decay"), ("optim.betas=[1.5,0.9]", "optim.betas"),
     ("optim.betas=[0.9,1.0]", "optim.betas"), ("loss.clip_eps=-0.2", "loss.clip_eps"),
     ("loss.clip_eps_high=0.1", "loss.clip_eps_high"), ("loss.kl_coef=-1", "loss.kl_coef"),
-    ("seed=-1", "seed"), ("loss.mini_batches=100", "loss.mini_batches"),
+    ("seed=-1", "seed"),
     ("rollout.temperature=0", "rollout.temperature"),
     ("rollout.temperature=-1", "rollout.temperature"),
     # cross-field checks, before any server or model

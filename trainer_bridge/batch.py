@@ -163,6 +163,12 @@ def random_batch(vocab_size: int, routed_layers: list[int], lengths: list[int],
     return mb
 
 
+def split_evenly(items: list, n: int) -> list[list]:
+    """``items`` cut in order into ``n`` parts whose sizes differ by one at most: none is empty
+    while there are ``n`` items (a ceil-sized cut leaves the last parts empty)."""
+    return [items[len(items) * i // n:len(items) * (i + 1) // n] for i in range(n)]
+
+
 def split_by_token_budget(samples: list[Sample], budget: int) -> list[list[Sample]]:
     """Greedy packing in order; a sample longer than the budget gets a micro-batch of its own."""
     out: list[list[Sample]] = []

@@ -227,11 +227,6 @@ class TrainConfig:
             self.resume = True
         r = self.rollout
         if r.source == "server":
-            samples = r.prompts_per_step * r.group_size
-            if self.loss.mini_batches > samples:
-                raise ValueError(f"loss.mini_batches={self.loss.mini_batches} must be <= the "
-                                 f"samples per step (rollout.prompts_per_step x group_size = "
-                                 f"{samples})")
             if not r.server_urls and not self.launch_server:
                 raise ValueError("rollout.server_urls is empty: give at least one engine URL, "
                                  "or --launch-server")

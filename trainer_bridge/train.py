@@ -104,13 +104,19 @@ def preflight(cfg, rank: int, world_size: int) -> None:
     from .config import config_differences
     from .rollout import OfflineRolloutSource
 
-    if cfg.rollout.source == "offline":
-        records = OfflineRolloutSource(cfg.rollout.offline_path).records
+    # Every rank needs a sample in every mini-batch (an empty one is an optimizer step without
+    # a gradient on that rank).
+    rc = cfg.rollout
+    if rc.source == "offline":
+        records = OfflineRolloutSource(rc.offline_path).records
         fewest = min(len(r["samples"]) for r in records)
-        if fewest < cfg.loss.mini_batches * world_size:
-            raise ValueError(f"loss.mini_batches={cfg.loss.mini_batches} x {world_size} rank(s) "
-                             f"needs at least that many samples a step; "
-                             f"{cfg.rollout.offline_path} has a step of {fewest}")
+        where = f"{rc.offline_path} has a step of {fewest}"
+    else:
+        fewest = rc.prompts_per_step * rc.group_size
+        where = f"rollout.prompts_per_step x group_size = {fewest}"
+    if fewest < cfg.loss.mini_batches * world_size:
+        raise ValueError(f"loss.mini_batches={cfg.loss.mini_batches} x {world_size} rank(s) "
+                         f"needs at least that many samples a step; {where}")
     if cfg.resume:
         root = os.path.join(cfg.out_dir, "checkpoints")
         path = cfg.resume_from or latest_checkpoint(root)

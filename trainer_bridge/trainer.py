@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
 import random
 import time
@@ -18,7 +17,7 @@ from sglang_dsv41.model.dsv4.context import host_to_device
 from sglang_dsv41.router import RouterError
 from sglang_dsv41.tokenizer import ByteTokenizer
 
-from .batch import MicroBatch, Sample, pack, split_by_token_budget
+from .batch import MicroBatch, Sample, pack, split_by_token_budget, split_evenly
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainConfig, config_snapshot
 from .dist import (all_reduce_scalar, all_reduce_tensor, close_distributed, init_distributed,
@@ -207,10 +206,10 @@ class Trainer:
         gets the same number of micro-batches per mini-batch (empty ones are dummies)."""
         mine = samples[self.dist.rank::self.dist.world_size]
         n_mini = self.cfg.loss.mini_batches
-        per = math.ceil(len(mine) / n_mini) if mine else 0
         out = []
-        for i in range(n_mini):
-            chunk = mine[i * per:(i + 1) * per]
+        # none empty while the rank has n_mini samples (train.preflight): an empty mini-batch
+        # would be an optimizer step without a gradient
+        for chunk in split_evenly(mine, n_mini):
             groups = split_by_token_budget(chunk, self.cfg.loss.token_budget)
             count = int(all_reduce_scalar(len(groups), "max"))
             groups += [[]] * (count - len(groups))
