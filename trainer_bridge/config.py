@@ -7,7 +7,6 @@ configs (types checked, unknown keys refused), then ``__post_init__`` validates 
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +17,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from sglang_dsv41.model.dsv4.token_logprobs import FP32_GEMMS
 
-from .envs import ENVIRONMENTS
+from .envs import check_env
 from .local_shards import ADAMW_KERNELS
 from .memory_plan import MEMORY_FRACTION
 from .optimizer_offload import OFFLOAD_MODES
@@ -118,13 +117,11 @@ class RolloutConfig:
             raise ValueError(f"rollout.temperature must be > 0 and finite, got "
                              f"{self.temperature!r}")
         if self.source == "server":
-            if self.env not in ENVIRONMENTS:
-                raise ValueError(f"rollout.env={self.env!r}: choose from {sorted(ENVIRONMENTS)}")
-            try:  # the environment's own arguments (its tokenizer comes first)
-                inspect.signature(ENVIRONMENTS[self.env]).bind(None, **self.env_args)
-            except TypeError as e:
-                raise ValueError(f"rollout.env_args {dict(self.env_args)} for env "
-                                 f"{self.env!r}: {e}") from None
+            try:
+                check_env(self.env, dict(self.env_args))
+            except ValueError as e:
+                raise ValueError(f"rollout.env={self.env!r}, rollout.env_args="
+                                 f"{dict(self.env_args)}: {e}") from None
 
 
 @dataclass(kw_only=True)
