@@ -95,13 +95,27 @@ async def poll_until(fetch, done, timeout: float = 30.0):
     return result
 
 
-def serve(app, log_level: str = "critical") -> tuple[uvicorn.Server, str]:
-    """``app`` on a real loopback HTTP server in a thread -> (the server, its base URL)."""
+class LoopbackServer(uvicorn.Server):
+    """A uvicorn server run in a thread of this process; ``stop`` ends it."""
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.should_exit = True
+        self.thread.join(timeout)
+
+
+def serve(app, log_level: str = "critical") -> tuple[LoopbackServer, str]:
+    """``app`` on a real loopback HTTP server in a thread -> (the server, its base URL). A
+    server that cannot start (its thread ended, or 30 s passed) fails here, not in a test's
+    timeout."""
     from sglang_dsv41.ports import free_port
 
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(),
+    server = LoopbackServer(uvicorn.Config(app, host="127.0.0.1", port=free_port(),
                                            log_level=log_level))
-    threading.Thread(target=server.run, daemon=True).start()
+    server.thread = threading.Thread(target=server.run, daemon=True)
+    server.thread.start()
+    deadline = time.monotonic() + 30
     while not server.started:
+        if not server.thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the loopback server of {app!r} did not start")
         time.sleep(0.02)
     return server, f"http://127.0.0.1:{server.config.port}"

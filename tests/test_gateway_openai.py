@@ -11,18 +11,16 @@ down moves only its sessions, the other rank keeps its own and takes the new one
 
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
 import psutil
 import pytest
-import uvicorn
 
+from engine_server_fakes import serve
 from sglang_dsv41.gateway.__main__ import build_gateway
 from sglang_dsv41.gateway.app import create_gateway_app
 from sglang_dsv41.gateway.trajectory import END_OF_ASSISTANT
-from sglang_dsv41.ports import free_port
 from sglang_dsv41.server_process import ServerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -36,23 +34,17 @@ def engines():
         yield {a.url: a, b.url: b}
 
 
-def serve(app):
-    """``app`` on a loopback uvicorn in a thread; yields its URL, stops it after."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(),
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{server.config.port}"
-    server.should_exit = True
-    thread.join(10)
+def serving(app):
+    """``app`` on loopback (engine_server_fakes.serve); yields its URL, stops it after."""
+    server, url = serve(app, "warning")
+    yield url
+    server.stop()
 
 
 @pytest.fixture(scope="module")
 def gateway(engines):
     gw = build_gateway(list(engines), "tiny")
-    yield from ((gw, url) for url in serve(create_gateway_app(gw)))
+    yield from ((gw, url) for url in serving(create_gateway_app(gw)))
 
 
 def chat(base_url: str, sid: str, messages: list[dict], max_tokens: int = 8, **kw):
@@ -199,7 +191,7 @@ def dp2_engine():
     from test_hardening_http import make_app
 
     app, state, drainer = make_app()
-    for url in serve(app):
+    for url in serving(app):
         yield url, state
     state.controller.shutdown()
 
@@ -209,7 +201,7 @@ def test_a_dead_dp_rank_moves_only_its_sessions(dp2_engine):
 
     engine_url, state = dp2_engine
     gw = build_gateway([engine_url], "tiny")
-    for url in serve(create_gateway_app(gw)):
+    for url in serving(create_gateway_app(gw)):
         messages = [{"role": "user", "content": "hi"}]
 
         def turn(sid, msgs):

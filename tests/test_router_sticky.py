@@ -10,11 +10,10 @@ import time
 
 import orjson
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from sglang_dsv41.ports import free_port
+from engine_server_fakes import serve
 from sglang_dsv41.router import NoEngineAvailable, Route, RouterError, StickyRouter
 
 
@@ -61,17 +60,8 @@ class FakeEngine:
             return {"text": "x", "output_ids": [1],
                     "meta_info": {"dp_rank": body.get("routed_dp_rank")}}
 
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="error"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("fake engine did not start")
-            time.sleep(0.02)
+        self.server, self.url = serve(app, "error")
+        self.port = self.server.config.port
 
     async def _events(self, body: dict):
         for i, event in enumerate(self.stream_events):
@@ -87,8 +77,7 @@ class FakeEngine:
 
     def stop(self) -> None:
         self.release.set()
-        self.server.should_exit = True
-        self.thread.join(5)
+        self.server.stop(5)
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..asgi import client_gone
 from ..policies.sticky_dispatch import StickyDispatch
 from .api_models import CloseSessionRequest, GenerateRequest, OpenSessionRequest, SamplingParamsIn
 from .dp_controller import DPController, EngineFailure, EngineUnavailable
@@ -165,7 +166,7 @@ def generate_router(state: ServerState) -> APIRouter:
         runs = _submit_all(state, [req for req, _ in pairs], options)
         results = asyncio.gather(*(_collect(state, req, chunks, out)
                                    for (req, _), (out, chunks) in zip(pairs, runs)))
-        gone = asyncio.ensure_future(_client_gone(request))
+        gone = asyncio.ensure_future(client_gone(request))
         try:
             done, _ = await asyncio.wait({results, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -251,14 +252,6 @@ def _retrieve(future: asyncio.Future) -> None:
     # logging "exception was never retrieved" for every client that leaves.
     if not future.cancelled():
         future.exception()
-
-
-async def _client_gone(request: Request) -> None:
-    """Returns when the client disconnects (the body is read: the next message is that)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 async def _stream(state: ServerState, req: GenerateReq, chunks: asyncio.Queue,

@@ -267,17 +267,12 @@ def launch_engine(server_args: ServerArgs, echo_logs: bool = True) -> Engine:
         processes.append(p)
     try:
         ready_info = _wait_ready(a, processes, ready_queue, log_dir)
-    except EngineStartError as e:
+    except BaseException as e:
         _kill_all(processes)
         store.close()
-        if not echo_logs:
-            shutil.rmtree(log_dir, ignore_errors=True)
-            raise
-        raise EngineStartError(f"{e} (every rank's log: {log_dir})") from None
-    except BaseException:
-        _kill_all(processes)
-        store.close()
-        shutil.rmtree(log_dir, ignore_errors=True)  # interrupted: nothing to look at
+        if echo_logs and isinstance(e, EngineStartError):  # the ranks' logs say why: kept
+            raise EngineStartError(f"{e} (every rank's log: {log_dir})") from None
+        shutil.rmtree(log_dir, ignore_errors=True)  # interrupted, or a caller without logs
         raise
     controller = DPController(req_queues, out_queue, list(range(a.tp_size)),
                               a.load_balance_method)

@@ -25,14 +25,15 @@ import contextlib
 import logging
 import time
 import uuid
+import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from ..asgi import client_gone
 from ..router.base import NoEngineAvailable, RouterError, SessionRouter
 from ..tokenizer import NUM_BYTES, ByteTokenizer, IncrementalDecoder
 from .trajectory import Trajectory, Turn, routed_experts_of
@@ -55,8 +56,13 @@ class GatewayError(Exception):
         self.status, self.message = status, message
 
 
-def _error(status: int, message: str, err_type: str = "invalid_request_error") -> Response:
-    return _json({"error": {"message": message, "type": err_type, "code": status}}, status)
+def _error_body(status: int, message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "code": status, "type": "service_unavailable"
+                      if status >= 500 else "invalid_request_error"}}
+
+
+def _error(status: int, message: str) -> Response:
+    return _json(_error_body(status, message), status)
 
 
 def _json(payload: Any, status: int = 200) -> Response:
@@ -72,20 +78,6 @@ def _router_failure(e: RouterError) -> GatewayError:
     return GatewayError(504 if e.status == 504 else 502, str(e))
 
 
-@dataclass
-class _SessionLock:
-    lock: asyncio.Lock
-    users: int = 0    # turns holding or waiting for it
-
-
-async def _client_gone(request: Request) -> None:
-    """Returns when the client disconnects (its body is read: the next message is that)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
 class Gateway:
     def __init__(self, router: SessionRouter, tokenizer: Any, model_name: str,
                  context_length: int, thinking: bool = False,
@@ -99,7 +91,11 @@ class Gateway:
         self.options = dr.ConversionOptions(default_thinking_mode=thinking)
         self.return_routed_experts = return_routed_experts
         self.sessions: OrderedDict[str, Trajectory] = OrderedDict()
-        self._locks: dict[str, _SessionLock] = {}
+        # A session's lock lives while a turn holds or waits for it (a weak value): dropped
+        # while in use, the next turn would run beside the current one; kept after, every
+        # session ever seen would keep one.
+        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = \
+            weakref.WeakValueDictionary()
         self._pool = concurrent.futures.ThreadPoolExecutor(ROUTER_THREADS, "gateway-router")
 
     def session(self, sid: str) -> Trajectory:
@@ -110,22 +106,12 @@ class Gateway:
                 self.sessions.popitem(last=False)
         return traj
 
-    @contextlib.asynccontextmanager
-    async def _session_lock(self, sid: str) -> AsyncIterator[None]:
-        """Turns of one session (and its end) one after the other. A lock lives only while
-        someone holds or waits for it: dropped while in use, the next turn would make another
-        and run beside the current one; kept after, every session ever seen would keep one."""
-        entry = self._locks.get(sid)
-        if entry is None:
-            entry = self._locks[sid] = _SessionLock(asyncio.Lock())
-        entry.users += 1
-        try:
-            async with entry.lock:
-                yield
-        finally:
-            entry.users -= 1
-            if entry.users == 0:
-                del self._locks[sid]
+    def _session_lock(self, sid: str) -> asyncio.Lock:
+        """Turns of one session (and its end) run one after the other."""
+        lock = self._locks.get(sid)
+        if lock is None:
+            lock = self._locks[sid] = asyncio.Lock()
+        return lock
 
     async def end_session(self, sid: str) -> Trajectory | None:
         """Forget a session (its record, its pin) once its turn in flight, if any, is over:
@@ -388,9 +374,7 @@ class Gateway:
 
 
 def _error_event(status: int, message: str) -> bytes:
-    return b"data: " + orjson.dumps({"error": {
-        "message": message, "type": "service_unavailable" if status >= 500 else
-        "invalid_request_error", "code": status}}) + b"\n\n"
+    return b"data: " + orjson.dumps(_error_body(status, message)) + b"\n\n"
 
 
 def create_gateway_app(gateway: Gateway) -> FastAPI:
@@ -406,8 +390,7 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
 
     @app.exception_handler(GatewayError)
     async def gateway_error(_: Request, exc: GatewayError):
-        return _error(exc.status, exc.message,
-                      "service_unavailable" if exc.status >= 500 else "invalid_request_error")
+        return _error(exc.status, exc.message)
 
     async def completions(sid: str, request: Request):
         try:
@@ -421,7 +404,7 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
             # A client that goes away cancels the turn, as a streamed one: its engine request
             # is aborted (the router closes that connection) and the turn is not recorded.
             chat = asyncio.ensure_future(gateway.chat(sid, body))
-            gone = asyncio.ensure_future(_client_gone(request))
+            gone = asyncio.ensure_future(client_gone(request))
             try:
                 done, _ = await asyncio.wait({chat, gone}, return_when=asyncio.FIRST_COMPLETED)
             finally:
@@ -484,7 +467,7 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
         if refresh is not None:
             await refresh()
         if not gateway.router.engine_urls():
-            return _error(503, "no live engine", "service_unavailable")
+            return _error(503, "no live engine")
         return Response(status_code=200)
 
     return app

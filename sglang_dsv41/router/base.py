@@ -13,6 +13,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+import orjson
+
 
 class RouterError(RuntimeError):
     """A request failed for a reason retrying elsewhere cannot fix (e.g. HTTP 4xx). ``status``:
@@ -23,6 +25,18 @@ class RouterError(RuntimeError):
         super().__init__(message)
         self.status = status
         self.reason = message if reason is None else reason
+
+
+def engine_error_message(body: bytes) -> str:
+    """The message of an engine's error body ({"error": {"message": ...}}, SGLang's and ours),
+    else the body itself (its first 500 characters)."""
+    try:
+        err = orjson.loads(body).get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"]
+    except (orjson.JSONDecodeError, AttributeError):
+        pass
+    return body.decode("utf-8", "replace")[:500]
 
 
 class NoEngineAvailable(RouterError):

@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from .base import NoEngineAvailable, Route, RouterError, SessionRouter
+from .base import NoEngineAvailable, Route, RouterError, SessionRouter, engine_error_message
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 MAX_ROUTING_KEY_CHARS = 256
@@ -155,7 +155,7 @@ class SMGSessionRouter(SessionRouter):
                 self._cond.notify_all()
         if r.status_code != 200:
             raise RouterError(f"sglang-router answered {r.status_code}: {r.text[:500]}",
-                              r.status_code, _error_message(r))
+                              r.status_code, engine_error_message(r.content))
         out = r.json()
         meta = out["meta_info"]
         self._routes[session_id] = Route(self.router_url, int(meta.get("dp_rank", 0)))
@@ -174,17 +174,6 @@ class SMGSessionRouter(SessionRouter):
 
     def engine_urls(self) -> list[str]:
         return list(self._engines)
-
-
-def _error_message(r: httpx.Response) -> str:
-    """The message of an error body ({"error": {"message": ...}}), else the body itself."""
-    try:
-        err = r.json().get("error")
-        if isinstance(err, dict) and isinstance(err.get("message"), str):
-            return err["message"]
-    except (ValueError, AttributeError):
-        pass
-    return r.text[:500]
 
 
 if __name__ == "__main__":

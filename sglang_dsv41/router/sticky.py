@@ -44,7 +44,8 @@ import aiohttp
 import httpx
 import orjson
 
-from .base import NoEngineAvailable, Route, RouterError, SessionRouter
+from .base import (NoEngineAvailable, Route, RouterError, SessionRouter,
+                   engine_error_message)
 
 JSON_HEADERS = {"content-type": "application/json"}
 # How long the router keeps an idle connection to an engine: under the engines' own keep-alive
@@ -316,7 +317,7 @@ class StickyRouter(SessionRouter):
             broken = isinstance(resp, TransportFailure)
             if not broken and resp.status_code < 500:
                 raise RouterError(f"{route.url}/generate answered {resp.status_code}: "
-                                  f"{resp.text}", resp.status_code, _engine_message(resp))
+                                  f"{resp.text}", resp.status_code, engine_error_message(resp.body))
             # A dropped connection, a timeout or a 5xx: retry elsewhere only if the rank is
             # down. Up, a 5xx is this request's fault, a timeout a turn slower than the
             # router's timeout (retried elsewhere it would be as slow), and a dropped
@@ -329,7 +330,7 @@ class StickyRouter(SessionRouter):
                                   "so the turn failed, not the engine", 504)
             if not broken:
                 raise RouterError(f"{route.url}/generate answered {resp.status_code}: "
-                                  f"{resp.text}", resp.status_code, _engine_message(resp))
+                                  f"{resp.text}", resp.status_code, engine_error_message(resp.body))
         raise NoEngineAvailable(f"session {session_id}: no engine answered after "
                                 f"{self._max_attempts} attempts (last error: {last_error})")
 
@@ -589,18 +590,6 @@ def _describe(resp: Reply | TransportFailure) -> str:
     if isinstance(resp, TransportFailure):
         return str(resp)
     return f"HTTP {resp.status_code}: {resp.text[:300]}"
-
-
-def _engine_message(resp: Reply) -> str:
-    """The message of an engine's error body ({"error": {"message": ...}}, SGLang's and ours),
-    else the body itself."""
-    try:
-        err = orjson.loads(resp.body).get("error")
-        if isinstance(err, dict) and isinstance(err.get("message"), str):
-            return err["message"]
-    except (orjson.JSONDecodeError, AttributeError):
-        pass
-    return resp.text[:500]
 
 
 async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
