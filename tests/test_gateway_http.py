@@ -345,6 +345,29 @@ def test_deleting_a_session_waits_for_its_turn_and_keeps_no_lock(scripted):
     assert len(deleted[0].json()["turns"]) == 1 and gw._locks == {}
 
 
+def test_past_max_sessions_the_least_recently_used_idle_one_is_forgotten(scripted, monkeypatch):
+    import sglang_dsv41.gateway.app as gateway_app
+
+    engine, _, gw, url = scripted
+    monkeypatch.setattr(gateway_app, "MAX_SESSIONS", 3)
+    for sid in ("old", "a", "b"):
+        assert post(url, sid, max_tokens=2).status_code == 200
+    assert post(url, "old", max_tokens=2).status_code == 200  # used again: now the newest
+    engine.release.clear()  # turns stay in flight at the engine
+    turns = []
+    for sid in ("a", "c"):  # "a" is in flight when "c" starts
+        turns.append(threading.Thread(target=post, args=(url, sid), kwargs={"max_tokens": 2}))
+        turns[-1].start()
+        while not engine.calls or engine.calls[-1]["rid"].split("-")[0] != sid:
+            time.sleep(0.02)
+    # "b" went: the least recently used without a turn in flight ("a" is older, but busy)
+    assert list(gw.sessions) == ["old", "a", "c"]
+    engine.release.set()
+    for t in turns:
+        t.join(30)
+    assert len(gw.sessions["a"].turns) == 2 and len(gw.sessions["old"].turns) == 2
+
+
 # ---- the router's health through the gateway -------------------------------------------------
 def test_a_slow_turn_fails_alone_and_a_dead_engine_comes_back(servers):
     engine = ScriptedEngine()

@@ -40,7 +40,9 @@ from .trajectory import Trajectory, Turn, routed_experts_of
 
 logger = logging.getLogger(__name__)
 
-MAX_SESSIONS = 100_000   # the oldest finished sessions are forgotten past this
+# Past this many sessions the least recently used one without a turn in flight is forgotten
+# (a trainer that never ends its sessions must not grow the gateway without bound).
+MAX_SESSIONS = 100_000
 MAX_BODY_BYTES = 16 << 20
 # A router without ``agenerate`` blocks a thread per turn in flight (asyncio's default pool,
 # cpu_count + 4 threads, capped the gateway at a handful of turns).
@@ -99,11 +101,18 @@ class Gateway:
         self._pool = concurrent.futures.ThreadPoolExecutor(ROUTER_THREADS, "gateway-router")
 
     def session(self, sid: str) -> Trajectory:
+        """The record of ``sid`` (a new one for a new session), now the most recently used.
+        Evicting by creation order alone dropped a long agentic session that was still
+        taking turns, and its next turn started a record without the earlier ones."""
         traj = self.sessions.get(sid)
         if traj is None:
             traj = self.sessions[sid] = Trajectory(sid)
-            while len(self.sessions) > MAX_SESSIONS:
-                self.sessions.popitem(last=False)
+        self.sessions.move_to_end(sid)
+        while len(self.sessions) > MAX_SESSIONS:
+            idle = next((s for s in self.sessions if s not in self._locks), None)
+            if idle is None:  # every one has a turn in flight
+                break
+            del self.sessions[idle]
         return traj
 
     def _session_lock(self, sid: str) -> asyncio.Lock:
