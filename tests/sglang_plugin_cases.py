@@ -171,7 +171,10 @@ def launch(model_dir: str) -> dict:
                          ("pp_r3", ["--pp-size", "2", "--enable-return-routed-experts"])):
         for name in ("SGLANG_DSV41_ENGRAM_LAYOUT", "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT"):
             os.environ.pop(name, None)  # one launch per process: no earlier choice
+        # the tables in host memory (SGLang's switch): where a shared layout matters
+        os.environ["SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE"] = "1"
         codes[label] = main(base + extra)
+    del os.environ["SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE"]
     return dict(codes=codes, children=len(__import__("psutil").Process().children()))
 
 

@@ -119,6 +119,26 @@ def test_engram_layout_by_node_count():
         choose_engram_layout("shared", spans_nodes=True)
     with pytest.raises(EngramLayoutError, match="must be one of"):
         choose_engram_layout("per_node", spans_nodes=False)
+    # tables on the device (SGLang's host-table switch off): the layout is never used
+    assert choose_engram_layout("shared", spans_nodes=True, host_tables=False) == "shared"
+
+
+def test_sglang_engram_layout_refuses_shared_over_nodes_only_with_host_tables():
+    from sglang_dsv41.sglang_backend.guards import apply_engram_layout
+
+    env = {"SGLANG_DSV41_ENGRAM_LAYOUT": "shared"}
+    assert apply_engram_layout(2, env) == "shared"  # host table off: SGLang's default
+    for switches in ({"SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE": "1"},
+                     {"SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE": "true",
+                      "SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS": "0"}):
+        with pytest.raises(EngramLayoutError, match="other nodes"):
+            apply_engram_layout(2, {**env, **switches})
+    # peer shards take precedence over the host table (EngramEmbedding): nothing in host memory
+    assert apply_engram_layout(2, {**env, "SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE": "1",
+                                   "SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS": "yes"}) == "shared"
+    env = {"SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE": "1"}
+    assert apply_engram_layout(2, env) == "private"
+    assert env["SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT"] == "per_rank"
 
 
 def test_launch_guards():

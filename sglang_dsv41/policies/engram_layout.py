@@ -17,14 +17,17 @@ class EngramLayoutError(ValueError):
     """A layout that cannot work on this deployment; the message says why."""
 
 
-def choose_engram_layout(requested: str, spans_nodes: bool) -> str:
-    """-> "shared" or "private". ``requested`` is auto, shared or private."""
+def choose_engram_layout(requested: str, spans_nodes: bool, host_tables: bool = True) -> str:
+    """-> "shared" or "private". ``requested`` is auto, shared or private. ``host_tables``:
+    whether the tables live in host memory at all (SGLang keeps them on the device unless
+    SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE); where they do not, the layout is never used and
+    nothing is refused."""
     if requested == "auto":
         return "private" if spans_nodes else "shared"
     if requested not in LAYOUTS:
         raise EngramLayoutError(f"Engram layout must be one of {('auto',) + LAYOUTS}, "
                                 f"got {requested!r}")
-    if requested == "shared" and spans_nodes:
+    if requested == "shared" and spans_nodes and host_tables:
         raise EngramLayoutError(
             "Engram layout 'shared' keeps one table per node in shared memory that every rank "
             "opens through /proc/<pid>/fd; ranks on other nodes cannot open it. Use 'private' "

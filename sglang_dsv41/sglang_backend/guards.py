@@ -25,6 +25,18 @@ logger = logging.getLogger(__name__)
 # SGLang 0.5.23's own switches (environ.py), read by layers/engram.py in each scheduler
 HOST_TABLE_ENV = "SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE"
 HOST_LAYOUT_ENV = "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT"
+PEER_SHARDS_ENV = "SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS"
+
+
+def _env_bool(environ, name: str) -> bool:
+    """SGLang's EnvBool reading (environ.py): true, 1, yes, y."""
+    return environ.get(name, "").strip().lower() in ("true", "1", "yes", "y")
+
+
+def host_tables_enabled(environ) -> bool:
+    """Whether SGLang puts the Engram tables in host memory (EngramEmbedding.__init__): the
+    host-table switch on and the peer shards (which take precedence) off."""
+    return _env_bool(environ, HOST_TABLE_ENV) and not _env_bool(environ, PEER_SHARDS_ENV)
 
 
 def attention_tp_size(server_args) -> int:
@@ -74,7 +86,8 @@ def check_layout(server_args) -> None:
 def apply_engram_layout(nnodes: int, environ=None) -> str:
     """Set SGLang's host-table layout switch from the node count (an explicit
     SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT or --dsv41-engram-layout wins, and is refused when
-    it is shared over several nodes). Returns our layout name."""
+    it is shared over several nodes while the tables live in host memory). Returns our layout
+    name."""
     environ = os.environ if environ is None else environ
     requested = ENV.ENGRAM_LAYOUT.get(environ)
     explicit = environ.get(HOST_LAYOUT_ENV)
@@ -84,7 +97,8 @@ def apply_engram_layout(nnodes: int, environ=None) -> str:
             raise ValueError(f"{HOST_LAYOUT_ENV}={explicit} disagrees with "
                              f"{ENV.ENGRAM_LAYOUT.name}={requested}")
         requested = mine
-    layout = choose_engram_layout(requested, spans_nodes=nnodes > 1)
+    layout = choose_engram_layout(requested, spans_nodes=nnodes > 1,
+                                  host_tables=host_tables_enabled(environ))
     environ[HOST_LAYOUT_ENV] = SGLANG_LAYOUT_NAMES[layout]
     return layout
 
