@@ -38,11 +38,6 @@ VISION_KEYS = ("vision_n_layers", "vision_dim", "vision_n_heads", "vision_inter_
                "vision_patch_size", "vision_rope_theta", "vision_downsample_ratio",
                "vision_max_n_token", "vision_min_pixels", "vision_max_wh_ratio")
 DRAFT_KEY_PREFIXES = ("dspark_", "mtp_", "draft_")
-# Tensors copied byte for byte and the only dtype each may have (SGLang 0.5.23 loads them as
-# stored and our loader refuses anything else): a wrong one must be refused before conversion,
-# since nothing converts it and the published checkpoint would not load.
-COPY_DTYPES = ((".engram.embed.weight", torch.float8_e4m3fn),
-               (".engram.embed.scale", torch.float8_e8m0fnu), (".gate.tid2eid", torch.int32))
 TOKENIZER_FILE_PATTERN = re.compile(
     r"^(tokenizer.*|special_tokens_map\.json|generation_config\.json|chat_template.*)$")
 
@@ -158,12 +153,7 @@ class ConversionPlan:
 def _entry(name: str, file: str, dtype: torch.dtype, shape: list[int], tensors: dict,
            block: tuple[int, int] | None) -> PlanEntry:
     where = f"tensor {name!r} in {file}"
-    if COPY_PATTERN.search(name):
-        want = next(dt for suffix, dt in COPY_DTYPES if name.endswith(suffix))
-        if dtype != want:
-            raise ValueError(f"{where} has dtype {DTYPE_NAMES.get(dtype, dtype)}, expected "
-                             f"{DTYPE_NAMES[want]} (it is copied byte for byte, never "
-                             "converted)")
+    if COPY_PATTERN.search(name):  # its dtype is checked against the config's (plan_conversion)
         return PlanEntry(name, file, dtype, shape, "copy")
     scale = name[: -len(".weight")] + RELEASE_SCALE_SUFFIX if name.endswith(".weight") else None
     if scale in tensors:
@@ -274,9 +264,17 @@ def plan_conversion(src: str) -> ConversionPlan:
         if name not in expected:
             raise ValueError(f"tensor {name!r} in {file} is neither a text-model tensor of "
                              "this config nor a vision/aligner/image/bias_vl/mtp tensor")
-        if expected[name][0] != e.shape:
+        want_shape, want_dtype = expected[name]
+        if want_shape != e.shape:
             raise ValueError(f"tensor {name!r} in {file} has shape {e.shape}, the config "
-                             f"expects {expected[name][0]}")
+                             f"expects {want_shape}")
+        # Copied byte for byte (SGLang 0.5.23 loads them as stored): a wrong dtype is refused
+        # here, since nothing converts it and the published checkpoint would not load.
+        if COPY_PATTERN.search(name) and dtype != want_dtype:
+            raise ValueError(f"tensor {name!r} in {file} has dtype "
+                             f"{DTYPE_NAMES.get(dtype, dtype)}, expected "
+                             f"{DTYPE_NAMES[want_dtype]} (it is copied byte for byte, never "
+                             "converted)")
         entries.append(e)
     missing = sorted(set(expected) - {e.name for e in entries})
     if missing:
