@@ -15,7 +15,7 @@ import os
 
 # One implementation, in the package: make_checkpoint --layout hf and the serving loader install
 # it too (the README's CPU install has the same torchvision).
-from sglang_dsv41.loader.torchvision_shim import install_torchvision_shim  # noqa: F401
+from sglang_dsv41.torchvision_shim import install_torchvision_shim  # noqa: F401
 
 SGLANG_VERSION = "0.5.23"
 

@@ -96,7 +96,7 @@ def dsv4_transformers_attention(module, query, key, value, attention_mask, scali
 def register_transformers_attention(name: str = IMPLEMENTATION_NAME) -> str:
     """Register the kernel (and transformers' eager mask builder, which keeps the compressor's
     validity bias) under `name`; -> name, for `attn_implementation=name`."""
-    from ..loader.torchvision_shim import install_torchvision_shim
+    from ..torchvision_shim import install_torchvision_shim
 
     install_torchvision_shim()  # transformers' imports reach torchvision (a CUDA build on CPU)
     from transformers import AttentionInterface

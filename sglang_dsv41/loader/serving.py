@@ -167,7 +167,7 @@ def read_checkpoint(model_path: str) -> dict[str, torch.Tensor]:
 def read_transformers_checkpoint(model_path: str) -> dict[str, torch.Tensor]:
     """transformers reads its own directory (its save_pretrained renames on the way out, and
     reverses them on the way in); its state dict then maps to our names."""
-    from .torchvision_shim import install_torchvision_shim
+    from ..torchvision_shim import install_torchvision_shim
 
     install_torchvision_shim()  # transformers' DeepseekV4 import reaches torchvision
     from transformers import DeepseekV4ForCausalLM

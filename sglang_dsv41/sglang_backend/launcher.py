@@ -109,7 +109,7 @@ def set_plugin_environment(ns: argparse.Namespace, server_args, disabled: set[st
 
 def launch(server_args, argv: list[str]) -> int:
     """Start SGLang with the plugins (blocks while the server runs); returns an exit code."""
-    from ..loader.torchvision_shim import install_torchvision_shim
+    from ..torchvision_shim import install_torchvision_shim
 
     # SGLang's import reaches torchvision; where its operators cannot load (a CPU machine with
     # SGLang's CUDA pin) the import dies on "torchvision::nms", which says nothing useful.

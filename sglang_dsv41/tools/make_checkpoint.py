@@ -131,7 +131,7 @@ def write_hf(out_dir: str, cfg: DSV4Config, text: dict[str, torch.Tensor],
              num_shards: int) -> None:
     """transformers' own DeepseekV4 checkpoint of ``text``: the model takes our tensors as they
     are (assign: bf16 matrices, fp32 sinks/mHC/ape/bias) and save_pretrained writes them."""
-    from ..loader.torchvision_shim import install_torchvision_shim
+    from ..torchvision_shim import install_torchvision_shim
 
     install_torchvision_shim()  # transformers' DeepseekV4 import reaches torchvision
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
