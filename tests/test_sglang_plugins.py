@@ -203,7 +203,7 @@ def test_routing_key_sticks_to_one_dp_rank_in_sglangs_dp_controller(in_process):
 def test_health_answers_503_naming_the_stalled_rank(in_process):
     facts = case_facts(in_process, "http")
     status, body = facts["health"]
-    assert status == 503 and body["error"]["stalled_ranks"] == [3]
+    assert status == 503 and body["error"]["stalled_ranks"] == [{"rank": 3, "dp_replica": None}]
     assert "rank 3 stuck in collective 'mlp_sync' at step 7" in body["error"]["message"]
     assert facts["health_generate"] == 503
 
@@ -273,7 +273,8 @@ def test_tokenizer_worker_processes_load_the_plugins(tmp_path):
     # its /health names a stalled rank too: the middleware is in before the worker serves
     # (added from set_global_state, in the lifespan, Starlette refused it)
     assert facts == {"installed": sorted(ALL_PLUGINS), "same_app": True,
-                     "generate_hooked": True, "health": [503, [5]]}
+                     "generate_hooked": True,
+                     "health": [503, [{"rank": 5, "dp_replica": None}]]}
 
 
 def test_a_stall_report_made_as_its_step_ends_is_not_left_behind(tmp_path, monkeypatch):
@@ -311,7 +312,11 @@ def test_stall_reports_of_dp_replicas_are_kept_apart(tmp_path):
 
     for replica in (0, 1):
         wh.write_stall_report(str(tmp_path), StallReport(0, 4, "mlp_sync", 3.0), replica)
+    _, body = wh.stall_response(str(tmp_path))  # both: told apart by their replicas
+    assert body["error"]["stalled_ranks"] == [{"rank": 0, "dp_replica": 0},
+                                              {"rank": 0, "dp_replica": 1}]
     wh.clear_stall_report(str(tmp_path), 0, 1)  # replica 1's rank 0 recovered
     status, body = wh.stall_response(str(tmp_path))
     assert status == 503 and body["error"]["message"].startswith(
         "unhealthy: DP replica 0: rank 0 stuck in collective 'mlp_sync' at step 4"), body
+    assert body["error"]["stalled_ranks"] == [{"rank": 0, "dp_replica": 0}]

@@ -146,8 +146,11 @@ def stall_response(run_dir: str) -> tuple[int, dict] | None:
     if not reports:
         return None
     message = "; ".join(r.get("message", f"rank {r.get('rank')} stalled") for r in reports)
+    # a rank number alone is ambiguous with DP replicas (each numbers its ranks from 0)
     return 503, {"error": {"message": f"unhealthy: {message}",
-                           "stalled_ranks": [r.get("rank") for r in reports]}}
+                           "stalled_ranks": [{"rank": r.get("rank"),
+                                              "dp_replica": r.get("replica")}
+                                             for r in reports]}}
 
 
 class StallAwareHealth:
