@@ -144,6 +144,38 @@ def test_a_client_leaving_a_non_streamed_turn_aborts_it_unrecorded(embedded, ser
     gw.router.close()
 
 
+def test_through_sglang_router_a_client_leaving_aborts_the_engines_request(embedded, servers):
+    """The real sglang-router (--policy manual) between the gateway and the embedded engine:
+    the turn runs on the gateway's loop (SMGSessionRouter.agenerate), so a client that leaves
+    closes the router connection and the engine aborts the request (a thread that kept
+    waiting for it left the engine generating for nobody)."""
+    from sglang_dsv41.ports import free_port
+    from sglang_dsv41.router.smg import SMGProcess
+
+    engine, drainer = embedded
+    with SMGProcess([engine], free_port(), ["--policy", "manual"]) as smg:
+        gw = Gateway(SMGSessionRouter(smg.url, [engine]), load_tokenizer("tiny"), "tiny", 4096)
+        url = servers(create_gateway_app(gw))
+        assert post(url, "kept", max_tokens=4).status_code == 200
+        drainer.hold = True   # the engine takes the request and does not answer
+        client = http.client.HTTPConnection(url.removeprefix("http://"), timeout=30)
+        client.request("POST", "/sessions/gone/v1/chat/completions", orjson.dumps(
+            {"model": "tiny", "messages": HI, "max_tokens": 8}),
+            {"content-type": "application/json"})
+        deadline = time.monotonic() + 30
+        while not drainer.parked:   # the turn reached the engine: now its client leaves
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        client.close()
+        while not any(isinstance(m, AbortReq) and m.rid == drainer.parked[0][1].rid
+                      for _, m in drainer.seen):
+            assert time.monotonic() < deadline, "the engine kept the abandoned request"
+            time.sleep(0.05)
+        assert trajectory(url, "gone")["turns"] == []
+        drainer.hold = False
+        assert post(url, "gone", max_tokens=4).status_code == 200
+
+
 # ---- a scripted engine: stop strings, top logprobs, long and broken streams ----------------
 class ScriptedEngine:
     """/generate answers ``answer`` (then EOS) as the engine would: cut at the first stop

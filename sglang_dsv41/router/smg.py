@@ -15,6 +15,7 @@ placed by ``--assignment-mode``.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hashlib
 import os
 import subprocess
@@ -132,7 +133,10 @@ class SMGSessionRouter(SessionRouter):
 
     def __init__(self, router_url: str, engine_urls: list[str], timeout: float = 300.0):
         self.router_url, self._engines = router_url.rstrip("/"), list(engine_urls)
+        self._timeout = timeout
         self._client = httpx.Client(timeout=timeout)
+        self._aclient: httpx.AsyncClient | None = None
+        self._aclient_loop: asyncio.AbstractEventLoop | None = None
         self._routes: dict[str, Route] = {}
         self._paused = False
         self._in_flight = 0
@@ -150,9 +154,43 @@ class SMGSessionRouter(SessionRouter):
         except httpx.HTTPError as e:
             raise NoEngineAvailable(f"sglang-router at {self.router_url}: {e}") from e
         finally:
+            self._leave()
+        return self._answer(session_id, r)
+
+    async def agenerate(self, session_id: str, payload: dict[str, Any],
+                        expected_tokens: int = 0) -> dict[str, Any]:
+        """generate on the caller's event loop: a turn cancelled (its client went away) closes
+        its connection to the router, which drops the worker's request, instead of running to
+        the end in a thread nobody waits for."""
+        while True:  # paused only while weights are replaced: polled, not a blocked loop
             with self._cond:
-                self._in_flight -= 1
-                self._cond.notify_all()
+                if not self._paused:
+                    self._in_flight += 1
+                    break
+            await asyncio.sleep(0.05)
+        try:
+            r = await self._async_client().post(
+                self.router_url + "/generate", json=payload,
+                headers={ROUTING_KEY_HEADER: routing_key(session_id)})
+        except httpx.HTTPError as e:
+            raise NoEngineAvailable(f"sglang-router at {self.router_url}: {e}") from e
+        finally:
+            self._leave()
+        return self._answer(session_id, r)
+
+    def _async_client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if self._aclient is None or self._aclient_loop is not loop:
+            self._aclient = httpx.AsyncClient(timeout=self._timeout)
+            self._aclient_loop = loop
+        return self._aclient
+
+    def _leave(self) -> None:
+        with self._cond:
+            self._in_flight -= 1
+            self._cond.notify_all()
+
+    def _answer(self, session_id: str, r: httpx.Response) -> dict[str, Any]:
         if r.status_code != 200:
             raise RouterError(f"sglang-router answered {r.status_code}: {r.text[:500]}",
                               r.status_code, engine_error_message(r.content))
@@ -161,6 +199,14 @@ class SMGSessionRouter(SessionRouter):
         self._routes[session_id] = Route(self.router_url, int(meta.get("dp_rank", 0)))
         meta["route"] = [self.router_url, meta.get("dp_rank", 0)]
         return out
+
+    def close(self) -> None:
+        self._client.close()
+
+    async def aclose(self) -> None:
+        if self._aclient is not None:
+            await self._aclient.aclose()
+        self._client.close()
 
     def route_of(self, session_id: str) -> Route | None:
         return self._routes.get(session_id)
