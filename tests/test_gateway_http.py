@@ -174,6 +174,15 @@ def test_through_sglang_router_a_client_leaving_aborts_the_engines_request(embed
         assert trajectory(url, "gone")["turns"] == []
         drainer.hold = False
         assert post(url, "gone", max_tokens=4).status_code == 200
+        # streamed through the router as the engine streams: one event a token, then [DONE]
+        events = sse(url, "streamed", max_tokens=4)
+        content = [e for e in events if e != "[DONE]" and e["choices"][0]["delta"].get("content")]
+        assert events[-1] == "[DONE]" and len(content) >= 2, events
+        assert len(trajectory(url, "streamed")["turns"]) == 1
+        # a refusal of the engine's keeps its status through the router, before any event
+        r = httpx.post(f"{url}/sessions/s/v1/chat/completions", timeout=30, json={
+            "model": "tiny", "messages": HI, "stream": True, "max_tokens": 10_000})
+        assert r.status_code == 400, r.text
 
 
 # ---- a scripted engine: stop strings, top logprobs, long and broken streams ----------------

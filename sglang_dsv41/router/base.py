@@ -43,6 +43,29 @@ class NoEngineAvailable(RouterError):
     """Every engine is dead (or none was given)."""
 
 
+SSE_DONE = object()  # parse_sse_line: the stream's "data: [DONE]"
+
+
+def parse_sse_line(line: bytes, where: str) -> dict[str, Any] | object | None:
+    """One line of an engine's SSE answer to /generate with ``"stream": true`` (SGLang's and
+    ours): its chunk (cumulative text, output_ids, meta_info), SSE_DONE, or None for a line
+    that is not data. An error chunk raises RouterError with its status (NoEngineAvailable for
+    a 5xx); ``where`` names the engine in the message."""
+    if not line.startswith(b"data: "):
+        return None
+    data = line[6:].rstrip()
+    if data == b"[DONE]":
+        return SSE_DONE
+    chunk = orjson.loads(data)
+    if "error" in chunk:
+        err = chunk["error"]
+        status = int(err.get("code", 500)) if isinstance(err, dict) else 500
+        reason = str(err.get("message", err) if isinstance(err, dict) else err)
+        raise (RouterError if status < 500 else NoEngineAvailable)(f"{where}: {err}", status,
+                                                                   reason)
+    return chunk
+
+
 @dataclass(frozen=True, order=True)
 class Route:
     url: str

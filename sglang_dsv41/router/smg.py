@@ -23,11 +23,12 @@ import sys
 import threading
 import time
 import urllib.parse
-from typing import Any
+from typing import Any, AsyncIterator
 
 import httpx
 
-from .base import NoEngineAvailable, Route, RouterError, SessionRouter, engine_error_message
+from .base import (SSE_DONE, NoEngineAvailable, Route, RouterError, SessionRouter,
+                   engine_error_message, parse_sse_line)
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 MAX_ROUTING_KEY_CHARS = 256
@@ -157,17 +158,20 @@ class SMGSessionRouter(SessionRouter):
             self._leave()
         return self._answer(session_id, r)
 
+    async def _aenter(self) -> None:
+        while True:  # paused only while weights are replaced: polled, not a blocked loop
+            with self._cond:
+                if not self._paused:
+                    self._in_flight += 1
+                    return
+            await asyncio.sleep(0.05)
+
     async def agenerate(self, session_id: str, payload: dict[str, Any],
                         expected_tokens: int = 0) -> dict[str, Any]:
         """generate on the caller's event loop: a turn cancelled (its client went away) closes
         its connection to the router, which drops the worker's request, instead of running to
         the end in a thread nobody waits for."""
-        while True:  # paused only while weights are replaced: polled, not a blocked loop
-            with self._cond:
-                if not self._paused:
-                    self._in_flight += 1
-                    break
-            await asyncio.sleep(0.05)
+        await self._aenter()
         try:
             r = await self._async_client().post(
                 self.router_url + "/generate", json=payload,
@@ -177,6 +181,40 @@ class SMGSessionRouter(SessionRouter):
         finally:
             self._leave()
         return self._answer(session_id, r)
+
+    async def astream(self, session_id: str, payload: dict[str, Any],
+                      expected_tokens: int = 0) -> AsyncIterator[dict[str, Any]]:
+        """One turn with ``"stream": true`` through the router: the worker's SSE chunks as
+        they arrive, each with ``meta_info.route``; a refusal raises before the first chunk.
+        Closing the iterator early (the client went away) closes the router connection."""
+        await self._aenter()
+        where = f"sglang-router at {self.router_url}"
+        try:
+            async with self._async_client().stream(
+                    "POST", self.router_url + "/generate", json=dict(payload, stream=True),
+                    headers={ROUTING_KEY_HEADER: routing_key(session_id)}) as r:
+                if r.status_code != 200:
+                    self._answer(session_id, r, await r.aread())  # raises its RouterError
+                async for line in r.aiter_lines():
+                    chunk = parse_sse_line(line.encode(), where)
+                    if chunk is None:
+                        continue
+                    if chunk is SSE_DONE:
+                        return
+                    meta = chunk.setdefault("meta_info", {})
+                    self._routes[session_id] = Route(self.router_url,
+                                                     int(meta.get("dp_rank") or 0))
+                    meta["route"] = [self.router_url, meta.get("dp_rank", 0)]
+                    yield chunk
+            raise RouterError(f"{where}: the stream ended without [DONE]", 502)
+        except httpx.TimeoutException as e:
+            raise RouterError(f"{where}: no answer in time ({type(e).__name__})", 504) from e
+        except httpx.HTTPError as e:
+            raise NoEngineAvailable(f"{where}: {type(e).__name__}: {e}") from e
+        except (ValueError, AttributeError) as e:  # a chunk that is not a JSON object
+            raise RouterError(f"{where}: the stream could not be read: {e}", 502) from e
+        finally:
+            self._leave()
 
     def _async_client(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
@@ -190,10 +228,13 @@ class SMGSessionRouter(SessionRouter):
             self._in_flight -= 1
             self._cond.notify_all()
 
-    def _answer(self, session_id: str, r: httpx.Response) -> dict[str, Any]:
+    def _answer(self, session_id: str, r: httpx.Response, body: bytes | None = None
+                ) -> dict[str, Any]:
         if r.status_code != 200:
-            raise RouterError(f"sglang-router answered {r.status_code}: {r.text[:500]}",
-                              r.status_code, engine_error_message(r.content))
+            body = r.content if body is None else body
+            raise RouterError(f"sglang-router answered {r.status_code}: "
+                              f"{body[:500].decode(errors='replace')}", r.status_code,
+                              engine_error_message(body))
         out = r.json()
         meta = out["meta_info"]
         self._routes[session_id] = Route(self.router_url, int(meta.get("dp_rank", 0)))

@@ -44,8 +44,8 @@ import aiohttp
 import httpx
 import orjson
 
-from .base import (NoEngineAvailable, Route, RouterError, SessionRouter,
-                   engine_error_message)
+from .base import (SSE_DONE, NoEngineAvailable, Route, RouterError, SessionRouter,
+                   engine_error_message, parse_sse_line)
 
 JSON_HEADERS = {"content-type": "application/json"}
 # How long the router keeps an idle connection to an engine: under the engines' own keep-alive
@@ -198,19 +198,12 @@ class StickyRouter(SessionRouter):
         done = False
         try:
             async for line in _lines(resp.content):
-                if not line.startswith(b"data: "):
+                chunk = parse_sse_line(line, where)
+                if chunk is None:
                     continue
-                data = line[6:].rstrip()
-                if data == b"[DONE]":
+                if chunk is SSE_DONE:
                     done = True
                     return
-                chunk = orjson.loads(data)
-                if "error" in chunk:
-                    err = chunk["error"]
-                    status = int(err.get("code", 500)) if isinstance(err, dict) else 500
-                    reason = str(err.get("message", err) if isinstance(err, dict) else err)
-                    raise (RouterError if status < 500 else NoEngineAvailable)(
-                        f"{where}: {err}", status, reason)
                 chunk.setdefault("meta_info", {})["route"] = [route.url, route.dp_rank]
                 yield chunk
             failure, timed_out = "the stream ended without [DONE]", False
