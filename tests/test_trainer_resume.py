@@ -234,13 +234,12 @@ def test_resumed_metrics_follow_the_checkpoint_and_dry_run_writes_elsewhere(
             "checkpoint_every=2", f"out_dir={out}", "plots=false", "tensorboard=false"]
     env = dict(os.environ, **CANONICAL_CPU_NUMERICS)
 
-    def train(*extra):
-        p = subprocess.run(args + list(extra), env=env, capture_output=True, text=True,
-                           timeout=150)
-        assert "Traceback" not in p.stderr, p.stderr[-3000:]
-        return p
+    def train(*extra) -> tuple[int, str]:
+        rc, output = run_job(args + list(extra), 150, env)
+        assert "Traceback" not in output, output[-3000:]
+        return rc, output
 
-    assert train().returncode == 0
+    assert train()[0] == 0
     first = {r["step"]: r for r in map(json.loads, open(os.path.join(out, "metrics.jsonl")))}
     assert sorted(first) == [0, 1, 2]
     ckpts = os.path.join(out, "checkpoints")
@@ -249,17 +248,17 @@ def test_resumed_metrics_follow_the_checkpoint_and_dry_run_writes_elsewhere(
         f.write("step-000002\n")
     with open(os.path.join(out, "metrics.jsonl"), "a") as f:
         f.write('{"step": 3, "loss": 0.1')                # and mid-row
-    p = train()
-    assert p.returncode == 2 and "holds a previous run" in p.stderr
-    assert train("--resume").returncode == 0
+    rc, output = train()
+    assert rc == 2 and "holds a previous run" in output
+    assert train("--resume")[0] == 0
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[2]["loss"] == first[2]["loss"] and rows[0] == first[0]
-    p = train("--resume")
-    assert p.returncode == 0 and "nothing to train" in p.stdout
+    rc, output = train("--resume")
+    assert rc == 0 and "nothing to train" in output
     before = open(os.path.join(out, "metrics.jsonl")).read()
-    p = train("--dry-run")
-    assert p.returncode in (0, 1), p.stderr[-3000:]
+    rc, output = train("--dry-run")
+    assert rc in (0, 1), output[-3000:]
     assert open(os.path.join(out, "metrics.jsonl")).read() == before
     dry = [json.loads(line) for line in open(os.path.join(out, "dry_run", "metrics.jsonl"))]
     assert [r["step"] for r in dry] == [0, 1, 2]
