@@ -145,9 +145,6 @@ def generate_router(state: ServerState) -> APIRouter:
                                                   request.headers.get("x-data-parallel-rank"))
         except ValueError as e:
             raise ApiError(400, str(e)) from e
-        if body.session_params is not None and len(pairs) > 1:
-            raise ApiError(400, "session_params needs one sample (n = 1): a session continues "
-                           "from one finished request")
         if body.routing_key is not None and pairs[0][0].routed_dp_rank is None:
             # Unpinned turns of one routing key stay on one DP rank (its prefix cache), by the
             # rule the SGLang plugin applies; sglang-router's own pin, when present, wins.

@@ -47,6 +47,10 @@ class SessionStore:
             raise ValueError(f"session {sp.id!r} is not open (POST /open_session first)")
         if body.is_batch:
             raise ValueError("session_params needs a single prompt, not a batch")
+        params = body.sampling_params
+        if any(p.n > 1 for p in (params if isinstance(params, list) else [params])):
+            raise ValueError("session_params needs one sample (n = 1): a session continues "
+                             "from one finished request")
         new_ids = encode(body.text) if body.text is not None else list(body.input_ids)
         history: list[int] = []
         if sp.rid is not None:
