@@ -32,7 +32,7 @@ from typing import Iterator
 import torch
 from tqdm import tqdm
 
-from .loader.atomic_dir import os_error_text, staged_output
+from .loader.atomic_dir import staged_output
 from .loader.fp4 import dequantize_fp4
 from .loader.fp8 import CHUNK_BYTES, iter_dequantized_rows
 from .loader.release_layout import (RELEASE_SCALE_SUFFIX, ConversionPlan, PlanEntry,
@@ -40,7 +40,7 @@ from .loader.release_layout import (RELEASE_SCALE_SUFFIX, ConversionPlan, PlanEn
 from .loader.conversion_logits import verify_logits
 from .loader.shards import (CONFIG_FILE, RawShardReader, StreamingShardWriter, plan_shards,
                             shard_file_name, tensor_nbytes, write_index)
-from .tools import help_description
+from .tools import help_description, run_reporting_errors
 
 # Test hook: seconds to sleep after each finished output shard (to kill a conversion midway).
 SHARD_DELAY_ENV = "SGLANG_DSV41_CONVERT_SHARD_DELAY_S"
@@ -225,15 +225,11 @@ def main(argv: list[str] | None = None) -> int:
                    "write (everything in it is deleted; DST holding or inside SRC is refused "
                    "regardless)")
     args = p.parse_args(argv)
-    try:
-        summary = convert(args.src, args.dst, parse_size(args.max_shard_size),
-                          progress=not args.quiet, verify=args.verify, force=args.force)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:  # a filesystem problem (disk full, permissions): one line, the path
-        print(f"error: {os_error_text(e)}", file=sys.stderr)
-        return 1
+    summary, failed = run_reporting_errors(lambda: convert(
+        args.src, args.dst, parse_size(args.max_shard_size), progress=not args.quiet,
+        verify=args.verify, force=args.force))
+    if failed:
+        return failed
     print(f"wrote {summary['dst']}: {summary['tensors']} tensors in {summary['shards']} shards "
           f"({summary['total_size'] / 1e6:.1f} MB); dropped {summary['dropped']} "
           "vision/aligner/image/bias_vl/mtp tensors")

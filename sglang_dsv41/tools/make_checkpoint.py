@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from ..loader.atomic_dir import os_error_text, staged_output
+from ..loader.atomic_dir import staged_output
 from ..loader.fp4 import quantize_fp4
 from ..loader.fp8 import quantize_fp8_blocks
 from ..loader.release_layout import RELEASE_SCALE_SUFFIX
@@ -36,7 +36,7 @@ from ..model.dsv4.config import DSV4Config
 from ..model.dsv4.names import storable_state
 from ..model.dsv4.presets import get_preset
 from ..plan.shapes import checkpoint_dtype
-from . import help_description
+from . import help_description, run_reporting_errors
 
 LAYOUTS = ("release", "bf16", "hf")
 V41_BLOCK = [32, 32]  # V4.1-Flash's weight_block_size (the converter reads it from the config)
@@ -195,15 +195,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="replace OUT even if it is a non-empty directory this tool did not "
                    "write (everything in it is deleted)")
     args = p.parse_args(argv)
-    try:
-        make_checkpoint(args.out, get_preset(args.preset), args.layout, args.seed,
-                        args.num_shards, expert_dtype=args.expert_dtype, force=args.force)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:  # a filesystem problem (disk full, permissions): one line, the path
-        print(f"error: {os_error_text(e)}", file=sys.stderr)
-        return 1
+    _, failed = run_reporting_errors(lambda: make_checkpoint(
+        args.out, get_preset(args.preset), args.layout, args.seed, args.num_shards,
+        expert_dtype=args.expert_dtype, force=args.force))
+    if failed:
+        return failed
     print(f"wrote {args.out} ({args.layout}, {INDEX_FILE})")
     return 0
 
