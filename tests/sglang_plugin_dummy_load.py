@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import torch
 
@@ -81,7 +82,7 @@ def register_model_class(finished: list[str], at_post_load: list[bool]):
 
 
 def dummy_load_case(ckpt_dir: str) -> dict:
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
 
     engram = import_sglang("sglang.srt.layers.engram")
     loader = import_sglang("sglang.srt.model_loader.loader")
@@ -141,6 +142,21 @@ def dummy_load_case(ckpt_dir: str) -> dict:
                                       if hasattr(m, "tid2eid")}),
                 "rows": [[m.row_start, m.rows] for m in model.modules()
                          if isinstance(m, engram.EngramEmbedding)]}
+        # an indexed checkpoint: a stray shard the index does not list (an older sharding's,
+        # here with zero tid2eid) is not read, as SGLang's own loader does not read it
+        indexed = os.path.join(ckpt_dir, "indexed")
+        os.makedirs(indexed, exist_ok=True)
+        shutil.copy(os.path.join(ckpt_dir, "model-00001.safetensors"), indexed)
+        with open(os.path.join(indexed, "model.safetensors.index.json"), "w") as f:
+            json.dump({"weight_map": {n: "model-00001.safetensors" for n in ckpt}}, f)
+        save_file({n: torch.zeros_like(t) for n, t in ckpt.items() if n.endswith("tid2eid")},
+                  os.path.join(indexed, "model-00002-of-00002.safetensors"))
+        reads.clear(), finished.clear(), at_post_load.clear()
+        model = load(0, indexed)
+        results["stray_shard_ignored"] = all(
+            torch.equal(model.model.layers[i].mlp.topk.tid2eid,
+                        ckpt[f"layers.{layer['id']}.ffn.gate.tid2eid"])
+            for i, layer in enumerate(meta["layers"]))
         # a checkpoint without the tables is refused, naming what is missing
         try:
             load(0, os.path.join(ckpt_dir, "no_tables"))

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from sglang_dsv41.loader.serving import load_serving_model
-from sglang_dsv41.loader.shards import checkpoint_files
+from sglang_dsv41.loader.shards import INDEX_FILE, checkpoint_files
 from sglang_dsv41.model.dsv4 import get_preset
 from sglang_dsv41.model.dsv4.context import DSV4Context
 from sglang_dsv41.model.dsv4.model import DSV4ForCausalLM, init_weights
@@ -195,6 +195,27 @@ def test_serving_loader_names_the_corrupt_or_duplicated_shard(tmp_path):
     with pytest.raises(ValueError, match=f"'{re.escape(name)}' is stored in two shards, "
                                          f".*{files[0]} and .*{files[2]}"):
         load_serving_model(str(bad), torch.float32, "cpu")
+
+
+def test_serving_loader_reads_the_index_and_a_dummy_load_needs_the_frozen_tensors(tmp_path):
+    cfg = get_preset("tiny")
+    ckpt = tmp_path / "bf16"
+    make_checkpoint(str(ckpt), cfg, "bf16", seed=SEED, num_shards=3)
+    want = load_serving_model(str(ckpt), torch.float32, "cpu").state_dict()
+    # a stray shard the index does not list (an older sharding's): not read, as SGLang
+    tid2eid = next(n for n in want if n.endswith("tid2eid"))
+    save_file({tid2eid: torch.zeros_like(want[tid2eid])}, str(ckpt / "model-00009.safetensors"))
+    got = load_serving_model(str(ckpt), torch.float32, "cpu", "dummy").state_dict()
+    assert torch.equal(got[tid2eid], want[tid2eid])
+    # the frozen tensors missing (here from the index and its shard): refused, not left at
+    # their construction values (tid2eid zeros: every token to expert 0)
+    index = json.loads((ckpt / INDEX_FILE).read_text())
+    file = index["weight_map"].pop(tid2eid)
+    (ckpt / INDEX_FILE).write_text(json.dumps(index))
+    save_file({n: t for n, t in load_file(str(ckpt / file)).items() if n != tid2eid},
+              str(ckpt / file))
+    with pytest.raises(ValueError, match=f"lacks 1 frozen tensor.*{re.escape(tid2eid)}"):
+        load_serving_model(str(ckpt), torch.float32, "cpu", "dummy")
 
 
 def test_make_checkpoint_cli_refuses_bad_outputs_in_one_line(tmp_path, capsys):

@@ -139,6 +139,7 @@ def test_dummy_load_fills_real_engram_modules_with_each_ranks_rows(in_process):
         # tid2eid is SGLang's HashTopK parameter, loaded through its weight-loader path
         assert facts[rank]["tid2eid_in"] == ["HashTopK"]
         assert facts[rank]["tid2eid_equal"] == [True, True]
+    assert facts["stray_shard_ignored"] is True  # the index decides which shards are read
     assert "lacks 6 frozen tensor(s)" in facts["missing"]
     assert "model.layers.0.engram.embed" in facts["missing"]
     assert "model.layers.0.mlp.topk.tid2eid" in facts["missing"]

@@ -26,7 +26,7 @@ from ..jsonio import read_json_object
 from ..model.dsv4.config import DSV4Config
 from .fp4 import FP4_PACKED_DTYPE, fp4_logical_shape, fp4_scale_shape
 from .fp8 import FP8_DTYPE, scale_shape
-from .shards import (DTYPE_NAMES, RawShardReader, checkpoint_files, shard_headers,
+from .shards import (DTYPE_NAMES, RawShardReader, read_tensor_locations,
                      tensor_nbytes)
 
 RELEASE_SCALE_SUFFIX = ".scale"
@@ -192,34 +192,6 @@ def tokenizer_files(src: str) -> list[str]:
         if not os.access(path, os.R_OK):
             raise ValueError(f"tokenizer file {path} is not readable")
     return names
-
-
-def read_tensor_locations(src: str) -> dict[str, tuple[str, torch.dtype, list[int]]]:
-    """name -> (shard file, dtype, shape) from every shard header. A name stored in two shards,
-    or in a shard other than the one the index names (or missing from the index), is refused:
-    which copy is meant cannot be guessed."""
-    files = checkpoint_files(src)
-    index = {n: f for f, names in files.items() for n in names or []}
-    tensors: dict[str, tuple[str, torch.dtype, list[int]]] = {}
-    for file in files:
-        path = os.path.join(src, file)
-        for n, (dt, shape) in shard_headers(path).items():
-            if n in tensors:
-                named = f" (the index names {index[n]})" if n in index else ""
-                raise ValueError(f"tensor {n!r} is stored in two shards, {tensors[n][0]} and "
-                                 f"{file}{named}")
-            if index and n not in index:
-                raise ValueError(f"checkpoint shard {path} holds tensor {n!r}, which the index "
-                                 "does not list")
-            tensors[n] = (file, dt, shape)
-    for n, file in index.items():
-        if n not in tensors:
-            raise ValueError(f"checkpoint shard {os.path.join(src, file)} lacks tensor {n!r} "
-                             "that the index assigns to it")
-        if tensors[n][0] != file:
-            raise ValueError(f"the checkpoint index assigns tensor {n!r} to {file}, but it is "
-                             f"stored in {tensors[n][0]}")
-    return tensors
 
 
 def check_tid2eid(src: str, e: PlanEntry, n_routed_experts: int) -> None:

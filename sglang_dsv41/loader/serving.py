@@ -16,7 +16,6 @@ Numerics: SGLang's inference rounding, except for a transformers checkpoint
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 
@@ -28,7 +27,7 @@ from ..model.dsv4.config import CONFIG_FILE, V4, DSV4Config
 from ..model.dsv4.model import DSV4ForCausalLM, init_weights
 from ..model.dsv4.presets import PRESETS, get_preset
 from .dummy import DUMMY_SEED, dummy_init_, is_engram_table
-from .shards import open_shard
+from .shards import open_shard, read_tensor_locations
 
 logger = logging.getLogger("sglang_dsv41.loader")
 LAYOUTS = ("preset", "flat", "transformers")
@@ -144,21 +143,19 @@ def has_tokenizer(model_path: str) -> bool:
 
 
 def read_checkpoint(model_path: str) -> dict[str, torch.Tensor]:
-    """Every tensor of every ``*.safetensors`` file; errors name the file (a corrupt shard) or
-    both files (a tensor stored twice: which copy is meant cannot be guessed)."""
-    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
-    if not files:
-        raise ValueError(f"no *.safetensors in {model_path}")
+    """Every tensor of the checkpoint, each from the shard its index names (a stray
+    ``*.safetensors`` the index does not list is not read); errors name the file (missing,
+    corrupt) or the tensor (stored twice, or elsewhere than the index says)."""
+    by_file: dict[str, list[str]] = {}
+    for name, (file, _, _) in read_tensor_locations(model_path).items():
+        by_file.setdefault(file, []).append(name)
     tensors: dict[str, torch.Tensor] = {}
-    where: dict[str, str] = {}
-    for path in files:
+    for file, names in by_file.items():
+        path = os.path.join(model_path, file)
         try:
             with open_shard(path) as f:
-                for name in f.keys():
-                    if name in tensors:
-                        raise ValueError(f"tensor {name!r} is stored in two shards, "
-                                         f"{where[name]} and {path}")
-                    tensors[name], where[name] = f.get_tensor(name), path
+                for name in names:
+                    tensors[name] = f.get_tensor(name)
         except SafetensorError as e:  # a tensor's bytes past a truncated end, ...
             raise ValueError(f"corrupt checkpoint shard {path}: {e}") from e
     return tensors
@@ -212,8 +209,12 @@ def load_serving_model(model_path: str, dtype: torch.dtype, device,
     else:
         state = read_model_tensors(model_path)
         if load_format == "dummy":   # keep what dummy weights must not replace
-            state = {n: t for n, t in state.items()
-                     if n.endswith("tid2eid") or is_engram_table(n)}
+            frozen = {n for n in model.state_dict() if n.endswith("tid2eid") or is_engram_table(n)}
+            missing = sorted(frozen - state.keys())
+            if missing:  # left at their construction values: every token routed to expert 0
+                raise ValueError(f"{model_path} lacks {len(missing)} frozen tensor(s) the model "
+                                 f"needs, e.g. {missing[:3]}; a dummy load cannot make them up")
+            state = {n: state[n] for n in frozen}
         model.load_state_dict(state, strict=load_format != "dummy")
         logger.info("loaded %d tensors from %s (%s layout)", len(state), model_path, layout)
     if load_format == "dummy":

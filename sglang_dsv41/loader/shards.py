@@ -18,7 +18,6 @@ from safetensors import SafetensorError, safe_open
 from ..jsonio import read_json_object
 
 INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 
 DTYPE_NAMES = {
@@ -176,8 +175,8 @@ def write_index(out_dir: str, weight_map: dict[str, str], total_size: int) -> No
 
 
 def checkpoint_files(ckpt_dir: str) -> dict[str, list[str] | None]:
-    """Shard file -> the names the index assigns to it, in file order; a single-file checkpoint
-    maps model.safetensors -> None (its names come from the header)."""
+    """Shard file -> the names the index assigns to it, in file order; without an index every
+    ``*.safetensors`` file maps to None (its names come from its header)."""
     index_path = os.path.join(ckpt_dir, INDEX_FILE)
     if os.path.exists(index_path):
         index = read_json_object(index_path, "checkpoint index")
@@ -198,9 +197,18 @@ def checkpoint_files(ckpt_dir: str) -> dict[str, list[str] | None]:
             if not os.path.isfile(os.path.join(ckpt_dir, file)):
                 raise ValueError(f"checkpoint index {index_path} names {file}, which is missing")
         return dict(sorted(files.items()))
-    if os.path.isfile(os.path.join(ckpt_dir, SINGLE_FILE)):
-        return {SINGLE_FILE: None}
-    raise ValueError(f"no weights in {ckpt_dir}: neither {INDEX_FILE} nor {SINGLE_FILE}")
+    # No index: every *.safetensors file of the directory, SGLang's rule (weight_utils
+    # filter_duplicate_safetensors_files filters only by an index); names from the headers.
+    files = sorted(f for f in os.listdir(ckpt_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"no weights in {ckpt_dir}: neither {INDEX_FILE} nor any "
+                         f"*.safetensors file")
+    root = os.path.realpath(ckpt_dir)
+    for file in files:
+        if os.path.commonpath([root, os.path.realpath(os.path.join(root, file))]) != root:
+            raise ValueError(f"checkpoint file {file} in {ckpt_dir} is a link leading outside "
+                             "the checkpoint directory")
+    return {file: None for file in files}
 
 
 def open_shard(path: str):
@@ -224,6 +232,34 @@ def shard_headers(path: str) -> dict[str, tuple[torch.dtype, list[int]]]:
                 raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {dt}")
             out[name] = (DTYPES_BY_NAME[dt], list(sl.get_shape()))
         return out
+
+
+def read_tensor_locations(src: str) -> dict[str, tuple[str, torch.dtype, list[int]]]:
+    """name -> (shard file, dtype, shape) from every shard header. A name stored in two shards,
+    or in a shard other than the one the index names (or missing from the index), is refused:
+    which copy is meant cannot be guessed."""
+    files = checkpoint_files(src)
+    index = {n: f for f, names in files.items() for n in names or []}
+    tensors: dict[str, tuple[str, torch.dtype, list[int]]] = {}
+    for file in files:
+        path = os.path.join(src, file)
+        for n, (dt, shape) in shard_headers(path).items():
+            if n in tensors:
+                named = f" (the index names {index[n]})" if n in index else ""
+                raise ValueError(f"tensor {n!r} is stored in two shards, {tensors[n][0]} and "
+                                 f"{file}{named}")
+            if index and n not in index:
+                raise ValueError(f"checkpoint shard {path} holds tensor {n!r}, which the index "
+                                 "does not list")
+            tensors[n] = (file, dt, shape)
+    for n, file in index.items():
+        if n not in tensors:
+            raise ValueError(f"checkpoint shard {os.path.join(src, file)} lacks tensor {n!r} "
+                             "that the index assigns to it")
+        if tensors[n][0] != file:
+            raise ValueError(f"the checkpoint index assigns tensor {n!r} to {file}, but it is "
+                             f"stored in {tensors[n][0]}")
+    return tensors
 
 
 class RawShardReader:

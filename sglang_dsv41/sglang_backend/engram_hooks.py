@@ -12,11 +12,11 @@ so an RL server started with ``--load-format dummy`` serves a different model th
 from __future__ import annotations
 
 import contextlib
-import glob
 import logging
 import os
 from typing import Iterator
 
+from ..loader.shards import read_tensor_locations
 from ..model.dsv4.names import is_engram_table
 from .env import ENV
 
@@ -66,15 +66,6 @@ class RowSlice:
         return self._slice[rows]
 
 
-def checkpoint_files(ckpt_dir: str) -> list[str]:
-    files = sorted(glob.glob(os.path.join(ckpt_dir, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {ckpt_dir!r}: the dummy load needs "
-                                f"the checkpoint's Engram tables and tid2eid "
-                                f"(set --dsv41-engram-checkpoint)")
-    return files
-
-
 def _sglang_name(model, name: str) -> str:
     remap = getattr(type(model), "remap_weight_name_to_dpsk_hf_format", None)
     return remap(name) if remap is not None else name
@@ -92,13 +83,20 @@ def load_frozen_tables(model, ckpt_dir: str) -> list[str]:
     wanted = {n for n in params if n.endswith(ENGRAM_TABLE_SUFFIXES + (TID2EID_SUFFIX,))}
     if not wanted:
         return []  # a model without Engram or hash routing: nothing frozen to read
+    try:  # the index's shards only (a stray *.safetensors is not read), as SGLang's loader
+        locations = read_tensor_locations(ckpt_dir)
+    except ValueError as e:
+        raise ValueError(f"{e} (a dummy load reads the Engram tables and tid2eid from there; "
+                         f"set --dsv41-engram-checkpoint)") from None
+    by_file: dict[str, list[tuple[str, str]]] = {}
+    for ckpt_name, (file, _, _) in locations.items():
+        name = _sglang_name(model, ckpt_name)
+        if name in wanted:  # else not a frozen table, or a layer this (pipeline) rank lacks
+            by_file.setdefault(file, []).append((ckpt_name, name))
     loaded: list[str] = []
-    for path in checkpoint_files(ckpt_dir):
-        with safe_open(path, framework="pt") as f:
-            for ckpt_name in f.keys():
-                name = _sglang_name(model, ckpt_name)
-                if name not in wanted:
-                    continue  # not a frozen table, or a layer this (pipeline) rank lacks
+    for file, entries in sorted(by_file.items()):
+        with safe_open(os.path.join(ckpt_dir, file), framework="pt") as f:
+            for ckpt_name, name in entries:
                 param = params[name]
                 loader = getattr(param, "weight_loader", default_weight_loader)
                 if name.endswith(TID2EID_SUFFIX):
