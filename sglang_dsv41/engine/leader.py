@@ -333,7 +333,9 @@ class LeaderScheduler:
     def _finish(self, req: Req) -> None:
         out = self._output(req)
         if self.r3 is not None and req.return_routed_experts:
-            n = len(req.all_ids) - 1
+            # the rows of the tokens the model ran: fewer than the prompt for an abort in the
+            # middle of a chunked prefill (a disconnect, a weight update's abort_all)
+            n = min(len(req.all_ids) - 1, req.num_computed)
             ids, weights = self.r3.read(slots_of(req.pages, 0, n, self.ps))
             out.routed_experts, out.routed_weights = ids.numpy(), weights.numpy()
         self._release(req)
