@@ -9,9 +9,9 @@ from sglang_dsv41.engine.batch import Req, build_plan
 from sglang_dsv41.engine.kv_cache import DUMMY_SLOT, OutOfPages, PageAllocator, slots_of
 from sglang_dsv41.engine.messages import SamplingParams
 from sglang_dsv41.engine.prefix_cache import NaivePrefixCache, RadixPrefixCache
-from sglang_dsv41.engine.sampling import (StopChecker, make_generator, model_logprobs,
-                                          return_original_logprob, sample_token,
-                                          validate_sampling)
+from sglang_dsv41.engine.sampling import (StopChecker, apply_penalties, make_generator,
+                                          model_logprobs, return_original_logprob,
+                                          sample_token, validate_sampling)
 
 
 def test_allocator_refcounts_and_reserved_page():
@@ -194,6 +194,19 @@ def test_sampling_rules():
         validate_sampling(SamplingParams(top_p=0.0), 10)
     with pytest.raises(ValueError, match="max_new_tokens"):
         validate_sampling(SamplingParams(max_new_tokens=0), 10)
+
+
+def test_min_new_tokens_holds_back_stop_ids_and_logit_bias_comes_last():
+    """SGLang 0.5.23: BatchedMinNewTokensPenalizer puts the stop token ids and the EOS at -inf
+    until min_new_tokens (they were sampled and kept in the output); logit_bias is added after
+    the penalizers (it came first, which matters with the repetition penalty)."""
+    logits = torch.tensor([0.0, 3.0, 2.9, -1.0, 1.0])
+    held = SamplingParams(temperature=0.0, stop_token_ids=[1], min_new_tokens=2)
+    assert sample_token(logits, held, None, [], stop_ids=[2])[0] == 4   # 1 and EOS 2 held back
+    assert sample_token(logits, held, None, [4], stop_ids=[2])[0] == 4
+    assert sample_token(logits, held, None, [4, 4], stop_ids=[2])[0] == 1  # reached
+    rep = SamplingParams(temperature=0.0, repetition_penalty=2.0, logit_bias={4: 10.0})
+    assert apply_penalties(logits, rep, [4])[4].item() == 1.0 / 2.0 + 10.0
 
 
 def test_output_logprobs_are_sglangs_sampling_distribution(monkeypatch):

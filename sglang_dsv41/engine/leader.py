@@ -45,6 +45,9 @@ class LeaderScheduler:
         # same way.
         tokenizer = load_model_tokenizer(runner.model_dir, self.cfg)
         self.stop_checker = StopChecker(self.cfg.eos_token_id, tokenizer.decode)
+        # what min_new_tokens holds back besides a request's stop_token_ids (SGLang's
+        # BatchedMinNewTokensPenalizer: the EOS ids, whatever ignore_eos says)
+        self.eos_ids = () if self.cfg.eos_token_id is None else (self.cfg.eos_token_id,)
         self.original_logprobs = return_original_logprob()  # SGLang's env switch, read once
         self.seeds = random.Random(self.args.random_seed * 1000 + self.dp_rank)
         self.prefix_hit_tokens = self.prompt_tokens = 0
@@ -303,6 +306,7 @@ class LeaderScheduler:
         tokens, scored, scored_tokens, scored_logits = [], [], [], []
         for i, req in enumerate(reqs):
             token, lp_logits = sample_token(rows[i], req.sampling, req.generator, req.output_ids,
+                                            stop_ids=self.eos_ids,
                                             logprob_logits=req.return_logprob,
                                             original=self.original_logprobs)
             tokens.append(token)

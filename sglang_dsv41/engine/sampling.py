@@ -65,25 +65,32 @@ def make_generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(seed) % (2**63))
 
 
-def apply_penalties(logits: torch.Tensor, p: SamplingParams, output_ids: Sequence[int]
-                    ) -> torch.Tensor:
-    """SGLang's penalizers over the output so far (frequency, presence, repetition) and the
-    request's logit_bias; returns new logits, never modifies the input."""
+def apply_penalties(logits: torch.Tensor, p: SamplingParams, output_ids: Sequence[int],
+                    stop_ids: Sequence[int] = ()) -> torch.Tensor:
+    """SGLang's penalizers over the output so far (frequency, presence, repetition;
+    min_new_tokens: until then the stop token ids and ``stop_ids``, the EOS, at -inf), then the
+    request's logit_bias, which SGLang adds after them (sampling_batch_info.py
+    apply_logits_bias); returns new logits, never modifies the input."""
+    if output_ids and (p.frequency_penalty != 0 or p.presence_penalty != 0
+                       or p.repetition_penalty != 1):
+        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long),
+                                minlength=logits.numel())[:logits.numel()].to(logits.dtype)
+        seen = counts > 0
+        logits = (logits - p.frequency_penalty * counts
+                  - p.presence_penalty * seen.to(logits.dtype))
+        if p.repetition_penalty != 1:
+            scaled = torch.where(logits > 0, logits / p.repetition_penalty,
+                                 logits * p.repetition_penalty)
+            logits = torch.where(seen, scaled, logits)
+    if len(output_ids) < p.min_new_tokens:
+        banned = sorted({*p.stop_token_ids, *stop_ids})
+        if banned:
+            logits = logits.index_fill(0, torch.tensor(banned, dtype=torch.long),
+                                       float("-inf"))
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
         logits = logits.index_add(0, ids, torch.tensor(list(p.logit_bias.values()),
                                                        dtype=logits.dtype))
-    if not output_ids or (p.frequency_penalty == 0 and p.presence_penalty == 0
-                          and p.repetition_penalty == 1):
-        return logits
-    counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long),
-                            minlength=logits.numel())[:logits.numel()].to(logits.dtype)
-    seen = counts > 0
-    logits = logits - p.frequency_penalty * counts - p.presence_penalty * seen.to(logits.dtype)
-    if p.repetition_penalty != 1:
-        scaled = torch.where(logits > 0, logits / p.repetition_penalty,
-                             logits * p.repetition_penalty)
-        logits = torch.where(seen, scaled, logits)
     return logits
 
 
@@ -102,8 +109,9 @@ def return_original_logprob() -> bool:
 
 
 def sample_token(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None,
-                 output_ids: Sequence[int] = (), *, logprob_logits: bool = True,
-                 original: bool = False) -> tuple[int, torch.Tensor | None]:
+                 output_ids: Sequence[int] = (), *, stop_ids: Sequence[int] = (),
+                 logprob_logits: bool = True, original: bool = False
+                 ) -> tuple[int, torch.Tensor | None]:
     """fp32 CPU logits [V] -> (the sampled token id, the logits whose log_softmax its output
     position returns, or None without ``logprob_logits``).
 
@@ -113,7 +121,7 @@ def sample_token(logits: torch.Tensor, p: SamplingParams, generator: torch.Gener
     temperature that overflows the scaled logits gives its limit (the greedy token, certain),
     and a filter that leaves no finite mass falls back to the greedy token, instead of
     killing the rank."""
-    adjusted = apply_penalties(logits, p, output_ids)
+    adjusted = apply_penalties(logits, p, output_ids, stop_ids)
     greedy = int(torch.argmax(adjusted))
     if p.temperature == 0 or p.top_k == 1:
         return greedy, adjusted if logprob_logits else None
