@@ -92,6 +92,25 @@ async def test_bad_input_is_400_and_server_keeps_serving():
         controller.shutdown()
 
 
+async def test_null_max_new_tokens_means_up_to_the_context_length_as_sglang():
+    """SGLang 0.5.23 keeps a null max_new_tokens as None: no limit of its own (the context and
+    --max-new-tokens-limit bound it); absent, it is 128. A null became 128 here, and a prompt
+    within 128 tokens of the context was refused."""
+    http, controller, drainer, _ = make_server()
+    async with http:
+        near = [1] * (CONTEXT - 10)
+        r = await gen(http, input_ids=near, sampling_params={"max_new_tokens": None})
+        assert r.status_code == 200, r.text
+        r = await gen(http, input_ids=near, sampling_params={})
+        assert r.status_code == 400 and "exceeds the context length" in r.text
+        r = await gen(http, input_ids=[1], sampling_params={"max_new_tokens": None,
+                                                            "min_new_tokens": 300})
+        assert r.status_code == 200, r.text
+        sent = [m.sampling.max_new_tokens for _, m in drainer.seen if isinstance(m, GenerateReq)]
+        assert sent == [200, 200]  # --max-new-tokens-limit; the leader caps at the context
+        controller.shutdown()
+
+
 # (body, a phrase the 400's message must contain): hostile logprob fields (tiny vocab 320)
 BAD_LOGPROB_BODIES = [
     ({"top_logprobs_num": -1}, "top_logprobs_num"),

@@ -10,7 +10,7 @@ Checks that need the served model (vocab, context length, dp_size) are in reques
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, ClassVar, Union
 
 import regex
 from pydantic import (BaseModel, ConfigDict, Field, StrictInt, field_validator,
@@ -44,19 +44,25 @@ class ApiSchema(BaseModel):
     # Null means "the default" for every field, as in SGLang's generated decoders.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=False)
 
+    # Fields whose null SGLang keeps as None, meaning something of its own (not the default).
+    NULL_KEPT: ClassVar[frozenset[str]] = frozenset()
+
     @model_validator(mode="before")
     @classmethod
     def _null_is_default(cls, data: Any) -> Any:
         if isinstance(data, dict):
             return {k: v for k, v in data.items()
-                    if not (v is None and k in cls.model_fields
+                    if not (v is None and k in cls.model_fields and k not in cls.NULL_KEPT
                             and cls.model_fields[k].default is not None)}
         return data
 
 
 class SamplingParamsIn(ApiSchema):
     """``sampling_params`` of /generate: every field of SGLang 0.5.23's SamplingParams."""
-    max_new_tokens: int = Field(128, ge=0)
+    # null: no limit of its own (SGLang's scheduler: up to the context length and
+    # --max-new-tokens-limit); absent: 128
+    NULL_KEPT: ClassVar[frozenset[str]] = frozenset({"max_new_tokens"})
+    max_new_tokens: int | None = Field(128, ge=0)
     stop: Union[str, list[str], None] = None
     stop_token_ids: list[int] | None = None
     stop_regex: Union[str, list[str], None] = None
@@ -130,7 +136,7 @@ class SamplingParamsIn(ApiSchema):
 
     @model_validator(mode="after")
     def _supported(self) -> "SamplingParamsIn":
-        if self.min_new_tokens > self.max_new_tokens:
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             raise ValueError(f"min_new_tokens must be in [0, max_new_tokens "
                              f"({self.max_new_tokens})], got {self.min_new_tokens}")
         # An empty grammar is "unset" in SGLang too; a real one we cannot honour is refused.

@@ -39,10 +39,12 @@ class RequestLimits:
         if len(ids) >= self.context_length:
             raise ValueError(f"the prompt has {len(ids)} tokens; the context length is "
                              f"{self.context_length} (at least one token must be generated)")
-        if sp.max_new_tokens > self.max_new_tokens_limit:
+        if sp.max_new_tokens is None:  # up to the context length (the leader's limit)
+            pass
+        elif sp.max_new_tokens > self.max_new_tokens_limit:
             raise ValueError(f"max_new_tokens={sp.max_new_tokens} exceeds "
                              f"--max-new-tokens-limit {self.max_new_tokens_limit}")
-        if len(ids) + sp.max_new_tokens > self.context_length:
+        elif len(ids) + sp.max_new_tokens > self.context_length:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens "
                              f"({sp.max_new_tokens}) exceeds the context length "
                              f"{self.context_length}")
@@ -71,11 +73,14 @@ class RequestLimits:
 
     def to_engine_sampling(self, sp: SamplingParamsIn, sample_index: int = 0) -> SamplingParams:
         """The engine's SamplingParams. max_new_tokens 0 (prefill only, as sglang.lang's
-        cache_prefix and select send it) runs one step whose token the HTTP layer drops."""
+        cache_prefix and select send it) runs one step whose token the HTTP layer drops; None
+        (null) is --max-new-tokens-limit, which the leader caps at the context length."""
         seed = sp.effective_seed
         greedy = sp.is_greedy
         return SamplingParams(
-            max_new_tokens=max(1, sp.max_new_tokens), temperature=0.0 if greedy else sp.temperature,
+            max_new_tokens=(self.max_new_tokens_limit if sp.max_new_tokens is None
+                            else max(1, sp.max_new_tokens)),
+            temperature=0.0 if greedy else sp.temperature,
             top_p=sp.top_p, top_k=-1 if sp.top_k >= TOP_K_ALL else sp.top_k, min_p=sp.min_p,
             stop=as_list(sp.stop), stop_token_ids=list(sp.stop_token_ids or []),
             ignore_eos=sp.ignore_eos,
