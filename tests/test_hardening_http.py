@@ -303,6 +303,12 @@ async def test_sessions_record_streamed_requests_and_refuse_what_they_cannot_con
         assert r.status_code == 200, r.text
         # the drainer answers prompt[-1] + 1, ...: t1 was 10 11 -> 12 13 14, t2 continues it
         assert r.json()["meta_info"]["prompt_tokens"] == 6
+        # an appended turn's leading BOS is dropped (SGLang's _strip_bos_token): 6 + 1
+        r = await http.post("/generate", json={
+            "input_ids": [get_preset("tiny").bos_token_id, 30],
+            "session_params": {"id": "s", "rid": "t2"},
+            "sampling_params": {"max_new_tokens": 1}})
+        assert r.status_code == 200 and r.json()["meta_info"]["prompt_tokens"] == 8, r.text
         for session_params, why in (({"id": "s", "rid": "t1", "offset": 99}, "outside"),
                                     ({"id": "s", "rid": "t1", "offset": -6}, "outside")):
             r = await http.post("/generate", json={"input_ids": [1],

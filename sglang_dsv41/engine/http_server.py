@@ -140,7 +140,8 @@ def generate_router(state: ServerState) -> APIRouter:
                            "--enable-return-routed-experts")
         try:
             if body.session_params is not None:
-                body = state.sessions.extend_request(body, state.tokenizer.encode)
+                body = state.sessions.extend_request(
+                    body, state.tokenizer.encode, getattr(state.tokenizer, "bos_token_id", None))
             pairs = state.limits.to_generate_reqs(body, state.tokenizer.encode,
                                                   request.headers.get("x-data-parallel-rank"))
         except ValueError as e:

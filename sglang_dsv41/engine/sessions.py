@@ -40,8 +40,11 @@ class SessionStore:
         self._prompts.pop(session_id, None)
         return self._sessions.pop(session_id, None) is not None
 
-    def extend_request(self, body: "GenerateRequest", encode) -> "GenerateRequest":
-        """``body`` with its prompt replaced by the session's history + its own ids."""
+    def extend_request(self, body: "GenerateRequest", encode,
+                       bos_token_id: int | None = None) -> "GenerateRequest":
+        """``body`` with its prompt replaced by the session's history + its own ids (a leading
+        ``bos_token_id`` of an appended turn dropped, as SGLang's Session._strip_bos_token: a
+        tokenizer that adds BOS to every text would put one mid-sequence)."""
         sp = body.session_params
         if sp.id not in self._sessions:
             raise ValueError(f"session {sp.id!r} is not open (POST /open_session first)")
@@ -54,6 +57,8 @@ class SessionStore:
         new_ids = encode(body.text) if body.text is not None else list(body.input_ids)
         history: list[int] = []
         if sp.rid is not None:
+            if bos_token_id is not None and new_ids[:1] == [bos_token_id]:
+                new_ids = new_ids[1:]
             done = self._sessions[sp.id]
             if sp.rid not in done:
                 raise ValueError(f"session {sp.id!r} has no finished request {sp.rid!r}")
