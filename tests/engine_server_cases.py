@@ -10,6 +10,8 @@ BAD_BODIES = [
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": 10**9}}, "max-new-tokens-limit"),
     ({"input_ids": [1] * 100, "sampling_params": {"max_new_tokens": 200}}, "context length"),
+    ({"input_ids": [1, 2], "return_routed_experts": True, "routed_experts_start_len": 3},
+     "routed_experts_start_len"),
     ({"input_ids": [1] * CONTEXT}, "context length"),
     ({"input_ids": [1], "routed_dp_rank": 2}, "out of range"),
     ({"input_ids": [1], "data_parallel_rank": -1}, "out of range"),

@@ -64,3 +64,29 @@ def test_an_r3_request_aborted_in_its_chunked_prefill_answers_with_the_rows_it_r
     assert answer.finish_reason == {"type": "abort"}
     assert answer.routed_experts.shape[0] == 16
     lead.check_integrity()  # its pages went back
+
+
+def run(lead: LeaderScheduler, out: queue.Queue, reqs: list[GenerateReq]) -> dict:
+    for req in reqs:
+        lead.add_request(req)
+    while step(lead):
+        pass
+    return {o.rid: o for o in outputs(out) if o.finished}
+
+
+def test_routed_experts_start_len_returns_the_rows_from_there_on(checkpoint):
+    """SGLang 0.5.23: the routing of positions [routed_experts_start_len, seqlen - 1) (a
+    multi-turn client asks for the new turn's rows only); it was accepted and ignored. Outside
+    [0, prompt length] the request is refused."""
+    lead, out = leader(checkpoint, enable_return_routed_experts=True)
+    prompt = [(5 * i + 1) % 200 for i in range(30)]
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+    got = run(lead, out, [GenerateReq("all", prompt, greedy, return_routed_experts=True),
+                          GenerateReq("tail", prompt, greedy, return_routed_experts=True,
+                                      routed_experts_start_len=12)])
+    full, tail = got["all"].routed_experts, got["tail"].routed_experts
+    assert full.shape[0] == 30 + 4 - 1 and tail.shape[0] == full.shape[0] - 12
+    assert (tail == full[12:]).all()
+    bad = run(lead, out, [GenerateReq("bad", prompt, greedy, return_routed_experts=True,
+                                      routed_experts_start_len=31)])["bad"]
+    assert bad.finish_reason == {"type": "abort"} and "routed_experts_start_len" in bad.error

@@ -22,6 +22,7 @@ class Req:
     return_logprob: bool = False
     return_routed_experts: bool = False
     stream: bool = False
+    routed_experts_start_len: int = 0
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)    # page table; one reference held on each

@@ -71,7 +71,8 @@ class LeaderScheduler:
                   msg.return_routed_experts, msg.stream, generator=make_generator(seed),
                   logprob_start_len=msg.logprob_start_len if msg.return_logprob else -1,
                   top_logprobs_num=msg.top_logprobs_num if msg.return_logprob else 0,
-                  token_ids_logprob=msg.token_ids_logprob if msg.return_logprob else None)
+                  token_ids_logprob=msg.token_ids_logprob if msg.return_logprob else None,
+                  routed_experts_start_len=msg.routed_experts_start_len)
         self.waiting.append(req)
 
     def _validate(self, msg: GenerateReq) -> None:
@@ -90,6 +91,9 @@ class LeaderScheduler:
             raise ValueError("return_routed_experts needs --enable-return-routed-experts")
         if any(r.rid == msg.rid for r in [*self.waiting, *self.running]):
             raise ValueError(f"request id {msg.rid!r} is already in use")
+        if not 0 <= msg.routed_experts_start_len <= n:  # SGLang aborts such a request
+            raise ValueError(f"routed_experts_start_len must be in [0, {n}] (the prompt "
+                             f"length), got {msg.routed_experts_start_len}")
         if not -1 <= msg.logprob_start_len <= n:
             raise ValueError(f"logprob_start_len must be in [-1, {n}] (the prompt length), got "
                              f"{msg.logprob_start_len}")
@@ -340,7 +344,8 @@ class LeaderScheduler:
             # the rows of the tokens the model ran: fewer than the prompt for an abort in the
             # middle of a chunked prefill (a disconnect, a weight update's abort_all)
             n = min(len(req.all_ids) - 1, req.num_computed)
-            ids, weights = self.r3.read(slots_of(req.pages, 0, n, self.ps))
+            start = min(req.routed_experts_start_len, n)
+            ids, weights = self.r3.read(slots_of(req.pages, start, n, self.ps))
             out.routed_experts, out.routed_weights = ids.numpy(), weights.numpy()
         self._release(req)
         self.running.remove(req)

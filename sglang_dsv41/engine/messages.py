@@ -36,6 +36,7 @@ class GenerateReq:
     sampling: SamplingParams
     return_logprob: bool = False
     return_routed_experts: bool = False
+    routed_experts_start_len: int = 0   # the routing of positions [start, seqlen - 1) only
     routed_dp_rank: int | None = None   # None: the DP controller picks (--load-balance-method)
     stream: bool = False
     logprob_start_len: int = -1         # >= 0: return the prompt's logprobs from this position

@@ -137,8 +137,10 @@ class OutputAssembler:
         if last.routed_experts is None:
             meta["routed_experts"] = None
             return
-        # One row per token that went through the model (a stop string may have cut some).
-        rows = meta["prompt_tokens"] + meta["completion_tokens"] - 1
+        # One row per token that went through the model from routed_experts_start_len on (a
+        # stop string may have cut some).
+        rows = (meta["prompt_tokens"] + meta["completion_tokens"] - 1
+                - self.req.routed_experts_start_len)
         meta["routed_experts"], meta["routed_experts_shape"] = encode_array(
             np.asarray(_to_numpy(last.routed_experts))[:rows], "int32")
         if last.routed_weights is not None:

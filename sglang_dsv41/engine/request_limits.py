@@ -110,12 +110,17 @@ class RequestLimits:
             if body.stream and sp.n > 1:
                 raise ValueError("stream is not supported with n > 1")
             logprobs = self.logprob_fields(body, i, len(prompts), len(ids))
+            if body.return_routed_experts and body.routed_experts_start_len > len(ids):
+                raise ValueError(f"routed_experts_start_len must be in [0, {len(ids)}] (the "
+                                 f"prompt length), got {body.routed_experts_start_len}")
             for j in range(sp.n):
                 req_id = rid or uuid.uuid4().hex
                 out.append((GenerateReq(
                     rid=req_id if sp.n == 1 else f"{req_id}-{j}", input_ids=ids,
                     sampling=self.to_engine_sampling(sp, j),
                     return_routed_experts=body.return_routed_experts,
+                    routed_experts_start_len=(body.routed_experts_start_len
+                                              if body.return_routed_experts else 0),
                     routed_dp_rank=dp_rank, stream=body.stream, **logprobs), sp))
         if len(out) > MAX_BATCH:
             raise ValueError(f"{len(out)} samples in one request; the limit is {MAX_BATCH}")
