@@ -356,3 +356,14 @@ def parallelize_policy(model: DSV4ForCausalLM, mesh: DeviceMesh, *,
         prev.set_modules_to_forward_prefetch([nxt])
         nxt.set_modules_to_backward_prefetch([prev])
     return model
+
+
+def reshard_gathered(model: torch.nn.Module) -> None:
+    """Reshards every FSDP group a forward left gathered. A forward under no_grad has no
+    backward to reshard the groups kept gathered between forward and backward
+    (reshard_after_forward False: the fp32 holders and the head; on CUDA every layer when the
+    model fits); left so past an optimizer step, the next forward skips their all-gather and
+    computes with the weights from before the step."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

@@ -28,7 +28,7 @@ from .loss import compute_advantages, loss_scale, ppo_loss
 from .memory_plan import layer_kinds, plan_checkpointing, unallocated_static
 from .micro_batch_graphs import MicroBatchGraphs
 from .optimizer_offload import offload_optimizer
-from .parallelize import is_sink_param
+from .parallelize import is_sink_param, reshard_gathered
 from .policy import Policy, build_policy, resolve_device
 from .rollout import (OfflineRolloutSource, RolloutSource, ServerRolloutSource,
                       WeightVersionMismatch, check_routing_present)
@@ -260,6 +260,8 @@ class Trainer:
         elif self.cfg.model.check_routing:
             with torch.no_grad():
                 own = self.policy.forward(mb, replay=False, record_routing=True).routed
+            # on-policy steps run this after the backward, before the optimizer step
+            reshard_gathered(self.policy.model)
         else:  # a replayed layer records what it replayed: compare the hash layers
             replayed = set(self.policy.replayed_layers)
             own = {k: v for k, v in routed.items() if k not in replayed}
