@@ -79,7 +79,7 @@ def roundtrip_error(trainer: Trainer) -> float:
         resp = trainer.router.generate("dry-run-probe", {
             "input_ids": prompt, "return_logprob": True,
             "return_routed_experts": trainer.cfg.model.r3,
-            "sampling_params": {"max_new_tokens": 8, "temperature": 1.0, "seed": 0}})
+            "sampling_params": {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 0}})
         trainer.router.end_session("dry-run-probe")
         out, meta = resp["output_ids"], resp["meta_info"]
         lps = [float(x[0]) for x in meta["output_token_logprobs"]]

@@ -300,7 +300,9 @@ class Trainer:
         totals = all_reduce_tensor(torch.cat([sums, agree.flatten()])).cpu()
         loss, pg, kl, clip, tis, mismatch_abs, mismatch_k3 = totals[:len(STEP_SUMS)].tolist()
         grad_norm, sink_norm = norms.tolist()
-        metrics = {"loss": loss / self.dist.world_size, "pg_mean": pg / tokens,
+        # each mini-batch's loss is its token mean (on every rank): their mean over the step
+        metrics = {"loss": loss / (self.dist.world_size * len(mini_batches)),
+                   "pg_mean": pg / tokens,
                    "kl_mean": kl / tokens, "clip_frac": clip / tokens, "tis_mean": tis / tokens,
                    "mismatch_abs_logp": mismatch_abs / tokens, "mismatch_k3": mismatch_k3 / tokens,
                    "train_tokens": tokens}
