@@ -196,3 +196,39 @@ def test_send_weights_casts_a_bucket_at_a_time_to_the_wire_dtypes():
     for (name, want), dtype, (got_name, t) in zip(named, wire, got):
         assert got_name == name and t.dtype == dtype
         assert torch.equal(t, want.to(dtype)), name
+
+
+def test_a_distributed_update_with_an_unknown_dtype_is_refused_to_the_trainer_at_once():
+    """An unknown dtype name is a refusal the trainer hears in the protocol's verdict exchange
+    (send_weights returns False); the server raised before joining it, and the trainer waited in
+    a real gloo group until the collective's timeout."""
+    import threading
+    import time
+    import types
+
+    from sglang_dsv41.engine.weight_update_ops import _apply_distributed
+    from sglang_dsv41.loader.weight_sync_group import init_weight_sync_group
+    from sglang_dsv41.ports import free_port
+
+    port, res = free_port(), {}
+
+    def trainer():
+        group = init_weight_sync_group("127.0.0.1", port, 0, 2, "wg", "gloo", timeout_s=20)
+        t0 = time.monotonic()
+        res["sent"] = send_weights(group, [("weight", torch.zeros(1, 2))],
+                                   dtypes=[torch.float32])
+        res["waited_s"] = time.monotonic() - t0
+        group.close()
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    group = init_weight_sync_group("127.0.0.1", port, 1, 2, "wg", "gloo", timeout_s=20)
+    runner = types.SimpleNamespace(
+        weight_sync_groups={"wg": group}, model=torch.nn.Linear(2, 1),
+        args=types.SimpleNamespace(allow_engram_update=False),
+        groups=types.SimpleNamespace(all_agree=lambda ok, op: ok))
+    with pytest.raises(WeightUpdateError, match="unknown dtype 'complex64'"):
+        _apply_distributed(runner, ["weight"], ["complex64"], [[1, 2]], group_name="wg")
+    thread.join(30)
+    group.close()
+    assert res["sent"] is False and res["waited_s"] < 10, res

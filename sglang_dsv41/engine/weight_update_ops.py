@@ -125,19 +125,23 @@ def _apply_distributed(runner, names: list[str], dtypes: list[str], shapes: list
     group = _groups(runner).get(group_name)
     error = None if group is not None else f"no weight update group {group_name!r} (call " \
                                            "init_weights_update_group first)"
+    wire: list[torch.dtype] = []  # parsed once, inside the try: a bad name is a refusal
     try:
         if error is None:
             if not len(names) == len(dtypes) == len(shapes):
                 raise WeightUpdateError("names, dtypes and shapes differ in length")
-            metas = [(n, torch.empty(s, dtype=parse_dtype(d), device="meta"))
-                     for n, d, s in zip(names, dtypes, shapes)]
+            wire = [parse_dtype(d) for d in dtypes]
+            metas = [(n, torch.empty(s, dtype=dt, device="meta"))
+                     for n, dt, s in zip(names, wire, shapes)]
             validate_named_tensors(runner.model, metas, _allow_engram(runner, allow_engram_update))
     except (ValueError, TypeError, RuntimeError) as e:
         error = str(e)
     ok = runner.groups.all_agree(error is None, "weights_dist_validate")
     if group is None:
         raise WeightUpdateError(error)
-    named = receive_weights(group, names, [parse_dtype(d) for d in dtypes], shapes, ok)
+    # a refusal still joins the trainer's verdict exchange (receive_weights with ok False):
+    # raising before it left the trainer waiting there until the collective's timeout
+    named = receive_weights(group, names, wire, shapes, ok)
     if named is None:
         raise WeightUpdateError(error or "refused: another rank rejected the update")
     try:

@@ -28,7 +28,8 @@ BUCKET_BYTES = 256 << 20
 SETUP_TIMEOUT_S = 30.0
 _DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+    torch.float8_e5m2, torch.float8_e8m0fnu, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool)}
 
 
 def parse_dtype(name: str) -> torch.dtype:
