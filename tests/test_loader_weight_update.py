@@ -74,7 +74,11 @@ def test_bad_updates_are_refused_by_name(ckpt):
     path, tensors = ckpt
     model = load_serving_model(path, torch.float32, "cpu")
     head = tensors["head.weight"]
+    tid2eid = next(n for n in tensors if n.endswith("tid2eid"))
+    past = tensors[tid2eid].clone()
+    past[5, 0] = model.cfg.n_routed_experts  # one id past the experts: the next forward crashed
     cases = [
+        ([(tid2eid, past)], f"{tid2eid}: expert ids 0..{model.cfg.n_routed_experts} outside"),
         ([("nope.weight", head)], "nope.weight: the served model has no tensor"),
         ([("head.weight", head[:3])], "head.weight: shape"),
         ([("head.weight", head.double())], "head.weight: dtype float64"),

@@ -45,7 +45,7 @@ def validate_named_tensors(model, named: Iterable[tuple[str, torch.Tensor]],
                            allow_engram: bool = False) -> None:
     """Raise WeightUpdateError naming the first bad tensor: unknown name, shape or dtype
     mismatch, a duplicate, a non-finite value, a value far beyond the current tensor's scale,
-    or an Engram table when not allowed."""
+    a tid2eid expert id outside the experts, or an Engram table when not allowed."""
     seen: set[str] = set()
     specs = served_specs(model)
     targets = _targets(model)
@@ -72,6 +72,14 @@ def validate_named_tensors(model, named: Iterable[tuple[str, torch.Tensor]],
             raise WeightUpdateError(f"{name}: dtype {str(t.dtype).replace('torch.', '')} does "
                                     f"not match the served dtype "
                                     f"{str(dtype).replace('torch.', '')}")
+        if name.endswith("tid2eid") and t.device.type != "meta" and t.numel():
+            # an id past the experts indexes out of bounds in the next forward (a device-side
+            # assert on CUDA): the rank would die on the update's first request
+            experts = model.cfg.n_routed_experts
+            low, high = int(t.min()), int(t.max())
+            if low < 0 or high >= experts:
+                raise WeightUpdateError(f"{name}: expert ids {low}..{high} outside "
+                                        f"[0, {experts})")
         if (t.is_floating_point() and t.dtype.itemsize > 1 and t.device.type != "meta"
                 and t.numel()):
             if not bool(torch.isfinite(t).all()):
