@@ -18,6 +18,8 @@ import torch
 from engine_core_harness import (RankCluster, engine_test_model, reference_greedy,
                                  reference_logprobs, tiny_args, write_flat_checkpoint)
 from sglang_dsv41.engine.messages import AbortReq, GenerateReq, SamplingParams
+from sglang_dsv41.loader.engram_codec import ALIGN_ROWS, tensor_checksum
+from sglang_dsv41.loader.engram_layouts import row_shard
 from sglang_dsv41.tokenizer import AddedToken, ByteTokenizer
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
@@ -188,7 +190,13 @@ def test_tp2_greedy_matches_with_row_sharded_engram(ref):
         assert all(i["layout"] == "private" and not i["shared_memory"] for i in info)
         for name, rows in tables.items():
             held = [i["rows"][name.rsplit(".", 1)[0]] for i in info]
-            assert held == [rows // 2, rows - rows // 2]
+            assert held == [hi - lo for lo, hi in (row_shard(rows, r, 2) for r in range(2))]
+            assert 0 < held[0] < rows and held[0] % ALIGN_ROWS == 0
+        # /engram_checksum: the ranks' partial sums combine into the whole table's checksum
+        # (it was rank 0's shard's)
+        want = {n: tensor_checksum(b) for n, b in ref.named_buffers()
+                if n.endswith(("embed.weight", "embed.scale"))}
+        assert [o.result for o in c.control("engram_checksum")] == [want, want]
         assert c.shutdown() == [0, 0]
 
 

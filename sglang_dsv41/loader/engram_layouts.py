@@ -7,11 +7,13 @@ policies/engram_layout.choose_engram_layout):
            the checkpoint's bytes) into a shared-memory segment (loader/shm.py, leases,
            crash-reclaimed), every rank of the node maps it in place of its own copy (a
            forced update of a table writes the same bytes through every rank's map).
-  private  SGLang's ``per_rank``: rank r keeps rows [r*N/W, (r+1)*N/W) of every table. A lookup
-           all-gathers the requested rows over the world, each rank dequantizes the rows it
-           owns (zeros elsewhere) and a sum returns every rank its rows: exact, since each row
-           comes from exactly one rank. Every rank runs every forward (idle batches), so every
-           rank joins every lookup.
+  private  SGLang's ``per_rank``: each rank keeps one row range of every table, the split on
+           multiples of engram_codec.ALIGN_ROWS (so the ranks' checksum partial sums combine
+           into the whole table's; SGLang's own shard_range splits on hash-column bounds, which
+           moves only which rank owns a row). A lookup all-gathers the requested rows over the
+           world, each rank dequantizes the rows it owns (zeros elsewhere) and a sum returns
+           every rank its rows: exact, since each row comes from exactly one rank. Every rank
+           runs every forward (idle batches), so every rank joins every lookup.
 
 Either way the lookup is EngramTable's own dequantization of the same bytes, so the served
 logits equal a whole-table model's. The tables always come from the checkpoint, also under
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.dsv4.engram import EngramTable
+from .engram_codec import ALIGN_ROWS
 from .shm import ShmNamespace, reclaim_stale
 
 logger = logging.getLogger("sglang_dsv41.loader")
@@ -37,12 +40,20 @@ def engram_tables(model) -> dict[str, EngramTable]:
     return {n: m for n, m in model.named_modules() if isinstance(m, EngramTable)}
 
 
+def row_shard(rows: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Rank ``rank``'s [lo, hi) rows of a ``rows``-row table: whole ALIGN_ROWS chunks, spread
+    as evenly as the chunks allow."""
+    chunks = -(-rows // ALIGN_ROWS)
+    return (min(rows, rank * chunks // world_size * ALIGN_ROWS),
+            min(rows, (rank + 1) * chunks // world_size * ALIGN_ROWS))
+
+
 class RowShardEngramTable(EngramTable):
     """One rank's row shard of a table (layout ``private``) with the collective lookup."""
 
     def __init__(self, full: EngramTable, rank: int, world_size: int, groups):
         rows = full.weight.shape[0]
-        lo, hi = rank * rows // world_size, (rank + 1) * rows // world_size
+        lo, hi = row_shard(rows, rank, world_size)
         super().__init__(max(hi - lo, 1), full.dim)
         self.num_rows, self.row_range, self.groups = rows, (lo, hi), groups
         self.weight = full.weight[lo:hi].clone()

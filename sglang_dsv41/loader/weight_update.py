@@ -15,7 +15,7 @@ import torch
 
 from ..model.dsv4.names import per_expert_state
 from .dummy import is_engram_table
-from .engram_codec import tensor_checksum
+from .engram_codec import HASH_SPACE, chunk_digest_sum, finish_checksum, tensor_checksum
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 # A pushed tensor may not exceed SCALE_LIMIT x the current one's largest magnitude (at least
@@ -110,6 +110,23 @@ def apply_named_tensors(model, named: NamedTensors) -> None:
 
 def engram_checksums(model) -> dict[str, str]:
     """Engram tensor name (table and e8m0 scale) -> checksum of its stored bytes, equal to
-    engram_codec.tensor_checksum of the checkpoint tensor."""
-    return {name: tensor_checksum(t) for name, t in model.state_dict().items()
-            if is_engram_table(name)}
+    engram_codec.tensor_checksum of the checkpoint tensor in every layout. Collective under the
+    private layout (every rank calls it): a rank holds one row shard, and the ranks' partial
+    digest sums are combined over the world."""
+    out = {}
+    for name, t in model.state_dict().items():
+        if not is_engram_table(name):
+            continue
+        table = model.get_submodule(name.rsplit(".", 1)[0])
+        shard = getattr(table, "row_range", None)  # loader/engram_layouts.RowShardEngramTable
+        if shard is None:
+            out[name] = tensor_checksum(t)
+            continue
+        digest = chunk_digest_sum(t.detach().cpu(), None, shard[0])
+        limbs = torch.tensor([(digest >> (32 * i)) & 0xFFFFFFFF for i in range(8)],
+                             dtype=torch.int64)
+        every = table.groups.all_gather_world(limbs, "engram_checksum").view(-1, 8)
+        total = sum(sum(int(v) << (32 * i) for i, v in enumerate(row)) for row in every.tolist())
+        out[name] = finish_checksum(t.dtype, (table.num_rows, *t.shape[1:]),
+                                    total % HASH_SPACE)
+    return out
