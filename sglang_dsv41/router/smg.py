@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import os
 import subprocess
@@ -23,7 +24,7 @@ import sys
 import threading
 import time
 import urllib.parse
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterator
 
 import httpx
 
@@ -149,13 +150,8 @@ class SMGSessionRouter(SessionRouter):
             while self._paused:
                 self._cond.wait()
             self._in_flight += 1
-        try:
-            r = self._client.post(self.router_url + "/generate", json=payload,
-                                  headers={ROUTING_KEY_HEADER: routing_key(session_id)})
-        except httpx.HTTPError as e:
-            raise NoEngineAvailable(f"sglang-router at {self.router_url}: {e}") from e
-        finally:
-            self._leave()
+        with self._turn():
+            r = self._client.post(**self._request(session_id, payload))
         return self._answer(session_id, r)
 
     async def _aenter(self) -> None:
@@ -172,14 +168,8 @@ class SMGSessionRouter(SessionRouter):
         its connection to the router, which drops the worker's request, instead of running to
         the end in a thread nobody waits for."""
         await self._aenter()
-        try:
-            r = await self._async_client().post(
-                self.router_url + "/generate", json=payload,
-                headers={ROUTING_KEY_HEADER: routing_key(session_id)})
-        except httpx.HTTPError as e:
-            raise NoEngineAvailable(f"sglang-router at {self.router_url}: {e}") from e
-        finally:
-            self._leave()
+        with self._turn():
+            r = await self._async_client().post(**self._request(session_id, payload))
         return self._answer(session_id, r)
 
     async def astream(self, session_id: str, payload: dict[str, Any],
@@ -191,8 +181,7 @@ class SMGSessionRouter(SessionRouter):
         where = f"sglang-router at {self.router_url}"
         try:
             async with self._async_client().stream(
-                    "POST", self.router_url + "/generate", json=dict(payload, stream=True),
-                    headers={ROUTING_KEY_HEADER: routing_key(session_id)}) as r:
+                    "POST", **self._request(session_id, dict(payload, stream=True))) as r:
                 if r.status_code != 200:
                     self._answer(session_id, r, await r.aread())  # raises its RouterError
                 async for line in r.aiter_lines():
@@ -227,6 +216,22 @@ class SMGSessionRouter(SessionRouter):
         with self._cond:
             self._in_flight -= 1
             self._cond.notify_all()
+
+    def _request(self, session_id: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """A turn's POST to the router, pinned by the session's routing key."""
+        return {"url": self.router_url + "/generate", "json": payload,
+                "headers": {ROUTING_KEY_HEADER: routing_key(session_id)}}
+
+    @contextlib.contextmanager
+    def _turn(self) -> Iterator[None]:
+        """One turn in flight (entered by the caller): a transport failure is the router's
+        (NoEngineAvailable), and the turn leaves however it ends."""
+        try:
+            yield
+        except httpx.HTTPError as e:
+            raise NoEngineAvailable(f"sglang-router at {self.router_url}: {e}") from e
+        finally:
+            self._leave()
 
     def _answer(self, session_id: str, r: httpx.Response, body: bytes | None = None
                 ) -> dict[str, Any]:
