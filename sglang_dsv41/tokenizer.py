@@ -106,12 +106,15 @@ class ByteTokenizer:
     def __len__(self) -> int:
         return self.vocab_size
 
-    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+    def encode(self, text: str, add_bos: bool = False, plain: bool = False) -> list[int]:
         """UTF-8 bytes, except that each added token's text (longest first) is its one id, as
-        HF's tokenizer.encode treats added tokens."""
+        HF's tokenizer.encode treats added tokens; ``plain``: bytes only (text from a message,
+        where a tag's spelling is not the tag)."""
         if not isinstance(text, str):
             raise ValueError(f"encode expects str, got {type(text).__name__}")
         ids = [self.bos_token_id] if add_bos else []
+        if plain:
+            return ids + list(text.encode("utf-8"))
         start = 0
         for m in self._added_pattern.finditer(text):
             ids += text[start:m.start()].encode("utf-8")

@@ -96,7 +96,8 @@ def test_two_turn_v41_chat_tags_are_one_id_and_token_in_token_out_is_exact(tok):
     out1 = tok.encode(generated) + [tok.eos_token_id]
     traj = Trajectory("s", [Turn(ids1, out1, [0.0] * len(out1), "e", 0, 0,
                                  {"type": "stop", "matched": tok.eos_token_id})], prompt1)
-    ids2, retokenized = traj.next_prompt_ids(prompt2, tok.encode)
+    ids2, retokenized = traj.next_prompt_ids(prompt2, lambda start: tok.encode(prompt2[start:]),
+                                             tok.encode)
     assert not retokenized and ids2[:len(ids1) + len(out1)] == ids1 + out1
     assert ids2 == tok.encode(prompt2)  # the same as tokenizing the whole conversation
     tags = sum(prompt2.count(t) for t in (BOS_TOKEN, EOS_TOKEN, *CHAT_TEMPLATE_TOKENS))

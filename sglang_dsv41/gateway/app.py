@@ -113,6 +113,7 @@ class Gateway:
             if idle is None:  # every one has a turn in flight
                 break
             del self.sessions[idle]
+            self.router.end_session(idle)
         return traj
 
     def _session_lock(self, sid: str) -> asyncio.Lock:
@@ -147,12 +148,14 @@ class Gateway:
             raise GatewayError(getattr(e, "status_code", 400) or 400, str(e)) from e
         except (ValueError, TypeError) as e:
             raise GatewayError(400, f"invalid chat request: {e}") from e
-        self._refuse_unsupported(conv)
+        self._refuse_unsupported(conv, body)
         sampling = self._sampling(conv, body)
         async with self._session_lock(sid):
             traj = self.session(sid)
-            text = self.encoding.render_conversation(conv.conversation).prompt
-            ids, retokenized = traj.next_prompt_ids(text, self.tokenizer.encode)
+            rendered = self.encoding.render_conversation(conv.conversation)
+            text = rendered.prompt
+            ids, retokenized = traj.next_prompt_ids(
+                text, lambda start: self._encode_rendered(rendered, start), self.tokenizer.encode)
             if len(ids) >= self.context_length:
                 raise GatewayError(400, f"the conversation has {len(ids)} tokens; the context "
                                    f"length is {self.context_length}")
@@ -172,6 +175,11 @@ class Gateway:
             if out is None:
                 raise GatewayError(502, "the engine answered no output")
             meta = out["meta_info"]
+            reason = meta.get("finish_reason") or {}
+            if reason.get("type") == "abort":  # cut short by the engine: not the model's answer
+                raise GatewayError(int(reason.get("status_code") or 503),
+                                   "the engine aborted the turn: "
+                                   f"{reason.get('message') or 'no reason given'}")
             url, dp_rank = meta.get("route", [None, meta.get("dp_rank", 0)])
             # The final chunk carries every id, logprob and the routed experts: the record is
             # the same whether the turn streamed or not.
@@ -184,8 +192,32 @@ class Gateway:
             traj.prompt_text = text
             yield conv, out, turn
 
-    def _refuse_unsupported(self, conv: Any) -> None:
+    def _encode_rendered(self, rendered: Any, start: int = 0) -> list[int]:
+        """DeepSeek's prompt encoding of ``rendered.prompt[start:]``: its special ranges as
+        their tokens, the text between them as plain text (a tag's spelling inside a message or
+        a tool result is text, as in DeepseekV41Encoding.encode)."""
+        ids, pos = [], start
+        for a, b in rendered.special_ranges:
+            if a < start:
+                continue
+            ids += self.tokenizer.encode(rendered.prompt[pos:a], plain=True)
+            ids += self.tokenizer.encode(rendered.prompt[a:b])
+            pos = b
+        return ids + self.tokenizer.encode(rendered.prompt[pos:], plain=True)
+
+    def _refuse_unsupported(self, conv: Any, body: dict[str, Any]) -> None:
         """What the served model and engine cannot do is refused by name, never ignored."""
+        # fields the chat conversion drops without a word (the recipe keeps only ``tools``)
+        if body.get("parallel_tool_calls") is False:
+            raise GatewayError(400, "parallel_tool_calls=false is not supported: the model may "
+                               "call several tools in one answer")
+        legacy = [k for k in ("functions", "function_call") if body.get(k) is not None]
+        if legacy:
+            raise GatewayError(400, f"{', '.join(legacy)} (the legacy function-calling fields) "
+                               "are not supported: use tools and tool_choice")
+        if body.get("audio") is not None or "audio" in (body.get("modalities") or []):
+            raise GatewayError(400, "audio output is not supported: the served model is "
+                               "text-only")
         fmt = str(conv.conversation.response_format)
         if fmt != "text":
             raise GatewayError(400, f"response_format {fmt!r} is not supported: the engine has "
@@ -304,7 +336,9 @@ class Gateway:
         text = self.tokenizer.decode(turn.output_ids)
         # A stop string finishes the parser inside the text (the answer ends before it): it
         # takes nothing after that.
-        for chunk in [dr.InferenceChunk.ready(prompt_usage=None),
+        usage = dr.PromptUsage(prompt_tokens=len(turn.prompt_ids),
+                               prompt_cache_hit_tokens=turn.cached_tokens)
+        for chunk in [dr.InferenceChunk.ready(prompt_usage=usage),
                       dr.InferenceChunk.text(text, len(turn.output_ids)), self._finish(turn)]:
             if proc.finished:
                 break
@@ -337,12 +371,15 @@ class Gateway:
             async for conv, out, turn in self.turn(sid, body, stream=True):
                 if proc is None:
                     proc = self._processor(conv, cid)
-                    events = proc.push(dr.InferenceChunk.ready(prompt_usage=None))
+                    meta = out["meta_info"]
+                    events = proc.push(dr.InferenceChunk.ready(prompt_usage=dr.PromptUsage(
+                        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+                        prompt_cache_hit_tokens=int(meta.get("cached_tokens", 0)))))
                 ids = out["output_ids"]
                 delta = text_stream.step(ids, final=turn is not None)
                 # A stop string finishes the parser (its answer ends before the string): what
                 # the engine sends after that is recorded, not shown.
-                if delta and not proc.finished:
+                if (delta or (turn is not None and len(ids) > counted)) and not proc.finished:
                     events += proc.push(dr.InferenceChunk.text(delta, len(ids) - counted))
                     counted = len(ids)
                 if turn is not None and not proc.finished:

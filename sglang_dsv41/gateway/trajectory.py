@@ -37,21 +37,22 @@ class Trajectory:
     prompt_text: str = ""          # the last turn's rendered prompt
     closed: bool = False
 
-    def next_prompt_ids(self, prompt_text: str, encode) -> tuple[list[int], bool]:
-        """The ids of the next turn's prompt and whether they had to be re-tokenized."""
+    def next_prompt_ids(self, prompt_text: str, encode_from, encode) -> tuple[list[int], bool]:
+        """The ids of the next turn's prompt and whether they had to be re-tokenized;
+        ``encode_from(start)``: the prompt's ids from character ``start`` on."""
         if not self.turns:
-            return encode(prompt_text), False
+            return encode_from(0), False
         last, prev = self.turns[-1], self.prompt_text
         rest = prompt_text[len(prev):] if prompt_text.startswith(prev) else None
         cut = rest.find(END_OF_ASSISTANT) if rest is not None else -1
         if cut < 0:  # history was edited (or the template changed it): start over
-            return encode(prompt_text), True
-        added = rest[cut + len(END_OF_ASSISTANT):]
+            return encode_from(0), True
+        start = len(prev) + cut + len(END_OF_ASSISTANT)
         ids = last.prompt_ids + last.output_ids
-        reason = last.finish_reason or {}
-        if not (reason.get("type") == "stop" and isinstance(reason.get("matched"), int)):
-            ids = ids + encode(END_OF_ASSISTANT)  # the model did not close its message itself
-        return ids + encode(added), False
+        close = encode(END_OF_ASSISTANT)
+        if ids[-len(close):] != close:  # the model did not close its message itself
+            ids = ids + close
+        return ids + encode_from(start), False
 
     def record(self) -> dict[str, Any]:
         """Everything a trainer needs: the final token ids, which of them the policy generated
