@@ -255,6 +255,52 @@ def dummy_load(ckpt_dir: str) -> dict:
     return dummy_load_case(ckpt_dir)
 
 
+def sticky_dispatch() -> dict:
+    """SGLang's own DataParallelController schedulers with --dsv41-dp-dispatch routing_key:
+    a burst of new keys between two load snapshots, and a PD prefill server."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    dpc = import_sglang("sglang.srt.managers.data_parallel_controller")
+    sent: list[tuple[int, object]] = []
+    real_send = dpc.sock_send
+    dpc.sock_send = lambda sock, req: sent.append((sock, req))  # the socket: the rank
+
+    def controller(method, n=4):
+        c = dpc.DataParallelController.__new__(dpc.DataParallelController)
+        c.load_balance_method, c.dp_budget = method, dpc.DPBudget(n)
+        c.workers, c._active_workers, c.status = list(range(n)), list(range(n)), [True] * n
+        return c
+
+    def req(i, key, room=None):
+        return SimpleNamespace(routed_dp_rank=None, routing_key=key, input_ids=[1] * 8,
+                               bootstrap_room=room, rid=f"r{i}")
+
+    os.environ["SGLANG_DSV41_DP_DISPATCH"] = "routing_key"
+    try:
+        c = controller(dpc.LoadBalanceMethod.TOTAL_REQUESTS)
+        c.dp_budget.total_requests = [0, 2, 2, 2]  # the last load snapshot
+        for i in range(64):
+            c.total_requests_scheduler(req(i, f"session-{i}"))
+        burst = sorted(Counter(rank for rank, _ in sent).values())
+        again = []
+        for i in range(8):  # second turns stay where their key went
+            sent.clear()
+            c.total_requests_scheduler(req(100 + i, f"session-{i}"))
+            again.append(sent[0][0])
+        first = [c.__dict__["_dsv41_sticky"].rank_for(f"session-{i}", [0, 1, 2, 3], None)
+                 for i in range(8)]
+        sent.clear()
+        c = controller(dpc.LoadBalanceMethod.FOLLOW_BOOTSTRAP_ROOM)
+        for i, room in enumerate((101, 202, 303, 404)):
+            c.follow_bootstrap_room_scheduler(req(i, f"traj-{i}", room))
+        prefill = [(rank, r.bootstrap_room % 4) for rank, r in sent]
+    finally:
+        dpc.sock_send = real_send
+        del os.environ["SGLANG_DSV41_DP_DISPATCH"]
+    return dict(burst=burst, again=again == first, prefill=prefill)
+
+
 def case_in_process(ckpt_dir: str, run_dir: str, model_dir: str) -> None:
     """Every single-process case after one load_plugins() of all our plugins (one SGLang
     import for all of them: each costs seconds of CPU)."""
@@ -266,7 +312,8 @@ def case_in_process(ckpt_dir: str, run_dir: str, model_dir: str) -> None:
              ("http", lambda: http(os.path.dirname(run_dir), run_dir)),
              ("r3", lambda: r3(os.path.dirname(run_dir))),
              ("plain_sglang", lambda: plain_sglang(os.path.dirname(run_dir))),
-             ("launch", lambda: launch(model_dir)), ("switches", switches)]
+             ("launch", lambda: launch(model_dir)), ("sticky_dispatch", sticky_dispatch),
+             ("switches", switches)]
     facts = {}
     for name, run in cases:
         try:

@@ -266,6 +266,16 @@ def test_plain_sglang_launch_server_gets_the_guards_through_check_server_args(in
         "SGLANG_HTTP_SERVER_APP_PATH=my_server:app")
 
 
+def test_routing_key_dispatch_counts_its_placements_and_leaves_pd_prefill_alone(in_process):
+    """A burst of 64 new keys between two load snapshots (last: [0, 2, 2, 2]) spreads as
+    SGLang's own dispatch would (every key went to rank 0 and stayed pinned there), second turns
+    keep their rank; a PD prefill server keeps bootstrap_room % dp (its KV transfer failed)."""
+    facts = case_facts(in_process, "sticky_dispatch")
+    assert facts["burst"] == [15, 16, 16, 17], facts
+    assert facts["again"] is True
+    assert all(rank == want for rank, want in facts["prefill"]), facts["prefill"]
+
+
 def test_tokenizer_worker_processes_load_the_plugins(tmp_path):
     """SGLang imports the app path in each tokenizer worker process without load_plugins();
     ours loads them (and it is SGLang's own app object)."""

@@ -47,14 +47,23 @@ async def around_serve_generate_request(original, obj, request):
 
 def around_external_dp_rank_routing(original, self, req):
     """DataParallelController.maybe_external_dp_rank_routing: a request with a routing_key
-    and no explicit pin is pinned to its key's DP rank, then SGLang routes it as a pin."""
+    and no explicit pin is pinned to its key's DP rank, then SGLang routes it as a pin. Not on
+    a PD prefill server (follow_bootstrap_room): its rank must be bootstrap_room % dp, where the
+    decode side fetches the KV."""
     key = getattr(req, "routing_key", None)
     if (key and getattr(req, "routed_dp_rank", None) is None
-            and ENV.DP_DISPATCH.get() == "routing_key"):
+            and ENV.DP_DISPATCH.get() == "routing_key"
+            and getattr(self.load_balance_method, "name", "") != "FOLLOW_BOOTSTRAP_ROOM"):
         sticky = self.__dict__.get("_dsv41_sticky")
         if sticky is None:
             sticky = self.__dict__["_dsv41_sticky"] = StickyDispatch()
         budget = getattr(self, "dp_budget", None)
         loads = list(budget.total_requests) if budget is not None else None
-        req.routed_dp_rank = sticky.rank_for(key, list(self._active_workers), loads)
+        rank = req.routed_dp_rank = sticky.rank_for(key, list(self._active_workers), loads)
+        if budget is not None and 0 <= rank < budget.num_dp_ranks:
+            # what DPBudget.dispatch does for each request it places: the load snapshot is
+            # refreshed at most every 20 ms, and without this a burst of new keys (an RL
+            # rollout's sessions) all saw the same least-loaded rank and stayed pinned there
+            budget.total_requests[rank] += 1
+            budget.total_tokens[rank] += len(getattr(req, "input_ids", None) or ())
     return original(self, req)
