@@ -331,3 +331,54 @@ def test_stall_reports_of_dp_replicas_are_kept_apart(tmp_path):
     assert status == 503 and body["error"]["message"].startswith(
         "unhealthy: DP replica 0: rank 0 stuck in collective 'mlp_sync' at step 4"), body
     assert body["error"]["stalled_ranks"] == [{"rank": 0, "dp_replica": 0}]
+
+
+def test_a_new_server_clears_an_earlier_servers_stall_reports(tmp_path, monkeypatch):
+    """--dsv41-run-dir given again: the server's first process (no SERVER_PID inherited)
+    clears the reports an earlier server left (its /health answered 503 for a rank of the old
+    server for good); its children, which inherit SERVER_PID, clear nothing."""
+    from sglang_dsv41.policies.watchdog import StallReport
+    from sglang_dsv41.sglang_backend import entry
+    from sglang_dsv41.sglang_backend import watchdog_hooks as wh
+
+    wh.write_stall_report(str(tmp_path), StallReport(3, 812, "mlp_sync", 75.0))
+    monkeypatch.setattr(entry, "_install", lambda name: None)  # no SGLang hooks here
+    monkeypatch.setenv("SGLANG_DSV41_RUN_DIR", str(tmp_path))
+    monkeypatch.setenv("SGLANG_DSV41_SERVER_PID", "1")  # a child of a running server
+    entry.stall_watchdog()
+    assert wh.stall_response(str(tmp_path)) is not None
+    monkeypatch.delenv("SGLANG_DSV41_SERVER_PID")  # a new server's first process
+    entry.stall_watchdog()
+    assert wh.stall_response(str(tmp_path)) is None
+
+
+def test_health_names_a_stall_under_a_fastapi_root_path(tmp_path):
+    """SGLang's --fastapi-root-path: uvicorn puts the root path in front of the request path,
+    and the stall-aware /health answered 200 with a stall report there."""
+    import asyncio
+
+    from sglang_dsv41.policies.watchdog import StallReport
+    from sglang_dsv41.sglang_backend.watchdog_hooks import StallAwareHealth, write_stall_report
+
+    write_stall_report(str(tmp_path), StallReport(2, 9, "mlp_sync", 70.0))
+
+    async def routes(scope, receive, send):  # SGLang's app answering /health itself: 200
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    def status(root: str, path: str) -> int:
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": b""}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "GET", "path": root + path, "root_path": root,
+                 "headers": [], "query_string": b""}
+        asyncio.run(StallAwareHealth(routes, str(tmp_path))(scope, receive, send))
+        return sent[0]["status"]
+
+    assert status("", "/health") == status("/sglang", "/health") == 503
+    assert status("/sglang", "/generate") == 200

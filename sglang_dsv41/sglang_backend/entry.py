@@ -9,6 +9,7 @@ target against the installed source before anything starts and refuses to start 
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 
 from .env import ENV
@@ -57,9 +58,16 @@ def generate_dp_rank_header() -> None:
 
 def stall_watchdog() -> None:
     # The first process to load plugins (SGLang's main process) picks the report directory;
-    # the schedulers it spawns inherit it through the environment.
+    # the schedulers it spawns inherit it through the environment. A directory given again
+    # (--dsv41-run-dir) may hold an earlier server's reports: that process clears them, or
+    # the new server's /health would answer 503 naming a rank of the old one.
     if not ENV.RUN_DIR.get():
         ENV.RUN_DIR.set(tempfile.mkdtemp(prefix="sglang-dsv41-"))
+    if not ENV.SERVER_PID.get():
+        ENV.SERVER_PID.set(str(os.getpid()))
+        from .watchdog_hooks import clear_all_stall_reports
+
+        clear_all_stall_reports(ENV.RUN_DIR.get())
     _install("stall_watchdog")
 
 

@@ -74,6 +74,9 @@ class _Env:
                            "reported unhealthy; <= 0: off")
     RUN_DIR = EnvVar(PREFIX + "RUN_DIR", str, "",
                      "per-server directory where scheduler ranks drop stall reports")
+    SERVER_PID = EnvVar(PREFIX + "SERVER_PID", str, "",
+                        "set by the server's first process (its children inherit it): the "
+                        "one that clears stall reports an earlier server left in RUN_DIR")
     ENGRAM_CHECKPOINT = EnvVar(PREFIX + "ENGRAM_CHECKPOINT", str, "",
                                "checkpoint holding Engram tables and tid2eid for a dummy load "
                                "(default: --model-path)")

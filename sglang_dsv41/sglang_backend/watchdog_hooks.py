@@ -49,6 +49,12 @@ def clear_stall_report(run_dir: str, rank: int, replica: int | None = None) -> N
         os.remove(stall_report_path(run_dir, rank, replica))
 
 
+def clear_all_stall_reports(run_dir: str) -> None:
+    for path in glob.glob(os.path.join(run_dir, "stall-*.json")):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+
 def read_stall_reports(run_dir: str) -> list[dict]:
     out = []
     for path in sorted(glob.glob(os.path.join(run_dir, "stall-*.json"))):
@@ -153,6 +159,13 @@ def stall_response(run_dir: str) -> tuple[int, dict] | None:
                                              for r in reports]}}
 
 
+def _route_path(scope) -> str:
+    """The path the app's routes see: under SGLang's --fastapi-root-path uvicorn puts the root
+    path in front of scope["path"] (Starlette's router strips it again)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root):] or "/" if root and path.startswith(root) else path
+
+
 class StallAwareHealth:
     """Pure ASGI middleware on SGLang's FastAPI app (SGLang replaces ``@app.middleware("http")``
     with a dispatcher that ignores returned responses, utils/http_middleware_patch.py): a health
@@ -162,7 +175,7 @@ class StallAwareHealth:
         self.app, self.run_dir = app, run_dir
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope.get("path") in HEALTH_PATHS:
+        if scope["type"] == "http" and _route_path(scope) in HEALTH_PATHS:
             verdict = stall_response(self.run_dir if self.run_dir is not None
                                      else ENV.RUN_DIR.get())
             if verdict is not None:
