@@ -343,6 +343,17 @@ def test_unsupported_parameters_are_refused_by_name(scripted, body, named):
     assert httpx.get(f"{url}/sessions/refused/trajectory").status_code == 404
 
 
+def test_sglangs_sampling_extensions_reach_the_engine(scripted):
+    """top_k, min_p, repetition_penalty and min_tokens (SGLang's chat extensions, extra_body
+    in the openai client): the chat conversion dropped them without a word."""
+    engine, _, _, url = scripted
+    r = post(url, "ext", max_tokens=4, top_k=5, min_p=0.1, repetition_penalty=1.2, min_tokens=2)
+    assert r.status_code == 200, r.text
+    sp = engine.calls[-1]["sampling_params"]
+    assert (sp["top_k"], sp["min_p"], sp["repetition_penalty"], sp["min_new_tokens"]) == \
+        (5, 0.1, 1.2, 2)
+
+
 def test_max_completion_tokens_is_max_tokens(scripted):
     engine, _, _, url = scripted
     r = post(url, "mct", max_completion_tokens=2)

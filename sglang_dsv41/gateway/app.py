@@ -249,6 +249,13 @@ class Gateway:
         for name in ("frequency_penalty", "presence_penalty"):
             if body.get(name) is not None:
                 sampling[name] = float(body[name])
+        # SGLang's extensions of the chat API (extra_body), which the chat conversion drops:
+        # passed on as the engine's own sampling parameters (it range-checks them: a 400)
+        for name, engine_name in (("top_k", "top_k"), ("min_p", "min_p"),
+                                  ("repetition_penalty", "repetition_penalty"),
+                                  ("min_tokens", "min_new_tokens")):
+            if body.get(name) is not None:
+                sampling[engine_name] = body[name]
         if body.get("logit_bias") is not None:
             if not isinstance(body["logit_bias"], dict):
                 raise GatewayError(400, "logit_bias must be an object of token id -> bias")
