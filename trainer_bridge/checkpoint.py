@@ -30,7 +30,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
-from sglang_dsv41.loader.atomic_dir import StagedDir, clean_stale_siblings, os_error_text
+from sglang_dsv41.loader.atomic_dir import (OLD_TAG, STAGING_TAG, TRASH_TAG, StagedDir,
+                                           clean_stale_siblings, os_error_text,
+                                           write_file_atomically)
 from sglang_dsv41.model.dsv4.names import is_frozen_table
 
 from .dist import all_reduce_scalar, broadcast_object
@@ -74,8 +76,9 @@ def remove_abandoned_saves(root: str) -> list[str]:
     (atomic_dir.clean_stale_siblings). The caller holds the run directory's lock."""
     if not os.path.isdir(root):
         return []
+    tags = "|".join(re.escape(t) for t in (STAGING_TAG, OLD_TAG, TRASH_TAG))
     steps = sorted({m.group(1) for name in os.listdir(root)
-                    if (m := re.match(r"\.(step-\d+)\.(tmp|old|del)-", name))})
+                    if (m := re.match(rf"\.(step-\d+)(?:{tags})", name))})
     return [n for step in steps for n in clean_stale_siblings(os.path.join(root, step))]
 
 def save_checkpoint(root: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -142,12 +145,7 @@ def _os_error(e: BaseException) -> str:
 
 
 def _write_latest(root: str, name: str) -> None:
-    tmp = os.path.join(root, f".{LATEST}.tmp")
-    with open(tmp, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, LATEST))
+    write_file_atomically(os.path.join(root, LATEST), name + "\n")
 
 
 def latest_checkpoint(root: str) -> str | None:

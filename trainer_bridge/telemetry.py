@@ -12,6 +12,8 @@ import numpy as np
 import psutil
 import torch
 
+from sglang_dsv41.loader.atomic_dir import write_file_atomically
+
 from .batch import Sample
 
 log = logging.getLogger("trainer_bridge")
@@ -127,12 +129,7 @@ class Telemetry:
                     kept.append(row)
                 else:
                     dropped += 1
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        write_file_atomically(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self.rows = kept
         if dropped:
             log.info("metrics.jsonl: kept the %d rows before step %d, dropped %d (logged after "

@@ -106,6 +106,17 @@ def clean_stale_siblings(out_dir: str) -> list[str]:
     return removed
 
 
+def write_file_atomically(path: str, text: str) -> None:
+    """``text`` into ``path`` through a synced sibling ``.tmp`` file renamed over it: a reader
+    (or a crash) sees the old file or the new one, never half of one."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def _fsync_path(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
